@@ -1,0 +1,123 @@
+"""Command line of glm-cache-server."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+
+import zmq
+
+from cache_server.http import start_http
+from cache_server.server import GIB, MIB, CacheServer, ServerConfig
+
+logger = logging.getLogger("glm_cache_server")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+    return value
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"port must be in 0..65535, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive finite number, got {text}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="glm-cache-server",
+        description="Standalone LRU cache server for hybrid (KDA + sparse-MLA) prompt state, "
+                    "shared by any number of vLLM replicas running GlmCacheConnector.")
+    ap.add_argument("--host", default="127.0.0.1",
+                    help="address to bind the ZMQ and HTTP sockets (default 127.0.0.1; binding beyond "
+                         "loopback is an explicit choice)")
+    ap.add_argument("--port", type=_port, default=5555, help="ZMQ ROUTER port (default 5555; 0 picks a free one)")
+    ap.add_argument("--http-port", type=_port, default=8080,
+                    help="HTTP port for /healthcheck, /status, /metrics (default 8080; 0 disables HTTP)")
+    ap.add_argument("--chunk-size", type=_positive_int, default=256,
+                    help="minimum chunk size in tokens; each engine gets the smallest multiple of its "
+                         "alignment at least this large (default 256)")
+    ap.add_argument("--l1-size-gb", type=_positive_float, default=1.0,
+                    help="byte budget of the in-memory store in GiB (default 1)")
+    ap.add_argument("--eviction-policy", choices=["LRU"], default="LRU", help="eviction policy (default LRU)")
+    ap.add_argument("--separate-object-groups", action="store_true",
+                    help="store one object per cache group (required for hybrid KDA/Mamba models)")
+    ap.add_argument("--max-object-size-mb", type=_positive_float, default=256.0,
+                    help="largest object accepted, in MiB (default 256)")
+    ap.add_argument("--lease-ttl-s", type=_positive_float, default=60.0,
+                    help="seconds a lookup's hit stays pinned if never released (default 60)")
+    ap.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                    type=str.upper, help="log level (default INFO)")
+    return ap
+
+
+def config_from_args(args: argparse.Namespace) -> ServerConfig:
+    return ServerConfig(
+        host=args.host, port=args.port, http_port=args.http_port, min_chunk_size=args.chunk_size,
+        l1_size_bytes=int(args.l1_size_gb * GIB), max_object_bytes=int(args.max_object_size_mb * MIB),
+        separate_object_groups=args.separate_object_groups, lease_ttl_s=args.lease_ttl_s,
+        eviction_policy=args.eviction_policy)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = build_parser()
+    args = ap.parse_args(argv)  # invalid values exit 2 with argparse's message
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = config_from_args(args)
+    if config.max_object_bytes > config.l1_size_bytes:
+        ap.error(f"--max-object-size-mb ({args.max_object_size_mb}) exceeds --l1-size-gb ({args.l1_size_gb} GiB)")
+    try:
+        server = CacheServer(config)
+    except zmq.ZMQError as e:
+        logger.error("cannot bind tcp://%s:%d: %s", config.host, config.port, e)
+        return 1
+    httpd = None
+    if config.http_port:
+        try:
+            httpd = start_http(server, config.host, config.http_port)
+        except OSError as e:
+            logger.error("cannot bind HTTP on %s:%d: %s", config.host, config.http_port, e)
+            server.stop()
+            server.serve_forever()  # closes the socket at once
+            return 1
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, _frame: (logger.info("received %s, shutting down",
+                                                               signal.Signals(signum).name), server.stop()))
+    http_where = f"http://{config.host}:{httpd.server_address[1]}" if httpd else "disabled"
+    logger.info("glm-cache-server listening on tcp://%s:%d (HTTP %s)", config.host, server.port, http_where)
+    logger.info("budget %.2f GiB (%d bytes), eviction %s, separate object groups %s, min chunk %d tokens, "
+                "max object %d bytes, lease TTL %.0f s", config.l1_size_bytes / GIB, config.l1_size_bytes,
+                config.eviction_policy, "on" if config.separate_object_groups else "off",
+                config.min_chunk_size, config.max_object_bytes, config.lease_ttl_s)
+    server.serve_forever()
+    if httpd:
+        httpd.shutdown()
+        httpd.server_close()
+    logger.info("stopped")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,77 @@
+"""Prometheus metrics of glm-cache-server.
+
+Store figures are read from the store at scrape time (one source of truth); per-request
+latency and error counts are recorded by the request loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from cache_server.store import ObjectStore
+
+PREFIX = "glm_cache"
+
+# (status key, metric name, help) for the monotonic store counters.
+_COUNTERS = (
+    ("lookups", "lookups", "Lookups answered"),
+    ("hits", "lookup_hits", "Lookups that found a resume point"),
+    ("misses", "lookup_misses", "Lookups that found none"),
+    ("hit_chunks", "lookup_hit_chunks", "Chunks of resumable prefix found by lookups"),
+    ("get_hits", "get_hits", "Objects served"),
+    ("get_misses", "get_misses", "Objects asked for but absent"),
+    ("puts_stored", "puts_stored", "Objects stored"),
+    ("puts_existing", "puts_existing", "Puts skipped because the object was resident"),
+    ("puts_no_space", "puts_no_space", "Puts refused because leased objects held the budget"),
+    ("evictions", "evictions", "Objects evicted (LRU)"),
+    ("evicted_bytes", "evicted_bytes", "Bytes evicted"),
+    ("leases_granted", "leases_granted", "Leases granted by lookups"),
+    ("leases_expired", "leases_expired", "Leases dropped at their TTL"),
+    ("stored_bytes_total", "stored_bytes", "Bytes stored"),
+    ("served_bytes_total", "served_bytes", "Bytes served by get"),
+)
+
+
+class _StoreCollector(Collector):
+    def __init__(self, store: ObjectStore) -> None:
+        self._store = store
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._store.snapshot()
+        yield GaugeMetricFamily(f"{PREFIX}_capacity_bytes", "Byte budget (--l1-size-gb)", value=s["capacity_bytes"])
+        yield GaugeMetricFamily(f"{PREFIX}_used_bytes", "Bytes held by objects", value=s["used_bytes"])
+        yield GaugeMetricFamily(f"{PREFIX}_usage_ratio", "used / capacity",
+                                value=s["used_bytes"] / s["capacity_bytes"])
+        objects = GaugeMetricFamily(f"{PREFIX}_objects", "Resident objects per object group", labels=["group"])
+        for group, n in s["objects_by_group"].items():
+            objects.add_metric([group], n)
+        yield objects
+        nbytes = GaugeMetricFamily(f"{PREFIX}_group_bytes", "Resident bytes per object group", labels=["group"])
+        for group, b in s["bytes_by_group"].items():
+            nbytes.add_metric([group], b)
+        yield nbytes
+        yield GaugeMetricFamily(f"{PREFIX}_active_leases", "Leases not yet released or expired",
+                                value=s["active_leases"])
+        yield GaugeMetricFamily(f"{PREFIX}_leased_objects", "Objects pinned by a lease", value=s["leased_objects"])
+        for key, name, doc in _COUNTERS:
+            yield CounterMetricFamily(f"{PREFIX}_{name}", doc, value=s[key])
+
+
+class ServerMetrics:
+    """The server's own registry (not the global one, so tests can run several servers)."""
+
+    def __init__(self, store: ObjectStore) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(_StoreCollector(store))
+        self.requests = Histogram(f"{PREFIX}_request_seconds", "Time to answer a request, by op", ["op"],
+                                  registry=self.registry,
+                                  buckets=(1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0))
+        self.errors = Counter(f"{PREFIX}_errors", "Error replies, by code", ["code"], registry=self.registry)
+
+    def render(self) -> bytes:
+        """Prometheus text exposition."""
+        return generate_latest(self.registry)

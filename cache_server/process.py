@@ -1,0 +1,92 @@
+"""Start and stop a real glm-cache-server process (for the demo, benchmarks and tests)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+
+def free_port() -> int:
+    """A TCP port free on loopback right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """``glm-cache-server`` as a child process on free loopback ports.
+
+    Use as a context manager; the log is kept in :attr:`log_path` and readable with
+    :meth:`log`.
+    """
+
+    def __init__(self, *extra_args: str, port: int | None = None, http_port: int | None = None,
+                 log_path: str | Path | None = None) -> None:
+        self.port = port or free_port()
+        self.http_port = http_port or free_port()
+        self.extra_args = list(extra_args)
+        self.log_path = Path(log_path) if log_path else Path(tempfile.mkdtemp(prefix="glm-cache-")) / "server.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"tcp://127.0.0.1:{self.port}"
+
+    @property
+    def http_url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    def start(self, timeout_s: float = 30.0) -> ServerProcess:
+        cmd = [sys.executable, "-m", "cache_server.cli", "--port", str(self.port),
+               "--http-port", str(self.http_port), *self.extra_args]
+        self._log_file = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(cmd, stdout=self._log_file, stderr=subprocess.STDOUT,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"glm-cache-server exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                with urllib.request.urlopen(self.http_url + "/healthcheck", timeout=1) as r:
+                    if r.status == 200:
+                        return self
+            except OSError:
+                time.sleep(0.05)
+        self.kill()
+        raise RuntimeError(f"glm-cache-server did not become healthy in {timeout_s}s:\n{self.log()}")
+
+    def stop(self, timeout_s: float = 10.0) -> int | None:
+        """SIGTERM and wait; returns the exit code."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log_file.close()
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        """SIGKILL: the server dies without any chance to answer."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def __enter__(self) -> ServerProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,173 @@
+"""Wire protocol of glm-cache-server, imported by both the server and the client.
+
+Transport: ZMQ, the server binds a ROUTER socket and clients connect DEALER sockets.
+A request is one multipart message::
+
+    [header, payload_0, payload_1, ...]
+
+``header`` is a msgpack map; payloads are raw bytes (one per object for ``put``). A reply
+has the same shape: a msgpack header, then one raw frame per object for ``get``. Nothing
+on the wire is ever pickled.
+
+Every request header carries ``op`` (str) and ``id`` (int, echoed in the reply so a client
+can drop a stale reply after a timeout). Every reply header carries ``ok`` (bool) and
+``id``; an error reply also carries ``code`` (one of :class:`ErrorCode`) and ``message``.
+
+Operations and their header fields (``ns`` is the namespace: a fingerprint of the engine
+geometry; objects never cross namespaces):
+
+``hello``    ``v`` protocol version, ``ns``, ``alignment`` (tokens the chunk size must be a
+             multiple of) -> ``v``, ``chunk_size``, ``min_chunk_size``,
+             ``separate_object_groups``, ``max_object_bytes``
+``lookup``   ``ns``, ``hashes`` (list of 32-byte chunk hashes of a strict prefix),
+             ``attn_groups``, ``state_groups`` (lists of group ids), ``world_size``,
+             optional ``start_chunk`` (default 0) -> ``chunks`` (hit depth), ``lease_id``
+``get``      ``ns``, ``keys`` (list of [hash, group, rank]) -> ``found`` (list of bool),
+             one payload frame per found key, in order
+``put``      ``ns``, ``keys``; one payload frame per key -> ``results`` (list of
+             :class:`PutResult` values)
+``release``  ``lease_id`` -> ``released`` (bool)
+``clear``    optional ``ns`` -> ``removed`` (objects)
+``stats``    -> ``stats`` (map)
+``ping``     -> nothing more
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import msgpack
+
+PROTOCOL_VERSION = 1
+HASH_BYTES = 32  # blake3 digest size; chunk hashes on the wire are exactly this long
+
+OPS = ("hello", "lookup", "get", "put", "release", "clear", "stats", "ping")
+
+
+class ErrorCode(str, enum.Enum):
+    """Error codes carried in error replies."""
+
+    BAD_REQUEST = "bad_request"  # malformed frame, wrong type, missing field
+    UNKNOWN_OP = "unknown_op"
+    VERSION_MISMATCH = "version_mismatch"
+    TOO_LARGE = "too_large"  # a payload over the server's maximum object size
+    GROUPS_NOT_SEPARATE = "groups_not_separate"  # group id != 0 without --separate-object-groups
+    CONFLICT = "conflict"  # a namespace re-negotiated with another alignment
+    INTERNAL = "internal"
+
+
+class PutResult(str, enum.Enum):
+    """Per-object outcome of a ``put``."""
+
+    STORED = "stored"
+    EXISTS = "exists"  # already resident: the write is skipped, the object's LRU age refreshed
+    NO_SPACE = "no_space"  # the budget is held by leased objects; nothing partial is kept
+    TOO_LARGE = "too_large"
+
+
+class ProtocolError(ValueError):
+    """A request that does not follow the protocol; becomes an error reply."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+ObjectKey = tuple[bytes, int, int]  # (chunk hash, group id, rank)
+
+
+def negotiate_chunk_size(min_chunk_size: int, alignment: int) -> int:
+    """Smallest multiple of ``alignment`` that is at least ``min_chunk_size``."""
+    if min_chunk_size <= 0 or alignment <= 0:
+        raise ValueError(f"chunk size and alignment must be positive, got {min_chunk_size}, {alignment}")
+    return -(-min_chunk_size // alignment) * alignment
+
+
+def pack_header(header: dict[str, Any]) -> bytes:
+    """Serialise a header map."""
+    return msgpack.packb(header, use_bin_type=True)
+
+
+def unpack_header(frame: bytes | memoryview) -> dict[str, Any]:
+    """Parse a header frame; anything but a msgpack map with a string ``op`` or ``ok`` raises."""
+    try:
+        header = msgpack.unpackb(frame, raw=False, strict_map_key=True, max_bin_len=1 << 20,
+                                 max_str_len=1 << 20, max_array_len=1 << 20, max_map_len=64)
+    except Exception as e:  # msgpack raises several unrelated exception types
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"header is not valid msgpack: {e}") from None
+    if not isinstance(header, dict):
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"header must be a map, got {type(header).__name__}")
+    return header
+
+
+def error_reply(request_id: Any, code: ErrorCode, message: str) -> dict[str, Any]:
+    """Header of an error reply."""
+    return {"ok": False, "id": request_id if isinstance(request_id, int) else None,
+            "code": code.value, "message": message}
+
+
+# --- field validation, shared by the server (requests) and tests -------------------------
+
+
+def field(header: dict[str, Any], name: str, kind: type | tuple[type, ...], default: Any = ...) -> Any:
+    """Return ``header[name]`` checked against ``kind``; a missing or mistyped field raises."""
+    if name not in header:
+        if default is ...:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"missing field {name!r}")
+        return default
+    value = header[name]
+    # bool is an int subclass: never accept True where a count is expected.
+    if isinstance(value, bool) and bool not in (kind if isinstance(kind, tuple) else (kind,)):
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"field {name!r} must be {_kind_name(kind)}, got bool")
+    if not isinstance(value, kind):
+        raise ProtocolError(ErrorCode.BAD_REQUEST,
+                            f"field {name!r} must be {_kind_name(kind)}, got {type(value).__name__}")
+    return value
+
+
+def int_field(header: dict[str, Any], name: str, minimum: int = 0, default: Any = ...) -> int:
+    """An integer field no smaller than ``minimum``."""
+    value = field(header, name, int, default)
+    if value < minimum:
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"field {name!r} must be >= {minimum}, got {value}")
+    return value
+
+
+def hash_list(header: dict[str, Any], name: str) -> list[bytes]:
+    """A list of chunk hashes, each exactly :data:`HASH_BYTES` bytes."""
+    hashes = field(header, name, list)
+    for i, h in enumerate(hashes):
+        if not isinstance(h, bytes) or len(h) != HASH_BYTES:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"{name}[{i}] must be {HASH_BYTES} bytes")
+    return hashes
+
+
+def group_list(header: dict[str, Any], name: str) -> list[int]:
+    """A list of non-negative group ids without repeats."""
+    groups = field(header, name, list)
+    if not all(isinstance(g, int) and not isinstance(g, bool) and g >= 0 for g in groups):
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"{name} must be a list of non-negative ints")
+    if len(set(groups)) != len(groups):
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"{name} has repeated group ids")
+    return groups
+
+
+def key_list(header: dict[str, Any], name: str = "keys") -> list[ObjectKey]:
+    """A list of object keys ``[hash, group, rank]``."""
+    raw = field(header, name, list)
+    keys: list[ObjectKey] = []
+    for i, k in enumerate(raw):
+        if (not isinstance(k, list) or len(k) != 3 or not isinstance(k[0], bytes)
+                or len(k[0]) != HASH_BYTES
+                or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in k[1:])):
+            raise ProtocolError(ErrorCode.BAD_REQUEST,
+                                f"{name}[{i}] must be [{HASH_BYTES}-byte hash, group >= 0, rank >= 0]")
+        keys.append((k[0], k[1], k[2]))
+    return keys
+
+
+def _kind_name(kind: type | tuple[type, ...]) -> str:
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    return " or ".join(k.__name__ for k in kinds)

@@ -1,0 +1,222 @@
+"""glm-cache-server: the ZMQ request loop over an :class:`ObjectStore`.
+
+One thread owns the ROUTER socket and answers every request, errors included, with exactly
+one reply. The HTTP side (``cache_server.http``) runs in a second thread and only reads the
+store, or clears it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from cache_server import protocol as p
+from cache_server.metrics import ServerMetrics
+from cache_server.store import ObjectStore
+
+logger = logging.getLogger("glm_cache_server")
+
+GIB = 1 << 30
+MIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Everything the CLI sets."""
+
+    host: str = "127.0.0.1"
+    port: int = 5555
+    http_port: int = 8080  # 0 disables HTTP
+    min_chunk_size: int = 256
+    l1_size_bytes: int = 1 * GIB
+    max_object_bytes: int = 256 * MIB
+    separate_object_groups: bool = False
+    lease_ttl_s: float = 60.0
+    eviction_policy: str = "LRU"
+
+
+class CacheServer:
+    """Serves the protocol of :mod:`cache_server.protocol` on a ZMQ ROUTER socket."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self.store = ObjectStore(config.l1_size_bytes, config.max_object_bytes, config.lease_ttl_s)
+        self.metrics = ServerMetrics(self.store)
+        self._chunk_by_namespace: dict[str, tuple[int, int]] = {}  # ns -> (alignment, chunk)
+        self._stop = threading.Event()
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting client keeps its identity
+        self.port = self._bind(config.host, config.port)
+        self._handlers = {
+            "hello": self._hello, "lookup": self._lookup, "get": self._get, "put": self._put,
+            "release": self._release, "clear": self._clear, "stats": self._stats, "ping": self._ping,
+        }
+        assert set(self._handlers) == set(p.OPS)
+
+    def _bind(self, host: str, port: int) -> int:
+        if port == 0:
+            return self._sock.bind_to_random_port(f"tcp://{host}")
+        self._sock.bind(f"tcp://{host}:{port}")
+        return port
+
+    # --- loop ----------------------------------------------------------------------------
+
+    def serve_forever(self) -> None:
+        """Answer requests until :meth:`stop`; then close the socket."""
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        try:
+            while not self._stop.is_set():
+                if not poller.poll(100):
+                    self.store.expire_leases()
+                    continue
+                frames = self._sock.recv_multipart(copy=False)
+                identity, request = frames[0], frames[1:]
+                reply = self.handle(request)
+                try:
+                    self._sock.send_multipart([identity, *reply], copy=False)
+                except zmq.ZMQError as e:  # the peer vanished; nothing to answer
+                    logger.debug("reply dropped: %s", e)
+        finally:
+            self._sock.close(linger=0)
+            self._ctx.term()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def handle(self, frames: list[Any]) -> list[Any]:
+        """Turn one request (header frame + payload frames) into reply frames. Never raises."""
+        start = time.perf_counter()
+        request_id: Any = None
+        op = "invalid"
+        try:
+            if not frames:
+                raise p.ProtocolError(p.ErrorCode.BAD_REQUEST, "empty message")
+            header = p.unpack_header(_buffer(frames[0]))
+            request_id = header.get("id")
+            op_field = p.field(header, "op", str)
+            handler = self._handlers.get(op_field)
+            if handler is None:
+                raise p.ProtocolError(p.ErrorCode.UNKNOWN_OP,
+                                      f"unknown op {op_field[:64]!r}; expected one of {', '.join(p.OPS)}")
+            op = op_field
+            reply_header, payloads = handler(header, [_buffer(f) for f in frames[1:]])
+            reply_header.update(ok=True, id=request_id if isinstance(request_id, int) else None)
+            out = [p.pack_header(reply_header), *payloads]
+        except p.ProtocolError as e:
+            self.metrics.errors.labels(code=e.code.value).inc()
+            out = [p.pack_header(p.error_reply(request_id, e.code, e.message))]
+        except Exception as e:  # a bug must cost one request, never the server
+            logger.exception("internal error handling %s", op)
+            self.metrics.errors.labels(code=p.ErrorCode.INTERNAL.value).inc()
+            out = [p.pack_header(p.error_reply(request_id, p.ErrorCode.INTERNAL, f"{type(e).__name__}: {e}"))]
+        self.metrics.requests.labels(op=op).observe(time.perf_counter() - start)
+        return out
+
+    # --- operations ----------------------------------------------------------------------
+
+    def _hello(self, h: dict[str, Any], _: list[memoryview]) -> tuple[dict[str, Any], list[Any]]:
+        version = p.int_field(h, "v", minimum=0)
+        if version != p.PROTOCOL_VERSION:
+            raise p.ProtocolError(p.ErrorCode.VERSION_MISMATCH,
+                                  f"client speaks protocol v{version}, server v{p.PROTOCOL_VERSION}")
+        ns = p.field(h, "ns", str)
+        alignment = p.int_field(h, "alignment", minimum=1)
+        chunk = p.negotiate_chunk_size(self.config.min_chunk_size, alignment)
+        known = self._chunk_by_namespace.get(ns)
+        if known is None:
+            self._chunk_by_namespace[ns] = (alignment, chunk)
+            logger.info("Negotiated chunk size to %d (configured_min=%d, required_alignment=%d)",
+                        chunk, self.config.min_chunk_size, alignment)
+        elif known[0] != alignment:
+            raise p.ProtocolError(p.ErrorCode.CONFLICT,
+                                  f"namespace {ns!r} negotiated alignment {known[0]} before, now {alignment}")
+        return {"v": p.PROTOCOL_VERSION, "chunk_size": chunk, "min_chunk_size": self.config.min_chunk_size,
+                "separate_object_groups": self.config.separate_object_groups,
+                "max_object_bytes": self.config.max_object_bytes}, []
+
+    def _lookup(self, h: dict[str, Any], _: list[memoryview]) -> tuple[dict[str, Any], list[Any]]:
+        ns = p.field(h, "ns", str)
+        hashes = p.hash_list(h, "hashes")
+        attn = p.group_list(h, "attn_groups")
+        state = p.group_list(h, "state_groups")
+        if not attn and not state:
+            raise p.ProtocolError(p.ErrorCode.BAD_REQUEST, "a lookup needs attn_groups or state_groups")
+        if set(attn) & set(state):
+            raise p.ProtocolError(p.ErrorCode.BAD_REQUEST, "a group cannot be both attention and state")
+        self._check_groups([*attn, *state])
+        world_size = p.int_field(h, "world_size", minimum=1)
+        start = p.int_field(h, "start_chunk", minimum=0, default=0)
+        lease = p.field(h, "lease", bool, default=True)
+        chunks, lease_id = self.store.lookup(ns, hashes, attn, state, world_size, start, lease)
+        return {"chunks": chunks, "lease_id": lease_id}, []
+
+    def _get(self, h: dict[str, Any], _: list[memoryview]) -> tuple[dict[str, Any], list[Any]]:
+        ns = p.field(h, "ns", str)
+        found, payloads = [], []
+        for digest, group, rank in p.key_list(h):
+            payload = self.store.get((ns, digest, group, rank))
+            found.append(payload is not None)
+            if payload is not None:
+                payloads.append(payload)
+        return {"found": found}, payloads
+
+    def _put(self, h: dict[str, Any], frames: list[memoryview]) -> tuple[dict[str, Any], list[Any]]:
+        ns = p.field(h, "ns", str)
+        keys = p.key_list(h)
+        if len(keys) != len(frames):
+            raise p.ProtocolError(p.ErrorCode.BAD_REQUEST,
+                                  f"put has {len(keys)} keys but {len(frames)} payload frames")
+        self._check_groups([k[1] for k in keys])
+        # One chunk's objects travel together: an oversize one rejects the whole put.
+        for (_, group, rank), frame in zip(keys, frames):
+            if frame.nbytes > self.config.max_object_bytes:
+                raise p.ProtocolError(p.ErrorCode.TOO_LARGE,
+                                      f"object (group {group}, rank {rank}) is {frame.nbytes} bytes; "
+                                      f"the maximum is {self.config.max_object_bytes}")
+        results = [self.store.put((ns, *key), frame).value for key, frame in zip(keys, frames)]
+        return {"results": results}, []
+
+    def _release(self, h: dict[str, Any], _: list[memoryview]) -> tuple[dict[str, Any], list[Any]]:
+        return {"released": self.store.release(p.int_field(h, "lease_id", minimum=1))}, []
+
+    def _clear(self, h: dict[str, Any], _: list[memoryview]) -> tuple[dict[str, Any], list[Any]]:
+        ns = p.field(h, "ns", (str, type(None)), default=None)
+        removed = self.store.clear(ns)
+        logger.info("cleared %d objects%s", removed, f" of namespace {ns!r}" if ns else "")
+        return {"removed": removed}, []
+
+    def _stats(self, h: dict[str, Any], _: list[memoryview]) -> tuple[dict[str, Any], list[Any]]:
+        return {"stats": self.status()}, []
+
+    def _ping(self, h: dict[str, Any], _: list[memoryview]) -> tuple[dict[str, Any], list[Any]]:
+        return {}, []
+
+    def _check_groups(self, groups: list[int]) -> None:
+        if not self.config.separate_object_groups and any(g != 0 for g in groups):
+            raise p.ProtocolError(p.ErrorCode.GROUPS_NOT_SEPARATE,
+                                  "group ids other than 0 need the server started with --separate-object-groups "
+                                  "(required for hybrid KDA/Mamba models)")
+
+    def status(self) -> dict[str, Any]:
+        """The /status document."""
+        status = self.store.snapshot()
+        status["namespaces"] = {ns: {"alignment": a, "chunk_size": c} for ns, (a, c) in self._chunk_by_namespace.copy().items()}
+        status["config"] = {
+            "min_chunk_size": self.config.min_chunk_size, "l1_size_bytes": self.config.l1_size_bytes,
+            "max_object_bytes": self.config.max_object_bytes, "eviction_policy": self.config.eviction_policy,
+            "separate_object_groups": self.config.separate_object_groups, "lease_ttl_s": self.config.lease_ttl_s,
+        }
+        return status
+
+
+def _buffer(frame: Any) -> memoryview:
+    """The bytes of a received frame without copying them."""
+    return frame.buffer if isinstance(frame, zmq.Frame) else memoryview(frame)

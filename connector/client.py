@@ -1,0 +1,151 @@
+"""Client of glm-cache-server, with timeouts: a dead or absent server raises within the
+timeout, never hangs the caller."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import zmq
+
+from cache_server import protocol as p
+
+Payload = bytes | bytearray | memoryview
+
+
+class CacheServerError(RuntimeError):
+    """The server answered with an error reply."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"glm-cache-server error [{code}]: {message}")
+        self.code = code
+        self.message = message
+
+
+class CacheServerUnavailable(ConnectionError):
+    """No reply within the timeout: the server is absent, dead or overloaded."""
+
+
+class CacheClient:
+    """One DEALER connection to a glm-cache-server; thread-safe (requests are serialised).
+
+    After a timeout the socket is closed and reopened, so a late reply can never be taken
+    for the answer to a later request, and nothing queued for a dead server piles up.
+    """
+
+    def __init__(self, url: str = "tcp://127.0.0.1:5555", timeout_s: float = 5.0,
+                 context: zmq.Context | None = None) -> None:
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        self.url = url
+        self.timeout_s = timeout_s
+        self._ctx = context or zmq.Context.instance()
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._sock: zmq.Socket | None = None
+
+    def _socket(self) -> zmq.Socket:
+        if self._sock is None:
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.IMMEDIATE, 1)  # don't queue for a peer that is not connected
+            sock.connect(self.url)
+            self._sock = sock
+        return self._sock
+
+    def close(self) -> None:
+        with self._lock:
+            self._reset()
+
+    def _reset(self) -> None:
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
+
+    def __enter__(self) -> CacheClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def request(self, header: dict[str, Any], payloads: Sequence[Payload] = ()) -> tuple[dict[str, Any], list[memoryview]]:
+        """Send one request and wait for its reply; raises on error replies and timeouts."""
+        with self._lock:
+            request_id = next(self._ids)
+            header = {**header, "id": request_id}
+            sock = self._socket()
+            deadline_ms = int(self.timeout_s * 1000)
+            try:
+                # With IMMEDIATE set, a send finds no peer while the server is down: poll for
+                # writability so that case also ends at the timeout.
+                if not sock.poll(deadline_ms, zmq.POLLOUT):
+                    raise CacheServerUnavailable(f"glm-cache-server at {self.url} is not reachable "
+                                                 f"(no connection within {self.timeout_s:.1f}s)")
+                sock.send_multipart([p.pack_header(header), *payloads], copy=False, flags=zmq.NOBLOCK)
+                while True:
+                    if not sock.poll(deadline_ms, zmq.POLLIN):
+                        raise CacheServerUnavailable(f"glm-cache-server at {self.url} did not answer "
+                                                     f"{header['op']!r} within {self.timeout_s:.1f}s")
+                    frames = sock.recv_multipart(copy=False)
+                    reply = p.unpack_header(frames[0].buffer)
+                    if reply.get("id") == request_id:
+                        break  # replies to earlier, timed-out requests are dropped
+            except CacheServerUnavailable:
+                self._reset()
+                raise
+            except zmq.ZMQError as e:
+                self._reset()
+                raise CacheServerUnavailable(f"glm-cache-server at {self.url}: {e}") from e
+        if not reply.get("ok"):
+            raise CacheServerError(str(reply.get("code")), str(reply.get("message")))
+        return reply, [f.buffer for f in frames[1:]]
+
+    # --- operations ----------------------------------------------------------------------
+
+    def hello(self, namespace: str, alignment: int) -> dict[str, Any]:
+        """Handshake: returns chunk_size, min_chunk_size, separate_object_groups, max_object_bytes, v."""
+        reply, _ = self.request({"op": "hello", "v": p.PROTOCOL_VERSION, "ns": namespace, "alignment": alignment})
+        return {k: reply[k] for k in ("v", "chunk_size", "min_chunk_size", "separate_object_groups",
+                                      "max_object_bytes")}
+
+    def lookup(self, namespace: str, hashes: Sequence[bytes], attn_groups: Sequence[int],
+               state_groups: Sequence[int], world_size: int = 1, start_chunk: int = 0,
+               lease: bool = True) -> tuple[int, int | None]:
+        """Deepest resumable chunk count of the prefix ``hashes`` and the lease on it."""
+        reply, _ = self.request({"op": "lookup", "ns": namespace, "hashes": list(hashes),
+                                 "attn_groups": list(attn_groups), "state_groups": list(state_groups),
+                                 "world_size": world_size, "start_chunk": start_chunk, "lease": lease})
+        return reply["chunks"], reply["lease_id"]
+
+    def put(self, namespace: str, items: Sequence[tuple[bytes, int, int, Payload]]) -> list[str]:
+        """Store objects ``(hash, group, rank, payload)``; one :class:`~cache_server.protocol.PutResult`
+        value per item. Payloads must not change until this returns."""
+        keys = [[h, g, r] for h, g, r, _ in items]
+        reply, _ = self.request({"op": "put", "ns": namespace, "keys": keys}, [item[3] for item in items])
+        return reply["results"]
+
+    def get(self, namespace: str, keys: Sequence[tuple[bytes, int, int]]) -> list[memoryview | None]:
+        """Payloads of ``(hash, group, rank)`` keys, None where absent."""
+        reply, frames = self.request({"op": "get", "ns": namespace, "keys": [list(k) for k in keys]})
+        found = reply["found"]
+        if len(found) != len(keys) or sum(found) != len(frames):
+            raise CacheServerError("bad_reply", f"get answered {len(frames)} payloads for {found}")
+        it = iter(frames)
+        return [next(it) if f else None for f in found]
+
+    def release(self, lease_id: int) -> bool:
+        reply, _ = self.request({"op": "release", "lease_id": lease_id})
+        return reply["released"]
+
+    def clear(self, namespace: str | None = None) -> int:
+        reply, _ = self.request({"op": "clear", "ns": namespace})
+        return reply["removed"]
+
+    def stats(self) -> dict[str, Any]:
+        reply, _ = self.request({"op": "stats"})
+        return reply["stats"]
+
+    def ping(self) -> None:
+        self.request({"op": "ping"})
