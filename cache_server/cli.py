@@ -64,8 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--eviction-policy", choices=["LRU"], default="LRU", help="eviction policy (default LRU)")
     ap.add_argument("--separate-object-groups", action="store_true",
                     help="store one object per cache group (required for hybrid KDA/Mamba models)")
-    ap.add_argument("--max-object-size-mb", type=_positive_float, default=256.0,
-                    help="largest object accepted, in MiB (default 256)")
+    ap.add_argument("--max-object-size-mb", type=_positive_float, default=None,
+                    help="largest object accepted, in MiB (default 256, or the whole budget if smaller)")
     ap.add_argument("--lease-ttl-s", type=_positive_float, default=60.0,
                     help="seconds a lookup's hit stays pinned if never released (default 60)")
     ap.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
@@ -76,7 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(
         host=args.host, port=args.port, http_port=args.http_port, min_chunk_size=args.chunk_size,
-        l1_size_bytes=int(args.l1_size_gb * GIB), max_object_bytes=int(args.max_object_size_mb * MIB),
+        l1_size_bytes=int(args.l1_size_gb * GIB),
+        max_object_bytes=(int(args.max_object_size_mb * MIB) if args.max_object_size_mb is not None
+                          else min(256 * MIB, int(args.l1_size_gb * GIB))),
         separate_object_groups=args.separate_object_groups, lease_ttl_s=args.lease_ttl_s,
         eviction_policy=args.eviction_policy)
 

@@ -1,0 +1,226 @@
+"""Process-level tests: a real glm-cache-server over real sockets."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import msgpack
+import pytest
+import zmq
+
+from cache_server.process import ServerProcess, free_port
+from cache_server.protocol import PROTOCOL_VERSION
+from connector.client import CacheClient, CacheServerError, CacheServerUnavailable
+from connector.keys import chunk_hashes
+
+NS = "test-ns"
+MAX_OBJECT = 1 << 20  # 1 MiB, so the oversize test stays cheap
+
+
+@pytest.fixture(scope="module")
+def server():
+    with ServerProcess("--separate-object-groups", "--chunk-size", "256", "--l1-size-gb", "0.01",
+                       "--max-object-size-mb", "1") as s:
+        yield s
+
+
+@pytest.fixture
+def client(server):
+    with CacheClient(server.url, timeout_s=5.0) as c:
+        c.clear()
+        yield c
+
+
+def raw_dealer(server) -> zmq.Socket:
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, 5000)
+    sock.connect(server.url)
+    return sock
+
+
+def http_json(url: str, method: str = "GET"):
+    req = urllib.request.Request(url, method=method)
+    with urllib.request.urlopen(req, timeout=5) as r:
+        return r.status, json.loads(r.read())
+
+
+def test_hello_negotiates_chunk_size_and_logs_it(server, client):
+    reply = client.hello("ns-1152", alignment=1152)
+    assert reply["chunk_size"] == 1152 and reply["min_chunk_size"] == 256 and reply["v"] == PROTOCOL_VERSION
+    assert client.hello("ns-16", alignment=16)["chunk_size"] == 256
+    assert client.hello("ns-100", alignment=100)["chunk_size"] == 300
+    log = server.log()
+    assert "Negotiated chunk size to 1152 (configured_min=256, required_alignment=1152)" in log
+    assert "Negotiated chunk size to 300 (configured_min=256, required_alignment=100)" in log
+
+
+def test_hello_rejects_conflicting_alignment_and_wrong_version(client):
+    client.hello("ns-conflict", alignment=64)
+    with pytest.raises(CacheServerError) as e:
+        client.hello("ns-conflict", alignment=128)
+    assert e.value.code == "conflict"
+    with pytest.raises(CacheServerError) as e:
+        client.request({"op": "hello", "v": PROTOCOL_VERSION + 1, "ns": NS, "alignment": 16})
+    assert e.value.code == "version_mismatch"
+
+
+def test_store_strict_prefix_lookup_and_hit_round_trip(client):
+    chunk = client.hello(NS, alignment=128)["chunk_size"]
+    tokens = list(range(3 * chunk + 5))
+    hashes = chunk_hashes(tokens, chunk)
+    assert len(hashes) == 3
+    attn = {i: os.urandom(4096) for i in range(3)}
+    state = os.urandom(8192)
+    for i, hsh in enumerate(hashes):
+        assert client.put(NS, [(hsh, 0, 0, attn[i])]) == ["stored"]
+    assert client.put(NS, [(hashes[2], 1, 0, state)]) == ["stored"]
+    assert client.put(NS, [(hashes[2], 1, 0, state)]) == ["exists"]
+    # The client asks only about whole chunks of the strict prefix, (N-1)//C chunks.
+    n_strict = (len(tokens) - 1) // chunk
+    hit, lease = client.lookup(NS, hashes[:n_strict], attn_groups=[0], state_groups=[1])
+    assert hit == 3 and lease is not None
+    got = client.get(NS, [(hashes[i], 0, 0) for i in range(3)] + [(hashes[2], 1, 0), (hashes[0], 1, 0)])
+    assert [bytes(g) for g in got[:3]] == [attn[0], attn[1], attn[2]]
+    assert bytes(got[3]) == state and got[4] is None
+    assert client.release(lease) is True
+    # A different salt hashes differently and misses.
+    salted = chunk_hashes(tokens, chunk, cache_salt="other-tenant")
+    assert client.lookup(NS, salted[:n_strict], [0], [1]) == (0, None)
+
+
+def test_lookup_without_state_at_the_last_chunk_resumes_earlier(client):
+    hashes = chunk_hashes(list(range(1024)), 256)
+    client.put(NS, [(x, 0, 0, b"a") for x in hashes] + [(hashes[1], 1, 0, b"s")])
+    hit, lease = client.lookup(NS, hashes, [0], [1])
+    assert hit == 2
+    client.release(lease)
+
+
+def test_group_ids_need_separate_object_groups():
+    with ServerProcess("--l1-size-gb", "0.01") as s, CacheClient(s.url, timeout_s=5) as c:
+        assert c.hello(NS, 16)["separate_object_groups"] is False
+        assert c.put(NS, [(bytes(32), 0, 0, b"x")]) == ["stored"]
+        with pytest.raises(CacheServerError) as e:
+            c.put(NS, [(bytes(32), 1, 0, b"x")])
+        assert e.value.code == "groups_not_separate" and "--separate-object-groups" in e.value.message
+
+
+MALFORMED = [
+    ("random bytes", [os.urandom(64)], "bad_request"),
+    ("msgpack list, not a map", [msgpack.packb([1, 2, 3])], "bad_request"),
+    ("op of the wrong type", [msgpack.packb({"op": 7, "id": 1})], "bad_request"),
+    ("unknown op", [msgpack.packb({"op": "explode", "id": 1})], "unknown_op"),
+    ("missing field", [msgpack.packb({"op": "lookup", "id": 1, "ns": NS})], "bad_request"),
+    ("hash of the wrong length", [msgpack.packb({"op": "lookup", "id": 1, "ns": NS, "hashes": [b"short"],
+                                                 "attn_groups": [0], "state_groups": [], "world_size": 1})],
+     "bad_request"),
+    ("bool where an int goes", [msgpack.packb({"op": "hello", "id": 1, "v": True, "ns": NS, "alignment": 1})],
+     "bad_request"),
+    ("negative alignment", [msgpack.packb({"op": "hello", "id": 1, "v": 1, "ns": NS, "alignment": -5})],
+     "bad_request"),
+    ("keys and payloads disagree", [msgpack.packb({"op": "put", "id": 1, "ns": NS,
+                                                   "keys": [[bytes(32), 0, 0], [bytes(32), 1, 0]]}), b"x"],
+     "bad_request"),
+    ("oversize payload", [msgpack.packb({"op": "put", "id": 1, "ns": NS, "keys": [[bytes(32), 0, 0]]}),
+                          b"\0" * (MAX_OBJECT + 1)], "too_large"),
+    ("malformed key", [msgpack.packb({"op": "get", "id": 1, "ns": NS, "keys": [["abc", -1]]})], "bad_request"),
+]
+
+
+@pytest.mark.parametrize("name,frames,code", MALFORMED, ids=[m[0] for m in MALFORMED])
+def test_malformed_request_gets_an_error_and_another_client_keeps_working(server, client, name, frames, code):
+    bad = raw_dealer(server)
+    try:
+        bad.send_multipart(frames)
+        reply = msgpack.unpackb(bad.recv_multipart()[0])
+    finally:
+        bad.close()
+    assert reply["ok"] is False and reply["code"] == code and reply["message"]
+    # The well-behaved client on its own connection is unaffected, and so is the store.
+    client.ping()
+    assert client.put(NS, [(bytes(32), 0, 0, b"fine")]) == ["stored"]
+    assert bytes(client.get(NS, [(bytes(32), 0, 0)])[0]) == b"fine"
+
+
+def test_interleaved_garbage_and_valid_requests_on_two_connections(server, client):
+    bad = raw_dealer(server)
+    rng = random.Random(0)
+    try:
+        for i in range(50):
+            bad.send_multipart([rng.randbytes(rng.randint(0, 200)) for _ in range(rng.randint(1, 3))])
+            assert client.put(NS, [(i.to_bytes(32, "big"), 0, 0, b"v")]) == ["stored"]
+        replies = [msgpack.unpackb(bad.recv_multipart()[0]) for _ in range(50)]
+    finally:
+        bad.close()
+    assert all(r["ok"] is False for r in replies)
+    assert client.stats()["objects"] == 50
+
+
+def test_http_endpoints(server, client):
+    client.put(NS, [(bytes(32), 0, 0, b"x" * 10), (bytes(32), 1, 0, b"y" * 20)])
+    client.lookup(NS, [bytes(32)], [0], [1], lease=False)
+    assert http_json(server.http_url + "/healthcheck") == (200, {"status": "ok"})
+    code, status = http_json(server.http_url + "/status")
+    assert code == 200
+    assert status["objects"] == 2 and status["bytes_by_group"] == {"0": 10, "1": 20}
+    assert status["hits"] >= 1 and "misses" in status and "evictions" in status and "active_leases" in status
+    with urllib.request.urlopen(server.http_url + "/metrics", timeout=5) as r:
+        metrics = r.read().decode()
+    assert 'glm_cache_group_bytes{group="1"} 20.0' in metrics
+    assert "glm_cache_lookup_hits_total" in metrics and "glm_cache_request_seconds_bucket" in metrics
+    assert http_json(server.http_url + "/cache/clear", method="POST") == (200, {"removed": 2})
+    assert client.stats()["objects"] == 0
+
+
+def test_absent_server_raises_within_the_timeout():
+    with CacheClient(f"tcp://127.0.0.1:{free_port()}", timeout_s=0.5) as c:
+        t0 = time.monotonic()
+        with pytest.raises(CacheServerUnavailable):
+            c.ping()
+        assert time.monotonic() - t0 < 2.0
+
+
+def test_killed_server_raises_then_a_restarted_one_is_used_again():
+    port = free_port()
+    s = ServerProcess(port=port).start()
+    c = CacheClient(s.url, timeout_s=0.5)
+    c.ping()
+    s.kill()
+    t0 = time.monotonic()
+    with pytest.raises(CacheServerUnavailable):
+        c.put(NS, [(bytes(32), 0, 0, b"x" * 1000)])
+    assert time.monotonic() - t0 < 2.0
+    with ServerProcess(port=port):
+        c.ping()  # same client, reconnected
+    c.close()
+
+
+def test_sigterm_and_sigint_shut_down_cleanly():
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        s = ServerProcess().start()
+        s.proc.send_signal(sig)
+        assert s.proc.wait(10) == 0
+        s.stop()
+        assert "shutting down" in s.log() and "stopped" in s.log()
+
+
+@pytest.mark.parametrize("args", [["--l1-size-gb", "0"], ["--chunk-size", "-3"], ["--port", "70000"],
+                                  ["--eviction-policy", "FIFO"], ["--l1-size-gb", "abc"],
+                                  ["--l1-size-gb", "0.001", "--max-object-size-mb", "100"]])
+def test_invalid_cli_values_exit_2_with_a_message(args):
+    r = subprocess.run([sys.executable, "-m", "cache_server.cli", *args], capture_output=True, text=True, timeout=30)
+    assert r.returncode == 2
+    assert "error:" in r.stderr
+
+
+def test_server_does_not_import_vllm_or_torch():
+    code = ("import sys, cache_server.cli, cache_server.server, cache_server.http, cache_server.process; "
+            "bad = [m for m in ('vllm', 'torch') if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
