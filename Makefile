@@ -1,0 +1,20 @@
+# The two commands of the README: `make demo` and `make test`. Both set up first.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+
+.PHONY: setup demo test bench clean
+
+setup:
+	@scripts/setup.sh
+
+demo: setup
+	$(PY) validation/demo.py
+
+test: setup
+	$(PY) -m pytest -q -p no:cacheprovider tests
+
+bench: setup
+	$(PY) validation/bench_server.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

