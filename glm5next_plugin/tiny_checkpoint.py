@@ -1,0 +1,343 @@
+"""Generate a tiny GLM-5.3-Flash-architecture checkpoint (random weights, real names).
+
+No GLM weights can be downloaded here, so tests and demos use a checkpoint this module
+writes: ``config.json`` from transformers' ``Glm5NextConfig`` (architecture
+``Glm5NextForConditionalGeneration``), ``model.safetensors`` with random weights under the
+tensor names the transformers model uses (fused expert tensors included), and a small
+byte-level BPE tokenizer trained offline with ``tokenizers``, with a GLM-style chat
+template, so ``AutoTokenizer``, ``vllm serve`` and chat requests work.
+
+The defaults keep it small enough for a 2-core CPU while exercising every path:
+3 KDA + 2 sparse-MLA layers, MoE layers, and ``index_topk`` small enough that prompts
+past a few hundred tokens take the sparse top-k path.
+
+CLI::
+
+    glm5next-tiny OUT_DIR [--seed 0] [--dtype float32] [--hidden-size 64] ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+from pathlib import Path
+
+import torch
+
+# Tokens with a fixed meaning in the GLM chat format, plus the multimodal markers the
+# config refers to (kept inside the small vocabulary so every config id is valid).
+SPECIAL_TOKENS = [
+    "<|endoftext|>",
+    "[MASK]",
+    "[gMASK]",
+    "[sMASK]",
+    "<sop>",
+    "<eop>",
+    "<|system|>",
+    "<|user|>",
+    "<|assistant|>",
+    "<|observation|>",
+    "<|begin_of_image|>",
+    "<|end_of_image|>",
+    "<|begin_of_video|>",
+    "<|end_of_video|>",
+    "<|image|>",
+    "<|pad|>",
+]
+
+CHAT_TEMPLATE = (
+    "[gMASK]<sop>"
+    "{%- for message in messages -%}"
+    "{%- if message['content'] is string -%}"
+    "{%- set content = message['content'] -%}"
+    "{%- else -%}"
+    "{%- set content = message['content'] | selectattr('type', 'equalto', 'text') "
+    "| map(attribute='text') | join('') -%}"
+    "{%- endif -%}"
+    "<|{{ message['role'] }}|>\n{{ content }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|assistant|>\n{% endif -%}"
+)
+
+_WORDS = (
+    "the a cache state token prompt model layer block chunk server engine request reply "
+    "vector latent pool index sparse dense expert router shared stream gate decay value "
+    "key query memory host device prefix suffix resume snapshot boundary hash group "
+    "hello world how are you today what is this please tell me about it thank yes no "
+    "one two three four five six seven eight nine ten red green blue fast slow small big"
+).split()
+
+
+def _training_corpus(seed: int, num_lines: int = 4000) -> list[str]:
+    """Generated text for the tokenizer: words, numbers, punctuation and chat markup."""
+    rng = random.Random(seed)
+    lines = []
+    for _ in range(num_lines):
+        n = rng.randint(3, 18)
+        words = [rng.choice(_WORDS) for _ in range(n)]
+        if rng.random() < 0.3:
+            words.insert(rng.randrange(len(words)), str(rng.randint(0, 99999)))
+        line = " ".join(words)
+        line = line[0].upper() + line[1:] + rng.choice([".", "?", "!", ",", ":"])
+        lines.append(line)
+    return lines
+
+
+def build_tokenizer(seed: int, vocab_size: int):
+    """Train a byte-level BPE tokenizer offline and wrap it as a transformers tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_training_corpus(seed), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|endoftext|>",
+        pad_token="<|pad|>",
+        additional_special_tokens=[t for t in SPECIAL_TOKENS if t not in ("<|endoftext|>", "<|pad|>")],
+        clean_up_tokenization_spaces=False,
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def build_config(
+    tokenizer,
+    *,
+    dtype: str = "float32",
+    hidden_size: int = 64,
+    layer_types: str = "LLILI",
+    dense_layers: int = 1,
+    index_topk: int = 128,
+    index_kpool: int = 16,
+    linear_num_heads: int = 2,
+    linear_head_dim: int = 16,
+    n_routed_experts: int = 8,
+    num_experts_per_tok: int = 2,
+    max_position_embeddings: int = 8192,
+):
+    """A ``Glm5NextConfig`` with GLM-5.3-Flash's structure at toy sizes.
+
+    ``layer_types`` is a string over ``L`` (KDA, ``linear_attention``) and ``I`` (sparse
+    MLA, ``indexed_attention``); the first ``dense_layers`` layers get a dense MLP, the
+    rest MoE, like the real model.
+    """
+    from transformers import Glm5NextConfig
+
+    types = {"L": "linear_attention", "I": "indexed_attention"}
+    layers = [types[c] for c in layer_types.upper()]
+    n = len(layers)
+    vocab = len(tokenizer)
+    ids = tokenizer.convert_tokens_to_ids
+    text = dict(
+        vocab_size=vocab,
+        hidden_size=hidden_size,
+        intermediate_size=hidden_size * 2,
+        moe_intermediate_size=hidden_size // 2,
+        num_hidden_layers=n,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_shared_experts=1,
+        n_routed_experts=n_routed_experts,
+        num_experts_per_tok=num_experts_per_tok,
+        routed_scaling_factor=2.5,
+        kv_lora_rank=32,
+        q_lora_rank=32,
+        qk_rope_head_dim=0,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+        n_group=1,
+        topk_group=1,
+        norm_topk_prob=True,
+        max_position_embeddings=max_position_embeddings,
+        rms_norm_eps=1e-5,
+        pad_token_id=ids("<|pad|>"),
+        eos_token_id=[ids("<|endoftext|>"), ids("<|user|>"), ids("<|observation|>")],
+        mlp_layer_types=["dense"] * min(dense_layers, n) + ["sparse"] * max(n - dense_layers, 0),
+        layer_types=layers,
+        index_topk=index_topk,
+        index_head_dim=16,
+        index_n_heads=4,
+        index_kpool=index_kpool,
+        index_kpool_always_select_tail=True,
+        swiglu_limit=10.0,
+        linear_head_dim=linear_head_dim,
+        linear_num_heads=linear_num_heads,
+        linear_conv_kernel_dim=4,
+        linear_lower_bound=-5.0,
+        hc_mult=4,
+        hc_eps=1e-6,
+        hc_sinkhorn_iters=20,
+        dtype=dtype,
+    )
+    vision = dict(
+        depth=1,
+        hidden_size=32,
+        num_heads=2,
+        intermediate_size=32,
+        out_hidden_size=hidden_size,
+        projection_intermediate_size=32,
+        patch_size=14,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+    )
+    config = Glm5NextConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=ids("<|image|>"),
+        video_token_id=ids("<|image|>"),
+        image_start_token_id=ids("<|begin_of_image|>"),
+        image_end_token_id=ids("<|end_of_image|>"),
+        video_start_token_id=ids("<|begin_of_video|>"),
+        video_end_token_id=ids("<|end_of_video|>"),
+        tie_word_embeddings=False,
+    )
+    config.architectures = ["Glm5NextForConditionalGeneration"]
+    config.dtype = dtype
+    return config
+
+
+def _random_state(model: torch.nn.Module, seed: int) -> dict[str, torch.Tensor]:
+    """Random weights with unit-scale activations so outputs depend on every tensor.
+
+    transformers' own init (std 0.02) gives a nearly uniform next-token distribution on
+    a toy model, which would let a broken layer pass a log-prob comparison.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    state = {}
+    for name, tensor in model.state_dict().items():
+        shape = tensor.shape
+
+        def randn(std: float, mean: float = 0.0) -> torch.Tensor:
+            return torch.randn(shape, generator=gen) * std + mean
+
+        leaf = name.rsplit(".", 1)[-1]
+        if name.endswith("embed_tokens.weight"):
+            value = randn(1.0)
+        elif name.endswith("lm_head.weight"):
+            value = randn(3.0 / math.sqrt(shape[-1]))
+        elif "norm" in name and leaf in ("weight",):
+            value = randn(0.1, 1.0)
+        elif leaf == "bias":
+            value = randn(0.02)
+        elif leaf == "A_log":
+            value = randn(0.5)
+        elif leaf == "dt_bias":
+            value = randn(1.0)
+        elif leaf == "e_score_correction_bias":
+            value = randn(0.1)
+        elif leaf == "index_kpool_compress_ape":
+            value = randn(1.0)
+        elif leaf == "base":  # mHC biases
+            value = randn(0.5)
+        elif leaf == "scale":  # mHC per-output scales
+            value = randn(0.2, 1.0)
+        elif leaf == "fn":  # mHC projection over hc_mult * hidden inputs
+            value = randn(1.0 / math.sqrt(shape[-1]))
+        elif leaf == "conv1d" or name.endswith("conv1d.weight"):
+            value = randn(0.5)
+        elif leaf in ("gate_up_proj", "down_proj") and tensor.dim() == 3:
+            value = randn(1.0 / math.sqrt(shape[-1]))
+        elif tensor.dim() >= 2:
+            fan_in = math.prod(shape[1:])
+            value = randn(1.0 / math.sqrt(fan_in))
+        else:
+            value = randn(0.1, 1.0 if "norm" in name else 0.0)
+        state[name] = value.to(tensor.dtype).contiguous()
+    return state
+
+
+def write_checkpoint(
+    out_dir: str | Path,
+    *,
+    seed: int = 0,
+    dtype: str = "float32",
+    **sizes,
+) -> Path:
+    """Write config, random weights and tokenizer to ``out_dir``; return the path."""
+    from safetensors.torch import save_file
+    from transformers import Glm5NextForConditionalGeneration, GenerationConfig
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    vocab_size = sizes.pop("vocab_size", 512)
+    tokenizer = build_tokenizer(seed, vocab_size)
+    config = build_config(tokenizer, dtype=dtype, **sizes)
+
+    torch_dtype = getattr(torch, dtype)
+    with torch.device("meta"):
+        skeleton = Glm5NextForConditionalGeneration(config)
+    state = _random_state(skeleton, seed)
+    state = {k: v.to(torch_dtype) for k, v in state.items()}
+    # fp32-only tensors in the reference (kept in fp32 by transformers on load too).
+    for name in state:
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf in ("e_score_correction_bias", "A_log", "dt_bias") or "conv1d" in name:
+            state[name] = state[name].float()
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+
+    config.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    eos = config.text_config.eos_token_id
+    GenerationConfig(eos_token_id=eos, pad_token_id=config.text_config.pad_token_id).save_pretrained(out)
+    # Keep the chat template in tokenizer_config.json too: older loaders read it there.
+    tok_cfg_path = out / "tokenizer_config.json"
+    tok_cfg = json.loads(tok_cfg_path.read_text())
+    tok_cfg.setdefault("chat_template", CHAT_TEMPLATE)
+    tok_cfg_path.write_text(json.dumps(tok_cfg, indent=2))
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    """CLI entry point (``glm5next-tiny``)."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("out_dir", help="directory to write the checkpoint into")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--hidden-size", type=int, default=64)
+    p.add_argument(
+        "--layer-types",
+        default="LLILI",
+        help="one letter per layer: L = KDA (linear_attention), I = sparse MLA (indexed_attention)",
+    )
+    p.add_argument("--dense-layers", type=int, default=1, help="leading layers with a dense MLP")
+    p.add_argument("--index-topk", type=int, default=128)
+    p.add_argument("--index-kpool", type=int, default=16)
+    p.add_argument("--linear-num-heads", type=int, default=2)
+    p.add_argument("--linear-head-dim", type=int, default=16)
+    p.add_argument("--n-routed-experts", type=int, default=8)
+    p.add_argument("--num-experts-per-tok", type=int, default=2)
+    p.add_argument("--vocab-size", type=int, default=512)
+    p.add_argument("--max-position-embeddings", type=int, default=8192)
+    a = p.parse_args(argv)
+    path = write_checkpoint(
+        a.out_dir,
+        seed=a.seed,
+        dtype=a.dtype,
+        hidden_size=a.hidden_size,
+        layer_types=a.layer_types,
+        dense_layers=a.dense_layers,
+        index_topk=a.index_topk,
+        index_kpool=a.index_kpool,
+        linear_num_heads=a.linear_num_heads,
+        linear_head_dim=a.linear_head_dim,
+        n_routed_experts=a.n_routed_experts,
+        num_experts_per_tok=a.num_experts_per_tok,
+        vocab_size=a.vocab_size,
+        max_position_embeddings=a.max_position_embeddings,
+    )
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
