@@ -6,6 +6,7 @@ import argparse
 import logging
 import signal
 import sys
+from collections.abc import Callable
 
 import zmq
 
@@ -15,34 +16,24 @@ from cache_server.server import GIB, MIB, CacheServer, ServerConfig
 logger = logging.getLogger("glm_cache_server")
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
-    return value
+def _number(kind: type, what: str, ok: Callable[[float], bool]) -> Callable[[str], float]:
+    """An argparse type: ``kind`` parsed from text, accepted where ``ok`` holds."""
+
+    def parse(text: str) -> float:
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or not ok(value):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+        return value
+
+    return parse
 
 
-def _port(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"port must be in 0..65535, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive finite number, got {text}")
-    return value
+_positive_int = _number(int, "a positive integer", lambda v: v > 0)
+_port = _number(int, "a port number in 0..65535", lambda v: 0 <= v <= 65535)
+_positive_float = _number(float, "a positive finite number", lambda v: 0 < v < float("inf"))
 
 
 def build_parser() -> argparse.ArgumentParser:
