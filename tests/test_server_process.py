@@ -224,3 +224,45 @@ def test_server_does_not_import_vllm_or_torch():
             "bad = [m for m in ('vllm', 'torch') if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_stalled_server_times_out_and_its_late_reply_is_never_taken_for_a_later_one():
+    with ServerProcess() as s:
+        c = CacheClient(s.url, timeout_s=0.5)
+        c.put(NS, [(bytes(32), 0, 0, b"first")])
+        s.proc.send_signal(signal.SIGSTOP)  # a slow server: alive, but not answering
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(CacheServerUnavailable):
+                c.get(NS, [(bytes(32), 0, 0)])
+            assert time.monotonic() - t0 < 2.0
+        finally:
+            s.proc.send_signal(signal.SIGCONT)
+        # The next request must get its own answer, not the stalled get's.
+        assert c.get(NS, [(b"\1" * 32, 0, 0)]) == [None]
+        assert c.stats()["objects"] == 1
+        c.close()
+
+
+def test_many_clients_concurrently_each_get_their_own_objects(server):
+    import threading
+
+    errors: list[BaseException] = []
+
+    def worker(n: int) -> None:
+        try:
+            with CacheClient(server.url, timeout_s=10) as c:
+                for i in range(20):
+                    key = (n * 1000 + i).to_bytes(32, "big")
+                    payload = os.urandom(1000 + n)
+                    assert c.put(NS, [(key, 0, n, payload)]) == ["stored"]
+                    assert bytes(c.get(NS, [(key, 0, n)])[0]) == payload
+        except BaseException as e:  # noqa: BLE001 - surfaced below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(n,)) for n in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
