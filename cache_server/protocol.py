@@ -24,8 +24,9 @@ geometry; objects never cross namespaces):
              optional ``start_chunk`` (default 0) -> ``chunks`` (hit depth), ``lease_id``
 ``get``      ``ns``, ``keys`` (list of [hash, group, rank]) -> ``found`` (list of bool),
              one payload frame per found key, in order
-``put``      ``ns``, ``keys``; one payload frame per key -> ``results`` (list of
-             :class:`PutResult` values)
+``put``      ``ns``, ``keys``, optional ``prev`` (one hash or nil per key: the previous
+             state of the same path, for snapshot-aware retention); one payload frame
+             per key -> ``results`` (list of :class:`PutResult` values)
 ``release``  ``lease_id`` -> ``released`` (bool)
 ``clear``    optional ``ns`` -> ``removed`` (objects)
 ``stats``    -> ``stats`` (map)

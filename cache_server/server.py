@@ -181,7 +181,12 @@ class CacheServer:
                 raise p.ProtocolError(p.ErrorCode.TOO_LARGE,
                                       f"object (group {group}, rank {rank}) is {frame.nbytes} bytes; "
                                       f"the maximum is {self.config.max_object_bytes}")
-        results = [self.store.put((ns, *key), frame).value for key, frame in zip(keys, frames)]
+        prevs = p.field(h, "prev", list, default=[None] * len(keys))
+        if len(prevs) != len(keys) or not all(x is None or (isinstance(x, bytes) and len(x) == p.HASH_BYTES)
+                                              for x in prevs):
+            raise p.ProtocolError(p.ErrorCode.BAD_REQUEST,
+                                  f"prev must list one {p.HASH_BYTES}-byte hash or nil per key")
+        results = [self.store.put((ns, *key), frame, prev).value for key, frame, prev in zip(keys, frames, prevs)]
         return {"results": results}, []
 
     def _release(self, h: dict[str, Any], _: list[memoryview]) -> tuple[dict[str, Any], list[Any]]:

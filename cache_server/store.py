@@ -3,6 +3,13 @@
 An object is addressed by ``(namespace, chunk hash, group, rank)``. Attention groups need an
 object for every chunk of a prefix; a recurrent-state group only at the chunk where the
 prefix is resumed. The store does not know which group is which: a lookup says.
+
+Snapshot-aware retention (seed 000: one long prompt's snapshots evicted everyone else's).
+A state object may be stored with a link to the previous state of the same conversation
+path (``prev``). A state with exactly one newer state after it on its path is *superseded*:
+the newer one resumes everything it could, and more. One with two or more is a fork point
+and is kept like any other. Under memory pressure superseded objects go first, oldest
+first; only then does plain LRU order apply. Nothing is dropped before it must be.
 """
 
 from __future__ import annotations
@@ -25,6 +32,11 @@ class _Entry:
     payload: Payload
     nbytes: int
     leases: int = 0  # active leases holding this object; > 0 means not evictable
+    children: set[bytes] | None = None  # hashes of newer states linked to this one by ``prev``
+
+    @property
+    def superseded(self) -> bool:
+        return self.children is not None and len(self.children) == 1
 
 
 @dataclass
@@ -80,9 +92,11 @@ class ObjectStore:
 
     # --- writes --------------------------------------------------------------------------
 
-    def put(self, key: StoreKey, payload: Payload) -> PutResult:
-        """Store one object. Makes room by evicting whole least-recently-used, unleased
-        objects; if that cannot make room, evicts nothing and answers ``NO_SPACE``."""
+    def put(self, key: StoreKey, payload: Payload, prev: bytes | None = None) -> PutResult:
+        """Store one object. Makes room by evicting whole unleased objects (superseded states
+        first, then least recently used); if that cannot make room, evicts nothing and
+        answers ``NO_SPACE``. ``prev`` links a state object to the previous state of the
+        same path (same namespace, group and rank)."""
         nbytes = memoryview(payload).nbytes
         if nbytes > self.max_object_bytes or nbytes > self.capacity_bytes:
             return PutResult.TOO_LARGE
@@ -101,6 +115,10 @@ class ObjectStore:
                 self.counters.evicted_bytes += self._remove_locked(victim)
                 self.counters.evictions += 1
             self._objects[key] = _Entry(payload, nbytes)
+            if prev is not None and prev != key[1]:
+                parent = self._objects.get((key[0], prev, key[2], key[3]))
+                if parent is not None:
+                    parent.children = (parent.children or set()) | {key[1]}
             self._used_bytes += nbytes
             self._bytes_by_group[key[2]] += nbytes
             self._objects_by_group[key[2]] += 1
@@ -111,13 +129,16 @@ class ObjectStore:
     def _pick_victims_locked(self, nbytes: int) -> list[StoreKey] | None:
         need = self._used_bytes + nbytes - self.capacity_bytes
         victims: list[StoreKey] = []
-        for key, entry in self._objects.items():  # oldest first
-            if need <= 0:
-                break
-            if entry.leases == 0:
-                victims.append(key)
-                need -= entry.nbytes
-        return victims if need <= 0 else None
+        if need <= 0:
+            return victims
+        for superseded_pass in (True, False):
+            for key, entry in self._objects.items():  # oldest first
+                if entry.leases == 0 and entry.superseded == superseded_pass:
+                    victims.append(key)
+                    need -= entry.nbytes
+                    if need <= 0:
+                        return victims
+        return None
 
     def _remove_locked(self, key: StoreKey) -> int:
         entry = self._objects.pop(key)
@@ -257,6 +278,7 @@ class ObjectStore:
                 "objects_by_group": {str(g): n for g, n in sorted(self._objects_by_group.items()) if n},
                 "active_leases": len(self._leases),
                 "leased_objects": sum(1 for e in self._objects.values() if e.leases),
+                "superseded_objects": sum(1 for e in self._objects.values() if e.superseded),
                 "lookups": c.lookups,
                 "hits": c.lookup_hits,
                 "misses": c.lookup_misses,

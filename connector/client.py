@@ -119,11 +119,16 @@ class CacheClient:
                                  "world_size": world_size, "start_chunk": start_chunk, "lease": lease})
         return reply["chunks"], reply["lease_id"]
 
-    def put(self, namespace: str, items: Sequence[tuple[bytes, int, int, Payload]]) -> list[str]:
+    def put(self, namespace: str, items: Sequence[tuple[bytes, int, int, Payload]],
+            prev: Sequence[bytes | None] | None = None) -> list[str]:
         """Store objects ``(hash, group, rank, payload)``; one :class:`~cache_server.protocol.PutResult`
-        value per item. Payloads must not change until this returns."""
-        keys = [[h, g, r] for h, g, r, _ in items]
-        reply, _ = self.request({"op": "put", "ns": namespace, "keys": keys}, [item[3] for item in items])
+        value per item. ``prev`` gives, per item, the hash of the previous state stored on the
+        same conversation path (state objects only), so the server evicts superseded
+        snapshots first. Payloads must not change until this returns."""
+        header: dict[str, Any] = {"op": "put", "ns": namespace, "keys": [[h, g, r] for h, g, r, _ in items]}
+        if prev is not None:
+            header["prev"] = list(prev)
+        reply, _ = self.request(header, [item[3] for item in items])
         return reply["results"]
 
     def get(self, namespace: str, keys: Sequence[tuple[bytes, int, int]]) -> list[memoryview | None]:

@@ -102,6 +102,13 @@ def test_lookup_without_state_at_the_last_chunk_resumes_earlier(client):
     client.release(lease)
 
 
+def test_prev_link_marks_the_older_state_superseded(client):
+    a, b = b"\xaa" * 32, b"\xbb" * 32
+    client.put(NS, [(a, 1, 0, b"s1")])
+    assert client.put(NS, [(b, 1, 0, b"s2")], prev=[a]) == ["stored"]
+    assert client.stats()["superseded_objects"] == 1
+
+
 def test_group_ids_need_separate_object_groups():
     with ServerProcess("--l1-size-gb", "0.01") as s, CacheClient(s.url, timeout_s=5) as c:
         assert c.hello(NS, 16)["separate_object_groups"] is False
@@ -129,6 +136,8 @@ MALFORMED = [
      "bad_request"),
     ("oversize payload", [msgpack.packb({"op": "put", "id": 1, "ns": NS, "keys": [[bytes(32), 0, 0]]}),
                           b"\0" * (MAX_OBJECT + 1)], "too_large"),
+    ("prev of the wrong length", [msgpack.packb({"op": "put", "id": 1, "ns": NS, "keys": [[bytes(32), 1, 0]],
+                                                 "prev": [b"x"]}), b"s"], "bad_request"),
     ("malformed key", [msgpack.packb({"op": "get", "id": 1, "ns": NS, "keys": [["abc", -1]]})], "bad_request"),
 ]
 

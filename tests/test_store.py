@@ -185,3 +185,39 @@ def test_invalid_lookup_arguments_raise():
         s.lookup(NS, [h(0)], [], [], 1)
     with pytest.raises(ValueError):
         s.lookup(NS, [h(0)], [ATTN], [], 0)
+
+
+def test_superseded_state_is_evicted_before_older_lru_objects():
+    s = store(capacity=400)
+    s.put((NS, h(0), ATTN, 0), b"a" * 100)  # the oldest object
+    s.put((NS, h(1), STATE, 0), b"s" * 100)  # turn 1's state
+    s.put((NS, h(2), STATE, 0), b"t" * 100, prev=h(1))  # turn 2's state supersedes it
+    s.put((NS, h(3), ATTN, 0), b"b" * 100)
+    assert s.snapshot()["superseded_objects"] == 1
+    assert s.put((NS, h(4), ATTN, 0), b"c" * 100) is PutResult.STORED
+    assert (NS, h(1), STATE, 0) not in s  # superseded went first...
+    assert (NS, h(0), ATTN, 0) in s  # ...although the attention object was older
+
+
+def test_fork_point_state_is_kept_by_plain_lru():
+    s = store(capacity=500)
+    s.put((NS, h(1), STATE, 0), b"s" * 100)  # shared system prompt
+    s.put((NS, h(2), STATE, 0), b"t" * 100, prev=h(1))  # user A continues
+    s.put((NS, h(3), STATE, 0), b"u" * 100, prev=h(1))  # user B forks from the same point
+    s.put((NS, h(4), ATTN, 0), b"a" * 100)
+    s.put((NS, h(5), ATTN, 0), b"b" * 100)
+    assert s.snapshot()["superseded_objects"] == 0
+    s.put((NS, h(6), ATTN, 0), b"c" * 100)
+    assert (NS, h(1), STATE, 0) not in s  # plain LRU: the fork point was the oldest
+    assert (NS, h(2), STATE, 0) in s
+
+
+def test_leased_superseded_state_is_not_evicted():
+    s = store(capacity=300)
+    s.put((NS, h(1), STATE, 0), b"s" * 100)
+    s.put((NS, h(2), STATE, 0), b"t" * 100, prev=h(1))
+    s.put((NS, h(1), ATTN, 0), b"a" * 100)
+    _, lease = s.lookup(NS, [h(1)], [ATTN], [STATE], 1)
+    assert s.put((NS, h(3), ATTN, 0), b"b" * 100) is PutResult.STORED
+    assert (NS, h(1), STATE, 0) in s and (NS, h(2), STATE, 0) not in s
+    s.release(lease)
