@@ -1,0 +1,240 @@
+"""KDA layer as a vLLM state ("Mamba-like") layer.
+
+vLLM owns the state: the hybrid cache manager allocates one (conv, recurrent) slot per
+block of this layer's group, and with ``--enable-prefix-caching`` keeps align-mode
+snapshots on the block grid. Each step the GDN metadata builder hands us, per request,
+the slot holding the running state (already seeded from the resume snapshot by vLLM's
+``preprocess_mamba``) and whether that state is live (``has_initial_state``). We read the
+state, run the math in :mod:`glm5next_plugin.kda`, and write it back in place.
+
+State layout, per slot (the same as vLLM's native GLM5-Next KDA layer):
+conv ``(W - 1, 3 * H * D)`` in the model dtype ("SD" layout), recurrent ``(H, D, D)``
+stored ``[H, V, K]`` in fp32 (``mamba_ssm_cache_dtype`` may make it bf16).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from . import kda
+from .blocks import RMSNorm
+
+
+class ForgetGate(nn.Module):
+    """Low-rank forget-gate projection plus the per-head decay rate (checkpoint names)."""
+
+    def __init__(self, hidden: int, num_heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.f_a_proj = nn.Linear(hidden, head_dim, bias=False)
+        self.f_b_proj = nn.Linear(head_dim, num_heads * head_dim, bias=False)
+        self.dt_bias = nn.Parameter(torch.empty(num_heads * head_dim, dtype=torch.float32))
+        self.A_log = nn.Parameter(torch.empty(num_heads, dtype=torch.float32))
+
+
+class GatedRMSNorm(nn.Module):
+    """Per-head RMSNorm of the KDA output times ``sigmoid(gate)``, in fp32."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()
+        return xf * torch.sigmoid(gate.float())
+
+
+class KDAProjections(nn.Module):
+    """The KDA layer's weights and its per-sequence math, free of vLLM."""
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        h, d, hidden = config.linear_num_heads, config.linear_head_dim, config.hidden_size
+        self.num_heads, self.head_dim = h, d
+        self.conv_dim = 3 * h * d
+        self.lower_bound = config.linear_lower_bound
+        self.q_proj = nn.Linear(hidden, h * d, bias=False)
+        self.k_proj = nn.Linear(hidden, h * d, bias=False)
+        self.v_proj = nn.Linear(hidden, h * d, bias=False)
+        self.conv1d = nn.Conv1d(
+            self.conv_dim, self.conv_dim, config.linear_conv_kernel_dim, groups=self.conv_dim, bias=False
+        )
+        self.forget_gate = ForgetGate(hidden, h, d)
+        self.b_proj = nn.Linear(hidden, h, bias=False)
+        self.g_a_proj = nn.Linear(hidden, d, bias=False)
+        self.g_b_proj = nn.Linear(d, h * d, bias=False)
+        self.o_norm = GatedRMSNorm(d, config.rms_norm_eps)
+        self.o_proj = nn.Linear(h * d, hidden, bias=False)
+
+    @property
+    def conv_weight(self) -> torch.Tensor:
+        return self.conv1d.weight.view(self.conv_dim, -1)
+
+    def token_inputs(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per-token parts that need no state: pre-conv q|k|v, log-decay, beta, output gate."""
+        t = x.shape[0]
+        mixed = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        raw = self.forget_gate.f_b_proj(self.forget_gate.f_a_proj(x)).view(t, self.num_heads, self.head_dim)
+        fg = self.forget_gate
+        if self.lower_bound is not None:
+            g = kda.safe_gate(raw, fg.dt_bias, fg.A_log, self.lower_bound)
+        else:
+            g = kda.softplus_gate(raw, fg.dt_bias, fg.A_log)
+        beta = torch.sigmoid(self.b_proj(x).float())
+        out_gate = self.g_b_proj(self.g_a_proj(x)).view(t, self.num_heads, self.head_dim)
+        return mixed, g, beta, out_gate
+
+    def split_qkv(self, conv_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        lead = conv_out.shape[:-1]
+        q, k, v = conv_out.float().split(self.num_heads * self.head_dim, dim=-1)
+        q, k, v = (t.reshape(*lead, self.num_heads, self.head_dim) for t in (q, k, v))
+        q = kda.l2_normalize(q) * self.head_dim**-0.5
+        return q, kda.l2_normalize(k), v
+
+    def output(self, core: torch.Tensor, out_gate: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        o = self.o_norm(core, out_gate).to(dtype)
+        return self.o_proj(o.reshape(o.shape[0], -1))
+
+    def forward_sequence(
+        self,
+        x: torch.Tensor,
+        conv_state: torch.Tensor | None = None,
+        recurrent_state: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One sequence chunk ``x`` ``[T, hidden]`` from the given states (None = fresh).
+
+        Returns the layer output and the new (conv, recurrent) states.
+        """
+        mixed, g, beta, out_gate = self.token_inputs(x)
+        conv_out, conv_state = kda.causal_conv(mixed, self.conv_weight, conv_state)
+        q, k, v = self.split_qkv(conv_out)
+        if x.shape[0] == 1 and recurrent_state is not None:
+            core, state = kda.kda_decode_step(q, k, v, g, beta, recurrent_state.unsqueeze(0))
+            state = state[0]
+        else:
+            core, state = kda.kda_chunked(q, k, v, g, beta, recurrent_state)
+        return self.output(core, out_gate, x.dtype), conv_state, state
+
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Standalone: ``x`` is one whole fresh sequence."""
+        return self.forward_sequence(x)[0]
+
+
+def _vllm_state_layer_base():
+    from vllm.model_executor.layers.mamba.abstract import MambaBase
+
+    return MambaBase
+
+
+class KDAStateLayer(KDAProjections, _vllm_state_layer_base()):
+    """KDA with its state in vLLM's cache (registered in the static forward context)."""
+
+    def __init__(self, config, vllm_config, prefix: str) -> None:
+        super().__init__(config)
+        self.prefix = prefix
+        self.config = config
+        self.vllm_config = vllm_config
+        self.kv_cache: tuple[torch.Tensor, ...] = (torch.tensor([]), torch.tensor([]))
+        if vllm_config is not None:
+            ctx = vllm_config.compilation_config.static_forward_context
+            if prefix in ctx:
+                raise ValueError(f"Duplicate layer name: {prefix}")
+            ctx[prefix] = self
+
+    # --- what vLLM asks of a state layer ---------------------------------------------
+    @property
+    def mamba_type(self):
+        from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+
+        # The GDN metadata builder gives exactly what KDA needs (per-request state
+        # slot, has-initial-state, query ranges); the math is ours.
+        return MambaAttentionBackendEnum.GDN_ATTN
+
+    def get_state_shape(self) -> tuple[tuple[int, ...], ...]:
+        return kda_state_shape(self.vllm_config)
+
+    def get_state_dtype(self) -> tuple[torch.dtype, ...]:
+        return kda_state_dtype(self.vllm_config)
+
+    # --- forward -----------------------------------------------------------------------
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from vllm.forward_context import get_forward_context, is_forward_context_available
+
+        if not is_forward_context_available():
+            return self.forward_sequence(x)[0]  # standalone use: one fresh sequence
+        metadata = get_forward_context().attn_metadata
+        if metadata is None:  # profiling / dummy run: no cache bound yet
+            return torch.zeros_like(x)
+        md = metadata[self.prefix]
+        out = torch.zeros_like(x)
+        conv_cache, rec_cache = self.kv_cache
+        dim_first = _conv_dim_first()
+        qsl = md.non_spec_query_start_loc.tolist()
+        slots = md.non_spec_state_indices_tensor.tolist()
+        has_init = md.has_initial_state.tolist() if md.has_initial_state is not None else None
+        nd = md.num_decodes
+        if nd > 0:
+            # decodes come first, one token each: batch them
+            idx = torch.tensor(slots[:nd], dtype=torch.long)
+            xd = x[:nd]
+            mixed, g, beta, out_gate = self.token_inputs(xd)
+            conv_state = conv_cache[idx]
+            if dim_first:
+                conv_state = conv_state.transpose(1, 2)
+            full = torch.cat([conv_state.to(mixed.dtype), mixed.unsqueeze(1)], dim=1)  # [B, W, C]
+            conv_out = torch.nn.functional.silu((full * self.conv_weight.to(full.dtype).t()).sum(1))
+            new_conv = full[:, 1:]
+            conv_cache[idx] = (new_conv.transpose(1, 2) if dim_first else new_conv).to(conv_cache.dtype)
+            q, k, v = self.split_qkv(conv_out)
+            core, state = kda.kda_decode_step(q, k, v, g, beta, rec_cache[idx])
+            rec_cache[idx] = state.to(rec_cache.dtype)
+            out[:nd] = self.output(core, out_gate, x.dtype)
+        for i in range(nd, md.num_decodes + md.num_prefills):
+            start, end = qsl[i], qsl[i + 1]
+            slot = slots[i]
+            live = has_init[i] if has_init is not None else True
+            conv_state = rec_state = None
+            if live:
+                conv_state = conv_cache[slot]
+                conv_state = conv_state.t() if dim_first else conv_state
+                rec_state = rec_cache[slot]
+            y, new_conv, new_rec = self.forward_sequence(x[start:end], conv_state, rec_state)
+            conv_cache[slot] = (new_conv.t() if dim_first else new_conv).to(conv_cache.dtype)
+            rec_cache[slot] = new_rec.to(rec_cache.dtype)
+            out[start:end] = y
+        return out
+
+
+def _conv_dim_first() -> bool:
+    from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
+
+    return is_conv_state_dim_first()
+
+
+def kda_state_shape(vllm_config) -> tuple[tuple[int, int], tuple[int, int, int]]:
+    """(conv, recurrent) state shapes per slot, via vLLM's KDA calculator."""
+    from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator
+
+    cfg = vllm_config.model_config.hf_text_config
+    spec = vllm_config.speculative_config
+    return MambaStateShapeCalculator.kda_state_shape(
+        vllm_config.parallel_config.tensor_parallel_size,
+        cfg.linear_num_heads,
+        cfg.linear_head_dim,
+        conv_kernel_size=cfg.linear_conv_kernel_dim,
+        num_spec=(spec.num_speculative_tokens if spec else 0) or 0,
+    )
+
+
+def kda_state_dtype(vllm_config) -> tuple[torch.dtype, torch.dtype]:
+    """(conv, recurrent) state dtypes: conv in the cache dtype, recurrent fp32 by default."""
+    from vllm.model_executor.layers.mamba.mamba_utils import MambaStateDtypeCalculator
+
+    return MambaStateDtypeCalculator.kda_state_dtype(
+        vllm_config.model_config.dtype,
+        vllm_config.cache_config.mamba_cache_dtype,
+        vllm_config.cache_config.mamba_ssm_cache_dtype,
+    )

@@ -1,0 +1,244 @@
+"""Sparse MLA layer with its cache in vLLM's paged KV cache.
+
+Cache row per token (one "head", ``kv_lora_rank + 2 * index_head_dim`` values)::
+
+    [ MLA latent c (kv_lora_rank) | indexer key k (index_head_dim) | kpool gate z (index_head_dim) ]
+
+New rows are written through ``slot_mapping``; a request's rows are read back through
+its block table, so prefix-cached blocks (or blocks a connector loaded) are used as
+they are. The cache group is an ordinary full-attention group: every block-aligned
+prefix is self-contained (see :mod:`glm5next_plugin.sparse_mla` for why no tail buffer
+is needed).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from . import sparse_mla
+from .blocks import RMSNorm
+
+
+class Indexer(nn.Module):
+    """DSA indexer weights (checkpoint names)."""
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.n_heads, self.head_dim = config.index_n_heads, config.index_head_dim
+        self.wq_b = nn.Linear(config.q_lora_rank, self.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(config.hidden_size, self.head_dim, bias=False)
+        self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
+        self.weights_proj = nn.Linear(config.hidden_size, self.n_heads, bias=False)
+        self.index_kpool_compress_ape = nn.Parameter(torch.zeros(config.index_kpool, self.head_dim))
+        self.index_kpool_compress_gate = nn.Parameter(torch.zeros(self.head_dim, config.hidden_size))
+
+
+class SparseMLAProjections(nn.Module):
+    """The sparse-MLA layer's weights and per-sequence math, free of vLLM."""
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        if config.qk_rope_head_dim:
+            raise NotImplementedError("GLM-5.3-Flash MLA is NoPE; qk_rope_head_dim must be 0")
+        if not config.index_kpool_always_select_tail:
+            raise NotImplementedError("index_kpool_always_select_tail=False is not supported")
+        hidden = config.hidden_size
+        self.num_heads = config.num_attention_heads
+        self.kv_lora_rank = config.kv_lora_rank
+        self.qk_head_dim = config.qk_nope_head_dim
+        self.v_head_dim = config.v_head_dim
+        self.index_topk = config.index_topk
+        self.kpool = config.index_kpool
+        bias = config.attention_bias
+        self.q_a_proj = nn.Linear(hidden, config.q_lora_rank, bias=bias)
+        self.q_a_layernorm = RMSNorm(config.q_lora_rank, config.rms_norm_eps)
+        self.q_b_proj = nn.Linear(config.q_lora_rank, self.num_heads * self.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(hidden, config.kv_lora_rank, bias=bias)
+        self.kv_a_layernorm = RMSNorm(config.kv_lora_rank, config.rms_norm_eps)
+        self.kv_b_proj = nn.Linear(
+            config.kv_lora_rank, self.num_heads * (self.qk_head_dim + self.v_head_dim), bias=False
+        )
+        self.o_proj = nn.Linear(self.num_heads * self.v_head_dim, hidden, bias=bias)
+        self.indexer = Indexer(config)
+        self.row_size = config.kv_lora_rank + 2 * config.index_head_dim
+
+    def cache_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """What each new token leaves in the cache: ``[T, row_size]``."""
+        latent = self.kv_a_layernorm(self.kv_a_proj_with_mqa(x))
+        ix = self.indexer
+        k = ix.k_norm(ix.wk(x))
+        z = torch.nn.functional.linear(x, ix.index_kpool_compress_gate)
+        return torch.cat([latent, k.to(latent.dtype), z.to(latent.dtype)], dim=-1)
+
+    def attend(self, x: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Queries ``x`` ``[T, hidden]`` at ``positions`` over the sequence's cached ``rows``
+        ``[S, row_size]`` (the queries' own rows included)."""
+        t = x.shape[0]
+        s = rows.shape[0]
+        ix = self.indexer
+        q_resid = self.q_a_layernorm(self.q_a_proj(x))
+        q = self.q_b_proj(q_resid).view(t, self.num_heads, self.qk_head_dim)
+        latent, keys, gates = rows.split([self.kv_lora_rank, ix.head_dim, ix.head_dim], dim=-1)
+        kv = self.kv_b_proj(latent).view(s, self.num_heads, self.qk_head_dim + self.v_head_dim)
+        k, v = kv.split([self.qk_head_dim, self.v_head_dim], dim=-1)
+
+        index_q = ix.wq_b(q_resid).view(t, ix.n_heads, ix.head_dim)
+        head_w = ix.weights_proj(x).float() * ix.n_heads**-0.5
+        pooled = sparse_mla.pool_keys(keys, gates, ix.index_kpool_compress_ape)
+        mask = sparse_mla.select_tokens(index_q, head_w, pooled, positions, s, self.kpool, self.index_topk)
+        out = sparse_mla.masked_attention(q, k, v, mask, self.qk_head_dim**-0.5)
+        return self.o_proj(out.reshape(t, -1))
+
+    def forward_sequence(self, x: torch.Tensor) -> torch.Tensor:
+        """A whole fresh sequence (standalone use and tests)."""
+        return self.attend(x, self.cache_rows(x), torch.arange(x.shape[0]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Standalone: ``x`` is one whole fresh sequence."""
+        return self.forward_sequence(x)
+
+
+@dataclass
+class SparseMLAMetadata:
+    """Per-step batch layout, as this layer reads it (all tensors on the host here)."""
+
+    query_start_loc: list[int]
+    seq_lens: list[int]
+    block_table: torch.Tensor  # [num_reqs, max_blocks]
+    slot_mapping: torch.Tensor  # [num_tokens]
+    num_reqs: int
+    num_actual_tokens: int
+
+
+def _backend_classes():
+    """Build the backend classes lazily so importing the plugin does not import vLLM."""
+    from vllm.v1.attention.backend import AttentionBackend, AttentionMetadataBuilder, MultipleOf
+
+    class SparseMLAMetadataBuilder(AttentionMetadataBuilder[SparseMLAMetadata]):
+        def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
+            super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+
+        def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False) -> SparseMLAMetadata:
+            m = common_attn_metadata
+            return SparseMLAMetadata(
+                query_start_loc=m.query_start_loc_cpu[: m.num_reqs + 1].tolist(),
+                seq_lens=m.seq_lens[: m.num_reqs].cpu().tolist(),
+                block_table=m.block_table_tensor[: m.num_reqs].cpu(),
+                slot_mapping=m.slot_mapping[: m.num_actual_tokens].cpu(),
+                num_reqs=m.num_reqs,
+                num_actual_tokens=m.num_actual_tokens,
+            )
+
+    class SparseMLATorchBackend(AttentionBackend):
+        """Plain-PyTorch sparse MLA over vLLM's paged cache (any device torch runs on)."""
+
+        supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
+        supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto"]
+
+        @staticmethod
+        def get_supported_kernel_block_sizes(kv_cache_spec=None):
+            return [MultipleOf(16)]
+
+        @staticmethod
+        def get_name() -> str:
+            return "GLM5NEXT_SPARSE_MLA_TORCH"
+
+        @staticmethod
+        def get_impl_cls():
+            raise NotImplementedError("the layer computes attention itself")
+
+        @staticmethod
+        def get_builder_cls():
+            return SparseMLAMetadataBuilder
+
+        @classmethod
+        def is_mla(cls) -> bool:
+            return True
+
+    return SparseMLATorchBackend, SparseMLAMetadataBuilder
+
+
+_BACKEND = None
+
+
+def sparse_mla_backend():
+    """The (singleton) attention backend class of :class:`SparseMLALayer`."""
+    global _BACKEND
+    if _BACKEND is None:
+        _BACKEND = _backend_classes()[0]
+    return _BACKEND
+
+
+def _attention_layer_base():
+    from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+
+    return AttentionLayerBase
+
+
+class SparseMLALayer(SparseMLAProjections, _attention_layer_base()):
+    """Sparse MLA with its rows in vLLM's paged cache (registered in the forward context)."""
+
+    def __init__(self, config, vllm_config, prefix: str) -> None:
+        super().__init__(config)
+        self.prefix = prefix
+        self.vllm_config = vllm_config
+        self.kv_cache = torch.tensor([])
+        if vllm_config is not None:
+            ctx = vllm_config.compilation_config.static_forward_context
+            if prefix in ctx:
+                raise ValueError(f"Duplicate layer name: {prefix}")
+            ctx[prefix] = self
+
+    def get_attn_backend(self):
+        return sparse_mla_backend()
+
+    def get_kv_cache_spec(self, vllm_config):
+        from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+        model_config = vllm_config.model_config
+        cache_config = vllm_config.cache_config
+        if cache_config.cache_dtype != "auto":
+            raise NotImplementedError(
+                f"glm5next plugin: kv cache dtype {cache_config.cache_dtype!r} is not supported; use 'auto'"
+            )
+        # One "head" holding the whole per-token row, no separate V.
+        return FullAttentionSpec(
+            block_size=cache_config.block_size,
+            num_kv_heads=1,
+            head_size=self.row_size,
+            head_size_v=0,
+            dtype=model_config.dtype,
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from vllm.forward_context import get_forward_context, is_forward_context_available
+
+        if not is_forward_context_available():
+            return self.forward_sequence(x)
+        metadata = get_forward_context().attn_metadata
+        if metadata is None:  # profiling / dummy run
+            return torch.zeros_like(x)
+        md: SparseMLAMetadata = metadata[self.prefix]
+        cache = self.kv_cache[:, 0]  # [num_blocks, block_size, row_size]
+        bs = cache.shape[1]
+        n = md.num_actual_tokens
+        rows = self.cache_rows(x[:n]).to(cache.dtype)
+        slots = md.slot_mapping.long()
+        ok = slots >= 0
+        cache[slots[ok] // bs, slots[ok] % bs] = rows[ok]
+        out = torch.zeros_like(x)
+        for i in range(md.num_reqs):
+            start, end = md.query_start_loc[i], md.query_start_loc[i + 1]
+            if end == start:
+                continue
+            seq_len = md.seq_lens[i]
+            pos = torch.arange(seq_len)
+            blocks = md.block_table[i, pos // bs].long()
+            seq_rows = cache[blocks, pos % bs].to(x.dtype)
+            positions = torch.arange(seq_len - (end - start), seq_len)
+            out[start:end] = self.attend(x[start:end], seq_rows, positions)
+        return out

@@ -1,0 +1,237 @@
+"""``Glm5NextForConditionalGeneration`` (text path) for vLLM, in plain PyTorch.
+
+Module names mirror transformers' model, so checkpoint tensors load by name:
+``model.language_model.layers.{i}.{self_attn,mlp,attn_hc,ffn_hc,...}`` and ``lm_head``.
+Layers follow ``layer_types`` (``linear_attention`` -> KDA state layer,
+``indexed_attention`` -> sparse MLA) and ``mlp_layer_types`` (``dense`` / ``sparse``).
+
+Not supported yet, and refused with a message rather than ignored: image/video inputs
+(the vision tower's tensors are skipped; the model registers as text-only), MTP heads,
+FP8/NVFP4 checkpoints, tensor/pipeline parallelism, ``"shared"`` indexer layers.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import ClassVar, Literal
+
+import torch
+from torch import nn
+
+from .blocks import MLP, HyperConnection, MoE, RMSNorm
+from .kda_layer import KDAProjections, KDAStateLayer, kda_state_dtype, kda_state_shape
+from .mla_layer import SparseMLALayer, SparseMLAProjections
+
+logger = logging.getLogger(__name__)
+
+# Tensors of parts this plugin does not run; skipped (named in the log), never guessed at.
+_UNSUPPORTED_PREFIXES = ("model.visual.",)
+
+
+def text_config_of(hf_config):
+    """The text sub-config of a ``Glm5NextConfig`` (or the config itself if flat)."""
+    return getattr(hf_config, "text_config", None) or hf_config
+
+
+def check_supported(hf_config, vllm_config=None) -> None:
+    """Fail with a clear message on what this plugin does not implement yet."""
+    text = text_config_of(hf_config)
+    quant = getattr(hf_config, "quantization_config", None) or getattr(text, "quantization_config", None)
+    if quant is not None:
+        method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", quant)
+        raise NotImplementedError(
+            f"glm5next plugin: quantized checkpoints ({method}) are not supported yet (FP8/NVFP4 come later); "
+            "use a bf16/fp32 checkpoint or vLLM's native implementation on CUDA (GLM5NEXT_IMPL=native)"
+        )
+    shared = [i for i, t in enumerate(getattr(text, "indexer_types", None) or []) if t == "shared"]
+    shared = [i for i in shared if text.layer_types[i] == "indexed_attention"]
+    if shared:
+        raise NotImplementedError(f"glm5next plugin: 'shared' indexer layers {shared} are not supported yet")
+    if vllm_config is not None:
+        if vllm_config.speculative_config is not None:
+            raise NotImplementedError("glm5next plugin: MTP / speculative decoding is not supported yet")
+        par = vllm_config.parallel_config
+        if par.tensor_parallel_size != 1 or par.pipeline_parallel_size != 1:
+            raise NotImplementedError(
+                "glm5next plugin: tensor/pipeline parallelism is not supported; "
+                "run with --tensor-parallel-size 1 or use GLM5NEXT_IMPL=native on CUDA"
+            )
+
+
+class DecoderLayer(nn.Module):
+    """One layer: mHC around (attention or KDA), mHC around (dense MLP or MoE)."""
+
+    def __init__(self, config, idx: int, vllm_config, prefix: str) -> None:
+        super().__init__()
+        self.kind = config.layer_types[idx]
+        if self.kind == "linear_attention":
+            self.self_attn = (
+                KDAStateLayer(config, vllm_config, f"{prefix}.self_attn")
+                if vllm_config is not None
+                else KDAProjections(config)
+            )
+        elif self.kind == "indexed_attention":
+            self.self_attn = (
+                SparseMLALayer(config, vllm_config, f"{prefix}.self_attn")
+                if vllm_config is not None
+                else SparseMLAProjections(config)
+            )
+        else:
+            raise NotImplementedError(f"glm5next plugin: layer type {self.kind!r} (layer {idx}) is not supported")
+        if config.mlp_layer_types[idx] == "sparse":
+            self.mlp = MoE(config)
+        else:
+            self.mlp = MLP(config.hidden_size, config.intermediate_size, config.swiglu_limit)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attn_hc = HyperConnection(config)
+        self.ffn_hc = HyperConnection(config)
+
+    def forward(self, streams: torch.Tensor) -> torch.Tensor:
+        post, comb, h = self.attn_hc(streams)
+        h = self.self_attn(self.input_layernorm(h))
+        streams = HyperConnection.merge(post, comb, h, streams)
+        post, comb, h = self.ffn_hc(streams)
+        h = self.mlp(self.post_attention_layernorm(h))
+        return HyperConnection.merge(post, comb, h, streams)
+
+
+class TextModel(nn.Module):
+    """Embeddings, the layer stack on ``hc_mult`` streams, stream mean, final norm."""
+
+    def __init__(self, config, vllm_config=None, prefix: str = "model.language_model") -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, vllm_config, f"{prefix}.layers.{i}") for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        streams = h.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
+        for layer in self.layers:
+            streams = layer(streams)
+        return self.norm(streams.mean(dim=1))
+
+
+class Glm5NextModel(nn.Module):
+    """Container matching the checkpoint's ``model.`` prefix (vision tower not built)."""
+
+    def __init__(self, config, vllm_config=None) -> None:
+        super().__init__()
+        self.language_model = TextModel(config, vllm_config)
+
+
+def load_by_name(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], num_layers: int) -> set[str]:
+    """Copy checkpoint tensors into ``module`` by exact name.
+
+    Vision-tower and MTP tensors are skipped (logged); any other unknown tensor, a shape
+    mismatch, or a parameter left without a tensor raises with the names involved.
+    """
+    params = dict(module.named_parameters())
+    params.update(dict(module.named_buffers()))
+    loaded: set[str] = set()
+    unexpected: list[str] = []
+    skipped = {"vision": 0, "mtp": 0}
+    prefix = "model.language_model.layers."
+    for name, tensor in weights:
+        if name.startswith(_UNSUPPORTED_PREFIXES):
+            skipped["vision"] += 1
+            continue
+        if name.startswith(prefix) and int(name[len(prefix) :].split(".", 1)[0]) >= num_layers:
+            skipped["mtp"] += 1
+            continue
+        target = params.get(name)
+        if target is None:
+            unexpected.append(name)
+            continue
+        if tuple(target.shape) != tuple(tensor.shape):
+            raise ValueError(f"glm5next plugin: {name}: checkpoint shape {tuple(tensor.shape)} != {tuple(target.shape)}")
+        with torch.no_grad():
+            target.copy_(tensor.to(target.dtype))
+        loaded.add(name)
+    if unexpected:
+        raise ValueError(f"glm5next plugin: unexpected tensors in checkpoint: {sorted(unexpected)}")
+    missing = sorted(set(params) - loaded)
+    if missing:
+        raise ValueError(f"glm5next plugin: tensors missing from checkpoint: {missing}")
+    if skipped["vision"] or skipped["mtp"]:
+        logger.info(
+            "glm5next plugin: skipped %d vision-tower and %d MTP tensors (text-only, no MTP)",
+            skipped["vision"],
+            skipped["mtp"],
+        )
+    return loaded
+
+
+def _vllm_interfaces():
+    from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid
+
+    return HasInnerState, IsHybrid
+
+
+class Glm5NextForConditionalGeneration(nn.Module, *_vllm_interfaces()):
+    """vLLM entry class: text-only GLM-5.3-Flash with KDA state layers and sparse MLA."""
+
+    has_inner_state: ClassVar[Literal[True]] = True
+    is_hybrid: ClassVar[Literal[True]] = True
+
+    def __init__(self, *, vllm_config, prefix: str = "") -> None:
+        super().__init__()
+        hf_config = vllm_config.model_config.hf_config
+        check_supported(hf_config, vllm_config)
+        self.config = text_config_of(hf_config)
+        self.vllm_config = vllm_config
+        dtype = vllm_config.model_config.dtype
+        self.model = Glm5NextModel(self.config, vllm_config)
+        self.lm_head = nn.Linear(self.config.hidden_size, self.config.vocab_size, bias=False)
+        # KDA gate parameters and the router bias stay fp32, as in the reference.
+        self.to(dtype)
+        for name, p in self.named_parameters():
+            if name.endswith(("A_log", "dt_bias")):
+                p.data = p.data.float()
+        for name, b in self.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.data = b.data.float()
+        logger.info("glm5next plugin: running the plugin's PyTorch implementation (%s)", type(self).__module__)
+
+    # --- vLLM model API -----------------------------------------------------------------
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.language_model.embed_tokens(input_ids)
+
+    def get_input_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_input_ids(input_ids)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        intermediate_tensors=None,
+        inputs_embeds: torch.Tensor | None = None,
+        **kwargs,
+    ) -> torch.Tensor:
+        return self.model.language_model(input_ids, inputs_embeds)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden_states).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        return load_by_name(self, weights, self.config.num_hidden_layers)
+
+    # --- hybrid-state declarations (what vLLM's cache manager sizes from) ------------------
+    @classmethod
+    def get_mamba_state_shape_from_config(cls, vllm_config) -> tuple[tuple[int, int], tuple[int, int, int]]:
+        return kda_state_shape(vllm_config)
+
+    @classmethod
+    def get_mamba_state_dtype_from_config(cls, vllm_config) -> tuple[torch.dtype, torch.dtype]:
+        return kda_state_dtype(vllm_config)
+
+    @classmethod
+    def get_mamba_state_copy_func(cls):
+        from vllm.model_executor.layers.mamba.mamba_utils import MambaStateCopyFuncCalculator
+
+        return MambaStateCopyFuncCalculator.kda_state_copy_func()

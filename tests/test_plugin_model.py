@@ -1,0 +1,146 @@
+"""The plugin's PyTorch model against the transformers reference, without vLLM."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from glm5next_plugin import kda, sparse_mla, tiny_checkpoint
+from glm5next_plugin.model import Glm5NextModel, check_supported, load_by_name
+
+# fp32 on both sides; the residual difference is summation order over 5 layers with
+# unit-scale random weights and 20 Sinkhorn iterations per mHC.
+FP32_LOGPROB_TOL = 2e-3
+
+
+def _kda_inputs(t: int, h: int = 2, d: int = 16, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    q = kda.l2_normalize(torch.randn(t, h, d, generator=g)) * d**-0.5
+    k = kda.l2_normalize(torch.randn(t, h, d, generator=g))
+    v = torch.randn(t, h, d, generator=g)
+    gate = -5.0 * torch.sigmoid(torch.randn(t, h, d, generator=g))
+    beta = torch.sigmoid(torch.randn(t, h, generator=g))
+    state = torch.randn(h, d, d, generator=g)
+    return q, k, v, gate, beta, state
+
+
+@pytest.mark.parametrize("t_len,chunk", [(1, 32), (31, 32), (70, 32), (130, 64)])
+def test_kda_chunked_prefill_matches_reference_recurrence(t_len, chunk):
+    q, k, v, g, beta, s0 = _kda_inputs(t_len)
+    ref_out, ref_state = kda.kda_reference(q, k, v, g, beta, s0)
+    out, state = kda.kda_chunked(q, k, v, g, beta, s0, chunk_size=chunk)
+    torch.testing.assert_close(out, ref_out, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(state, ref_state, atol=2e-5, rtol=1e-5)
+
+
+def test_kda_decode_steps_continue_a_chunked_prefill_exactly():
+    q, k, v, g, beta, s0 = _kda_inputs(40, seed=3)
+    ref_out, ref_state = kda.kda_reference(q, k, v, g, beta, s0)
+    out, state = kda.kda_chunked(q[:37], k[:37], v[:37], g[:37], beta[:37], s0)
+    outs = [out]
+    for t in range(37, 40):
+        o, st = kda.kda_decode_step(q[t : t + 1], k[t : t + 1], v[t : t + 1], g[t : t + 1], beta[t : t + 1], state[None])
+        state = st[0]
+        outs.append(o)
+    torch.testing.assert_close(torch.cat(outs), ref_out, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(state, ref_state, atol=2e-5, rtol=1e-5)
+
+
+def test_kda_reference_matches_transformers_recurrence():
+    from transformers.models.glm5_next import modeling_glm5_next as hf
+
+    q, k, v, g, beta, s0 = _kda_inputs(20, seed=5)
+    ours, ours_state = kda.kda_reference(q, k, v, g, beta, s0)
+    # transformers: unscaled q, state [B, H, K, V]
+    theirs, theirs_state = hf.recurrent_kimi_delta_attention(
+        (q / 16**-0.5)[None], k[None], v[None], g[None], beta[None], s0.transpose(-1, -2)[None], True
+    )
+    torch.testing.assert_close(ours, theirs[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ours_state, theirs_state[0].transpose(-1, -2), atol=1e-5, rtol=1e-5)
+
+
+def test_select_tokens_is_causal_below_budget_and_sparse_above():
+    g = torch.Generator().manual_seed(0)
+    kpool, topk, s = 4, 8, 40
+    keys, gates = torch.randn(s, 8, generator=g), torch.randn(s, 8, generator=g)
+    pooled = sparse_mla.pool_keys(keys, gates, torch.randn(kpool, 8, generator=g))
+    assert pooled.shape == (10, 8)
+    positions = torch.arange(s)
+    mask = sparse_mla.select_tokens(
+        torch.randn(s, 2, 8, generator=g), torch.randn(s, 2, generator=g), pooled, positions, s, kpool, topk
+    )
+    causal = torch.ones(s, s, dtype=torch.bool).tril()
+    assert not (mask & ~causal).any()
+    # up to 2 complete visible pools + tail: everything causal is kept
+    assert torch.equal(mask[:11], causal[:11])
+    # later queries keep exactly 2 pools (8 tokens) plus their tail
+    for i in range(11, s):
+        assert mask[i].sum().item() == topk + (i + 1) % kpool
+        if (i + 1) % kpool:  # own incomplete pool: always attended
+            assert mask[i, i - (i + 1) % kpool + 1 : i + 1].all()
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tiny_model")
+    tiny_checkpoint.main([str(out), "--seed", "2"])
+    return out
+
+
+class _Standalone(nn.Module):
+    def __init__(self, text_config):
+        super().__init__()
+        self.model = Glm5NextModel(text_config)
+        self.lm_head = nn.Linear(text_config.hidden_size, text_config.vocab_size, bias=False)
+
+    def logprobs(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.model.language_model(ids)).log_softmax(-1)
+
+
+@pytest.fixture(scope="module")
+def both_models(ckpt):
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, Glm5NextForConditionalGeneration
+
+    cfg = AutoConfig.from_pretrained(ckpt)
+    ours = _Standalone(cfg.text_config)
+    load_by_name(ours, load_file(str(ckpt / "model.safetensors")).items(), cfg.text_config.num_hidden_layers)
+    ref = Glm5NextForConditionalGeneration.from_pretrained(ckpt, dtype=torch.float32).eval()
+    return ours.eval(), ref
+
+
+@pytest.mark.parametrize("t_len", [20, 150, 700])
+def test_standalone_model_logprobs_match_transformers(both_models, t_len):
+    ours, ref = both_models
+    ids = torch.randint(16, 512, (t_len,), generator=torch.Generator().manual_seed(t_len))
+    with torch.no_grad():
+        a = ours.logprobs(ids)
+        b = ref(input_ids=ids[None]).logits[0].log_softmax(-1)
+    assert (a - b).abs().max().item() < FP32_LOGPROB_TOL
+
+
+def test_weight_loading_names_missing_and_unexpected_tensors(ckpt):
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(ckpt)
+    n = cfg.text_config.num_hidden_layers
+    weights = load_file(str(ckpt / "model.safetensors"))
+    missing_name = "model.language_model.layers.0.self_attn.forget_gate.A_log"
+    partial = {k: v for k, v in weights.items() if k != missing_name}
+    with pytest.raises(ValueError, match="missing.*forget_gate.A_log"):
+        load_by_name(_Standalone(cfg.text_config), partial.items(), n)
+    extra = dict(weights)
+    extra["model.language_model.layers.0.self_attn.q_conv1d.weight"] = torch.zeros(1)
+    with pytest.raises(ValueError, match="unexpected.*q_conv1d"):
+        load_by_name(_Standalone(cfg.text_config), extra.items(), n)
+
+
+def test_quantized_checkpoints_are_refused_clearly(ckpt):
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(ckpt)
+    cfg.quantization_config = {"quant_method": "fp8"}
+    with pytest.raises(NotImplementedError, match="fp8"):
+        check_supported(cfg)
