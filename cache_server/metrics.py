@@ -57,6 +57,9 @@ class _StoreCollector(Collector):
         yield GaugeMetricFamily(f"{PREFIX}_active_leases", "Leases not yet released or expired",
                                 value=s["active_leases"])
         yield GaugeMetricFamily(f"{PREFIX}_leased_objects", "Objects pinned by a lease", value=s["leased_objects"])
+        yield GaugeMetricFamily(f"{PREFIX}_superseded_objects",
+                                "State objects with a newer state on their path (evicted first)",
+                                value=s["superseded_objects"])
         for key, name, doc in _COUNTERS:
             yield CounterMetricFamily(f"{PREFIX}_{name}", doc, value=s[key])
 

@@ -102,11 +102,13 @@ def test_lookup_without_state_at_the_last_chunk_resumes_earlier(client):
     client.release(lease)
 
 
-def test_prev_link_marks_the_older_state_superseded(client):
+def test_prev_link_marks_the_older_state_superseded(server, client):
     a, b = b"\xaa" * 32, b"\xbb" * 32
     client.put(NS, [(a, 1, 0, b"s1")])
     assert client.put(NS, [(b, 1, 0, b"s2")], prev=[a]) == ["stored"]
     assert client.stats()["superseded_objects"] == 1
+    with urllib.request.urlopen(server.http_url + "/metrics", timeout=5) as r:
+        assert "glm_cache_superseded_objects 1.0" in r.read().decode()
 
 
 def test_group_ids_need_separate_object_groups():
