@@ -277,3 +277,10 @@ def test_many_clients_concurrently_each_get_their_own_objects(server):
     for t in threads:
         t.join(60)
     assert not errors, errors
+
+
+def test_client_and_keys_do_not_import_vllm_or_torch():
+    code = ("import sys, connector, connector.client, connector.keys; "
+            "bad = [m for m in ('vllm', 'torch') if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
