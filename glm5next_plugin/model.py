@@ -23,7 +23,7 @@ from .blocks import MLP, HyperConnection, MoE, RMSNorm
 from .kda_layer import KDAProjections, KDAStateLayer, kda_state_dtype, kda_state_shape
 from .mla_layer import SparseMLALayer, SparseMLAProjections
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("vllm.glm5next_plugin.model")
 
 # Tensors of parts this plugin does not run; skipped (named in the log), never guessed at.
 _UNSUPPORTED_PREFIXES = ("model.visual.",)
@@ -178,6 +178,7 @@ class Glm5NextForConditionalGeneration(nn.Module, *_vllm_interfaces()):
 
     has_inner_state: ClassVar[Literal[True]] = True
     is_hybrid: ClassVar[Literal[True]] = True
+    supports_mamba_prefix_caching: ClassVar[Literal[True]] = True
 
     def __init__(self, *, vllm_config, prefix: str = "") -> None:
         super().__init__()

@@ -167,7 +167,7 @@ def build_config(
         layer_types=layers,
         index_topk=index_topk,
         index_head_dim=16,
-        index_n_heads=4,
+        index_n_heads=16,
         index_kpool=index_kpool,
         index_kpool_always_select_tail=True,
         swiglu_limit=10.0,
