@@ -1,0 +1,127 @@
+"""``vllm serve`` of the generated checkpoint answers OpenAI chat requests on CPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from glm5next_plugin import tiny_checkpoint
+
+pytestmark = pytest.mark.engine
+
+STARTUP_TIMEOUT_S = 300
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _post(url: str, body: dict) -> tuple[int, dict]:
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    ckpt = tiny_checkpoint.write_checkpoint(tmp_path_factory.mktemp("tiny_serve"), seed=4)
+    port = _free_port()
+    vllm_bin = Path(sys.executable).with_name("vllm")
+    log = open(ckpt / "serve.log", "w")
+    proc = subprocess.Popen(
+        [
+            str(vllm_bin), "serve", str(ckpt),
+            "--host", "127.0.0.1", "--port", str(port),
+            "--dtype", "float32", "--gpu-memory-utilization", "0.15", "--max-model-len", "2048",
+            "--served-model-name", "glm5next-tiny",
+            "--limit-mm-per-prompt", '{"image": 0, "video": 0}',
+        ],
+        stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ), start_new_session=True,
+    )
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + STARTUP_TIMEOUT_S
+    while True:
+        if proc.poll() is not None:
+            pytest.fail(f"vllm serve exited with {proc.returncode}:\n{(ckpt / 'serve.log').read_text()[-4000:]}")
+        try:
+            with urllib.request.urlopen(base + "/health", timeout=2) as r:
+                if r.status == 200:
+                    break
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        if time.time() > deadline:
+            os.killpg(proc.pid, signal.SIGKILL)
+            pytest.fail("vllm serve did not become healthy in time")
+        time.sleep(2)
+    yield base, ckpt
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+    log.close()
+
+
+def test_chat_completion_is_answered(server):
+    base, ckpt = server
+    status, body = _post(
+        base + "/v1/chat/completions",
+        {
+            "model": "glm5next-tiny",
+            "messages": [{"role": "user", "content": "hello, how are you today?"}],
+            "max_tokens": 8,
+            "temperature": 0,
+            "ignore_eos": True,
+        },
+    )
+    assert status == 200, body
+    choice = body["choices"][0]
+    assert choice["message"]["role"] == "assistant"
+    assert isinstance(choice["message"]["content"], str) and choice["message"]["content"]
+    assert body["usage"]["completion_tokens"] == 8
+    # the prompt went through the checkpoint's chat template
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(ckpt)
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "hello, how are you today?"}], add_generation_prompt=True, tokenize=False
+    )
+    expected = tok(text, add_special_tokens=False)["input_ids"]
+    assert body["usage"]["prompt_tokens"] == len(expected)
+
+
+def test_image_input_is_refused_clearly(server):
+    base, _ = server
+    status, body = _post(
+        base + "/v1/chat/completions",
+        {
+            "model": "glm5next-tiny",
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "what is this"},
+                        {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}},
+                    ],
+                }
+            ],
+            "max_tokens": 4,
+        },
+    )
+    assert status == 400
+    assert "multimodal" in body["error"]["message"]
