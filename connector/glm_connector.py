@@ -144,6 +144,8 @@ class _ServerLink:
             what, err, self.retry_after_s,
         )
         self._down_until = time.monotonic() + self.retry_after_s
+        # A restarted server has forgotten our namespace: handshake again next time.
+        self.hello = None
 
 
 # --------------------------------------------------------------------------------------
@@ -204,6 +206,7 @@ class GlmCacheConnector(KVConnectorBase_V1, SupportsHMA):
         self._inflight_loads: set[str] = set()
         self._finished_while_loading: set[str] = set()
         self._pending_loads: list[LoadJob] = []
+        self._pending_saves: list[ObjectMove] = []
         self._warned_block_size = False
         # Lease releases go to a background thread: the scheduler never waits on them.
         self._releaser = ThreadPoolExecutor(max_workers=1, thread_name_prefix="glm-release")
@@ -279,7 +282,11 @@ class GlmCacheConnector(KVConnectorBase_V1, SupportsHMA):
         else:
             max_chunks = request.num_tokens // C
         start_chunk = num_computed_tokens // C
-        if max_chunks * C <= num_computed_tokens:
+        # Local hit already at the limit: still ask (without a lease) how deep the server
+        # is, so a prefix the server lost can be re-saved from vLLM's local blocks.
+        want_load = max_chunks * C > num_computed_tokens
+        max_chunks = max(max_chunks, start_chunk)
+        if max_chunks == 0:
             return 0, False
         hashes = chunk_hashes(
             request.all_token_ids[: max_chunks * C], C, request.cache_salt
@@ -291,17 +298,18 @@ class GlmCacheConnector(KVConnectorBase_V1, SupportsHMA):
                 [g.group_id for g in self._geometry.attn_groups],
                 [g.group_id for g in self._geometry.state_groups],
                 self._world_size,
-                start_chunk,
+                start_chunk if want_load else 0,
+                lease=want_load,
             )
         except _CLIENT_ERRORS as e:
             self._link.failed("lookup", e)
             return 0, False
         if lease_id is not None:
             self._leases[request.request_id] = lease_id
+        self._hits[request.request_id] = _Hit(start_chunk, n, num_computed_tokens)
         if n * C <= num_computed_tokens:
             self._drop_lease(request.request_id)
             return 0, False
-        self._hits[request.request_id] = _Hit(start_chunk, n, num_computed_tokens)
         logger.debug(
             "GlmCacheConnector: %s hit %d chunks (%d tokens beyond local %d of %d)",
             request.request_id, n, n * C - num_computed_tokens, num_computed_tokens,
@@ -315,9 +323,11 @@ class GlmCacheConnector(KVConnectorBase_V1, SupportsHMA):
         req_id = request.request_id
         tracked = self._track(request)
         hit = self._hits.pop(req_id, None)
-        if num_external_tokens == 0 or hit is None:
-            if hit is not None:
-                self._drop_lease(req_id)
+        if hit is None:
+            return
+        if num_external_tokens == 0:
+            self._drop_lease(req_id)
+            self._resave_local_state(request, blocks, hit)
             return
         C = self._geometry.chunk_size
         resume = hit.local_tokens + num_external_tokens
@@ -331,6 +341,20 @@ class GlmCacheConnector(KVConnectorBase_V1, SupportsHMA):
         tracked.saved_chunks = max(tracked.saved_chunks, hit.end_chunk)
         self._pending_loads.append(job)
         self._inflight_loads.add(req_id)
+
+    def _resave_local_state(self, request: Request, blocks: KVCacheBlocks, hit: _Hit) -> None:
+        """vLLM resumes from its local cache at a chunk boundary the server lacks (the
+        server restarted or evicted it): offer that snapshot again, since no boundary
+        offload will (the block was cached earlier). Attention chunks follow as usual."""
+        C = self._geometry.chunk_size
+        local = hit.local_tokens
+        if local == 0 or local % C or local // C <= hit.end_chunk:
+            return
+        hashes = chunk_hashes(request.all_token_ids[:local], C, request.cache_salt)
+        for g in self._geometry.state_groups:
+            blk = blocks.blocks[g.group_id][local // g.block_size - 1]
+            if not blk.is_null:
+                self._pending_saves.append(ObjectMove(hashes[-1], g.group_id, [blk.block_id]))
 
     def _load_moves(self, request: Request, blocks: KVCacheBlocks, hit: _Hit) -> list[ObjectMove]:
         C = self._geometry.chunk_size
@@ -365,8 +389,10 @@ class GlmCacheConnector(KVConnectorBase_V1, SupportsHMA):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         self._align_scheduler_block_size()
-        meta = GlmConnectorMetadata(namespace=self._namespace, loads=self._pending_loads)
-        self._pending_loads = []
+        meta = GlmConnectorMetadata(
+            namespace=self._namespace, loads=self._pending_loads, saves=self._pending_saves
+        )
+        self._pending_loads, self._pending_saves = [], []
         if self._link.hello is None:
             return meta
         computed_after = self._tokens_after_step(scheduler_output)

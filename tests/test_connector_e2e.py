@@ -1,0 +1,216 @@
+"""GlmCacheConnector end to end: a real glm-cache-server process and a real vLLM engine.
+
+The model is a tiny random Qwen3-Next (3 Gated-DeltaNet state layers + 1 attention
+layer), which vLLM's CPU build runs natively with align-mode prefix caching. Its
+unified block is 256 tokens and the server's minimum chunk is 256, so C == N == 256.
+
+"Cold" is a prompt computed from scratch (under a cache_salt not used before, so neither
+vLLM's prefix cache nor ours can hit; the cold run is also what saves to the server);
+"reloaded" is the prompt sent again after ``reset_prefix_cache()``, so every reused token
+comes from glm-cache-server.
+
+Requests are compared one at a time (the paper's serial workload): vLLM's CPU kernels
+are not batch-invariant (the same prompt batched with others gives first-token
+log-probs ~0.03 apart), so only equal batch composition gives bit-equal outputs.
+
+One engine and one server for the module (engine start-up ~30-60 s on 2 cores). The
+server-killed test runs last and restarts the server on the same port.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+import uuid
+
+import pytest
+
+from cache_server.process import ServerProcess
+from connector.client import CacheClient
+from tiny_qwen3_next import make_tiny_qwen3_next
+
+pytestmark = pytest.mark.engine
+
+C = 256  # chunk == vLLM's unified block for the tiny model
+CONTINUATION = 64
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1, 2048) for _ in range(n)]
+
+
+def _strict_hit(n: int) -> int:
+    return C * ((n - 1) // C)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_qwen3_next(tmp_path_factory.mktemp("tiny_qwen3_next"))
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = ServerProcess("--separate-object-groups", "--chunk-size", "256", "--l1-size-gb", "1")
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir, server):
+    from vllm import LLM
+
+    engine = LLM(
+        model=str(model_dir),
+        dtype="bfloat16",
+        enable_prefix_caching=True,
+        gpu_memory_utilization=0.15,
+        max_model_len=4096,
+        enforce_eager=True,
+        seed=0,
+        kv_transfer_config={
+            "kv_connector": "GlmCacheConnector",
+            "kv_connector_module_path": "connector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {
+                "server": server.url,
+                "timeout_s": 2.0,
+                "retry_after_s": 2.0,
+            },
+        },
+    )
+    yield engine
+    del engine
+
+
+def _run(llm, prompts, salt=None, strict=True, max_tokens=CONTINUATION):
+    """Greedy generation; returns (token ids, first-token logprob, cached tokens) per prompt."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    extra = None if strict else {"kv_transfer_params": {"glm_strict_prefix": False}}
+    params = SamplingParams(
+        temperature=0.0, max_tokens=max_tokens, logprobs=1, ignore_eos=True, extra_args=extra
+    )
+    inputs = []
+    for p in prompts:
+        tp = TokensPrompt(prompt_token_ids=p)
+        if salt is not None:
+            tp["cache_salt"] = salt
+        inputs.append(tp)
+    outs = llm.generate(inputs, params, use_tqdm=False)
+    results = []
+    for o in outs:
+        c = o.outputs[0]
+        first = c.logprobs[0][c.token_ids[0]].logprob
+        results.append((list(c.token_ids), first, o.num_cached_tokens or 0))
+    return results
+
+
+def _cold(llm, prompts, max_tokens=CONTINUATION):
+    return _run(llm, prompts, salt=f"cold-{uuid.uuid4().hex}", max_tokens=max_tokens)
+
+
+def _cold_then_reloaded(llm, prompt, salt, max_tokens=CONTINUATION):
+    (cold,) = _run(llm, [prompt], salt=salt, max_tokens=max_tokens)
+    assert cold[2] == 0, "a fresh salt must start cold"
+    llm.reset_prefix_cache()
+    (reloaded,) = _run(llm, [prompt], salt=salt, max_tokens=max_tokens)
+    return cold, reloaded
+
+
+def test_reload_after_reset_resumes_at_strict_prefix(llm):
+    prompt = _prompt(1000, seed=1)
+    cold, reloaded = _cold_then_reloaded(llm, prompt, salt="reload-1000")
+    assert reloaded[2] == _strict_hit(1000) == 768
+    assert reloaded[0] == cold[0]
+    assert reloaded[1] == cold[1]
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_boundary_sweep_reloaded_equals_cold(llm, k):
+    """The paper's workload: lengths k*C-1, k*C, k*C+1; 64-token greedy continuations."""
+    for i, n in enumerate([k * C - 1, k * C, k * C + 1]):
+        prompt = _prompt(n, seed=100 * k + i)
+        cold, reloaded = _cold_then_reloaded(llm, prompt, salt=f"sweep-{n}")
+        assert reloaded[2] == _strict_hit(n), f"length {n}"
+        assert reloaded[0] == cold[0], f"length {n}: continuation differs from cold"
+        assert reloaded[1] == cold[1], f"length {n}"
+
+
+def test_full_prompt_hit_without_strict_prefix_diverges(llm):
+    """Taking the strict-prefix rule out lets a k*C prompt resume at k*C: vLLM recomputes
+    the last token on a state that already holds it (seed 004), and the output drifts."""
+    diverged = []
+    for k in (1, 2, 3):
+        longer = _prompt(k * C + 1, seed=500 + k)
+        prompt = longer[: k * C]
+        salt = f"nonstrict-{k}"
+        (cold,) = _cold(llm, [prompt])
+        _run(llm, [longer], salt=salt)  # leaves a state snapshot at k*C on the server
+        llm.reset_prefix_cache()
+        (loose,) = _run(llm, [prompt], salt=salt, strict=False)
+        llm.reset_prefix_cache()
+        (strict,) = _run(llm, [prompt], salt=salt)
+        assert loose[2] == k * C  # the whole prompt came from the cache
+        # Strict: at most (k-1)*C; here 0, as the longer prompt's cold run left a state
+        # snapshot only at k*C (vLLM keeps the replay boundary, not every block).
+        assert strict[2] <= (k - 1) * C
+        assert strict[0] == cold[0] and strict[1] == cold[1]
+        diverged.append(loose[0] != cold[0] or abs(loose[1] - cold[1]) > 1e-3)
+    assert all(diverged), f"non-strict full hits should drift from cold: {diverged}"
+
+
+def test_different_cache_salt_gets_no_hit(llm):
+    prompt = _prompt(700, seed=7)
+    _run(llm, [prompt], salt="tenant-a", max_tokens=4)
+    llm.reset_prefix_cache()
+    (other,) = _run(llm, [prompt], salt="tenant-b", max_tokens=4)
+    assert other[2] == 0
+    llm.reset_prefix_cache()
+    (same,) = _run(llm, [prompt], salt="tenant-a", max_tokens=4)
+    assert same[2] == _strict_hit(700)
+
+
+def test_concurrent_requests_reload_their_own_prefixes(llm):
+    """Six prompts loaded in one batch each get their own chunks and states. Batched
+    numerics differ slightly from serial ones (see module docstring), so the check is
+    the hit, the first token and a close first log-prob; a mixed-up load would be far off."""
+    prompts = [_prompt(300 + 97 * i, seed=900 + i) for i in range(6)]
+    serial = [_run(llm, [p], salt=f"serial-{i}", max_tokens=1)[0] for i, p in enumerate(prompts)]
+    _run(llm, prompts, salt="batch", max_tokens=1)
+    llm.reset_prefix_cache()
+    reloaded = _run(llm, prompts, salt="batch", max_tokens=1)
+    for p, c, r in zip(prompts, serial, reloaded):
+        assert r[2] == _strict_hit(len(p))
+        assert r[0] == c[0]
+        assert r[1] == pytest.approx(c[1], abs=0.15)
+
+
+def test_server_killed_mid_run_serves_cold(llm, server):
+    prompt = _prompt(900, seed=11)
+    (cold,) = _run(llm, [prompt], salt="killed", max_tokens=16)  # cold, and saved
+    server.kill()
+    llm.reset_prefix_cache()
+    t0 = time.monotonic()
+    (after,) = _run(llm, [prompt], salt="killed", max_tokens=16)
+    assert time.monotonic() - t0 < 30
+    assert after[2] == 0
+    assert after[0] == cold[0]
+    # A restarted (empty) server is picked up again once the back-off has passed.
+    restarted = ServerProcess(
+        "--separate-object-groups", "--chunk-size", "256", "--l1-size-gb", "1",
+        port=server.port, http_port=server.http_port,
+    ).start()
+    try:
+        time.sleep(2.5)
+        _run(llm, [prompt], salt="killed", max_tokens=4)
+        _run(llm, [prompt], salt="killed", max_tokens=4)
+        llm.reset_prefix_cache()
+        (again,) = _run(llm, [prompt], salt="killed", max_tokens=16)
+        assert again[2] == _strict_hit(900)
+        assert again[0] == cold[0]
+        assert CacheClient(restarted.url).stats()["objects"] > 0
+    finally:
+        restarted.stop()
