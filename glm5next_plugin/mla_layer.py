@@ -13,7 +13,7 @@ is needed).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import torch
@@ -206,13 +206,21 @@ class SparseMLALayer(SparseMLAProjections, _attention_layer_base()):
                 f"glm5next plugin: kv cache dtype {cache_config.cache_dtype!r} is not supported; use 'auto'"
             )
         # One "head" holding the whole per-token row, no separate V.
-        return FullAttentionSpec(
+        spec = FullAttentionSpec(
             block_size=cache_config.block_size,
             num_kv_heads=1,
             head_size=self.row_size,
             head_size_v=0,
             dtype=model_config.dtype,
         )
+        # vLLM sized the unified block from its own idea of an attention page (the
+        # latent only, or a dense K/V page when MLA is disabled) and padded the KDA
+        # state page to it. Our page must not be the smaller one: vLLM would then grow
+        # our block size (not the state's), breaking align mode's shared block grid.
+        state_page = cache_config.mamba_page_size_padded or 0
+        if spec.page_size_bytes < state_page:
+            spec = replace(spec, page_size_padded=state_page)
+        return spec
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from vllm.forward_context import get_forward_context, is_forward_context_available

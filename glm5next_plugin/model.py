@@ -59,6 +59,23 @@ def check_supported(hf_config, vllm_config=None) -> None:
             )
 
 
+def _warn_if_cpu_disabled_prefix_caching(vllm_config) -> None:
+    """vLLM 0.32's CPU platform turns prefix caching and chunked prefill off for every
+    ``use_mla`` model unless the CPU has AMX (its AMX_MLA kernels). This plugin does not
+    use those kernels; with ``VLLM_MLA_DISABLE=1`` vLLM keeps both on and the plugin runs
+    the same way. Say so instead of silently losing the cache."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu() or not vllm_config.model_config.use_mla:
+        return
+    if torch.cpu._is_amx_tile_supported():
+        return
+    logger.warning(
+        "glm5next plugin: this CPU has no AMX, so vLLM disabled prefix caching and chunked prefill for "
+        "this MLA model; set VLLM_MLA_DISABLE=1 to keep align-mode prefix caching with the plugin"
+    )
+
+
 class DecoderLayer(nn.Module):
     """One layer: mHC around (attention or KDA), mHC around (dense MLP or MoE)."""
 
@@ -198,6 +215,7 @@ class Glm5NextForConditionalGeneration(nn.Module, *_vllm_interfaces()):
             if name.endswith("e_score_correction_bias"):
                 b.data = b.data.float()
         logger.info("glm5next plugin: running the plugin's PyTorch implementation (%s)", type(self).__module__)
+        _warn_if_cpu_disabled_prefix_caching(vllm_config)
 
     # --- vLLM model API -----------------------------------------------------------------
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:

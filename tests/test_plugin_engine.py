@@ -30,10 +30,19 @@ def ckpt(tmp_path_factory):
     return out
 
 
+def no_amx_env() -> dict[str, str]:
+    """vLLM 0.32 turns prefix caching off for MLA models on CPUs without AMX; with MLA
+    marked disabled it keeps it on, and the plugin (which uses no MLA kernel) is unchanged."""
+    return {} if torch.cpu._is_amx_tile_supported() else {"VLLM_MLA_DISABLE": "1"}
+
+
 @pytest.fixture(scope="module")
 def llm(ckpt):
     from vllm import LLM
 
+    mp = pytest.MonkeyPatch()
+    for k, v in no_amx_env().items():
+        mp.setenv(k, v)
     engine = LLM(
         model=str(ckpt),
         dtype="float32",
@@ -45,6 +54,7 @@ def llm(ckpt):
     )
     yield engine
     del engine
+    mp.undo()
 
 
 @pytest.fixture(scope="module")

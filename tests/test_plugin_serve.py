@@ -22,6 +22,13 @@ pytestmark = pytest.mark.engine
 STARTUP_TIMEOUT_S = 300
 
 
+def no_amx_env() -> dict[str, str]:
+    """Keep prefix caching on CPUs without AMX (see test_plugin_engine.no_amx_env)."""
+    import torch
+
+    return {} if torch.cpu._is_amx_tile_supported() else {"VLLM_MLA_DISABLE": "1"}
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -51,7 +58,7 @@ def server(tmp_path_factory):
             "--served-model-name", "glm5next-tiny",
             "--limit-mm-per-prompt", '{"image": 0, "video": 0}',
         ],
-        stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ), start_new_session=True,
+        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **no_amx_env()}, start_new_session=True,
     )
     base = f"http://127.0.0.1:{port}"
     deadline = time.time() + STARTUP_TIMEOUT_S

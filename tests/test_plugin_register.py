@@ -1,0 +1,75 @@
+"""Plugin registration and the hybrid-state declarations vLLM sizes its cache from."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import glm5next_plugin
+from glm5next_plugin import choose_impl
+
+
+def test_impl_choice_defaults_to_native_on_cuda_and_plugin_elsewhere(monkeypatch):
+    monkeypatch.delenv("GLM5NEXT_IMPL", raising=False)
+    assert choose_impl(is_cuda=True) == "native"
+    assert choose_impl(is_cuda=False) == "plugin"
+    monkeypatch.setenv("GLM5NEXT_IMPL", "plugin")
+    assert choose_impl(is_cuda=True) == "plugin"
+    monkeypatch.setenv("GLM5NEXT_IMPL", "native")
+    assert choose_impl(is_cuda=True) == "native"
+    with pytest.raises(ValueError, match="needs CUDA"):
+        choose_impl(is_cuda=False)
+    monkeypatch.setenv("GLM5NEXT_IMPL", "fast")
+    with pytest.raises(ValueError, match="expected"):
+        choose_impl(is_cuda=False)
+
+
+def test_register_is_idempotent_and_registers_the_plugin_class_on_cpu(monkeypatch):
+    from vllm import ModelRegistry
+
+    from glm5next_plugin.model import Glm5NextForConditionalGeneration
+
+    monkeypatch.delenv("GLM5NEXT_IMPL", raising=False)
+    monkeypatch.setattr(glm5next_plugin, "_registered_impl", None)
+    calls = []
+    real = ModelRegistry.register_model
+    monkeypatch.setattr(ModelRegistry, "register_model", lambda *a: (calls.append(a), real(*a)))
+    glm5next_plugin.register()
+    glm5next_plugin.register()
+    assert calls == [("Glm5NextForConditionalGeneration", Glm5NextForConditionalGeneration)]
+    assert ModelRegistry._try_load_model_cls("Glm5NextForConditionalGeneration") is Glm5NextForConditionalGeneration
+
+
+def _vllm_config(linear_heads=2, head_dim=16, kernel=4, tp=1, ssm_dtype="auto"):
+    text = SimpleNamespace(linear_num_heads=linear_heads, linear_head_dim=head_dim, linear_conv_kernel_dim=kernel)
+    return SimpleNamespace(
+        model_config=SimpleNamespace(hf_text_config=text, dtype=torch.float32),
+        cache_config=SimpleNamespace(mamba_cache_dtype="auto", mamba_ssm_cache_dtype=ssm_dtype),
+        parallel_config=SimpleNamespace(tensor_parallel_size=tp),
+        speculative_config=None,
+    )
+
+
+def test_kda_state_shapes_and_dtypes_follow_vllm_kda_layout():
+    from glm5next_plugin.model import Glm5NextForConditionalGeneration as M
+
+    # tiny checkpoint: conv keeps W-1 = 3 raw q|k|v inputs (3 * 2 * 16 channels, "SD"),
+    # recurrent is [H, V, K] fp32
+    assert M.get_mamba_state_shape_from_config(_vllm_config()) == ((3, 96), (2, 16, 16))
+    assert M.get_mamba_state_dtype_from_config(_vllm_config()) == (torch.float32, torch.float32)
+    # GLM-5.3-Flash: 64 heads x 128
+    assert M.get_mamba_state_shape_from_config(_vllm_config(64, 128)) == ((3, 24576), (64, 128, 128))
+    assert M.get_mamba_state_dtype_from_config(_vllm_config(ssm_dtype="bfloat16"))[1] == torch.bfloat16
+    conv_copy, rec_copy = M.get_mamba_state_copy_func()
+    assert conv_copy.__name__ == "get_conv_copy_spec" and rec_copy.__name__ == "get_temporal_copy_spec"
+
+
+def test_model_declares_hybrid_state_and_prefix_caching_support():
+    from vllm.model_executor.models.interfaces import has_inner_state, is_hybrid
+
+    from glm5next_plugin.model import Glm5NextForConditionalGeneration as M
+
+    assert is_hybrid(M) and has_inner_state(M)
+    assert M.supports_mamba_prefix_caching is True
