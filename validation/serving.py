@@ -121,6 +121,7 @@ class ChatResult:
     total_s: float
     prompt_tokens: int
     cached_tokens: int
+    token_ids: list[int] = field(default_factory=list)  # completions only
     token_logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[dict[str, float]] = field(default_factory=list)
 
@@ -135,12 +136,27 @@ def post_json(url: str, body: dict[str, Any], timeout_s: float = 600.0) -> dict[
 def chat(base_url: str, messages: list[dict[str, str]], max_tokens: int = 32, cache_salt: str | None = None,
          top_logprobs: int = 5, timeout_s: float = 600.0) -> ChatResult:
     """Greedy streamed chat completion; TTFT is the time to the first generated token."""
-    body: dict[str, Any] = {"model": "model", "messages": messages, "max_tokens": max_tokens, "temperature": 0.0,
-                            "stream": True, "stream_options": {"include_usage": True},
-                            "logprobs": True, "top_logprobs": top_logprobs}
+    body: dict[str, Any] = {"messages": messages, "logprobs": True, "top_logprobs": top_logprobs}
+    return _stream(base_url + "/v1/chat/completions", body, max_tokens, cache_salt, timeout_s)
+
+
+def complete(base_url: str, prompt_token_ids: list[int], max_tokens: int = 32, cache_salt: str | None = None,
+             kv_transfer_params: dict[str, Any] | None = None, top_logprobs: int = 5,
+             timeout_s: float = 600.0) -> ChatResult:
+    """Greedy streamed completion of a token-id prompt, returning the generated token ids."""
+    body: dict[str, Any] = {"prompt": prompt_token_ids, "logprobs": top_logprobs, "return_token_ids": True,
+                            "ignore_eos": True}
+    if kv_transfer_params:
+        body["kv_transfer_params"] = kv_transfer_params
+    return _stream(base_url + "/v1/completions", body, max_tokens, cache_salt, timeout_s)
+
+
+def _stream(url: str, body: dict[str, Any], max_tokens: int, cache_salt: str | None, timeout_s: float) -> ChatResult:
+    body = {**body, "model": "model", "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
+            "stream_options": {"include_usage": True}}
     if cache_salt:
         body["cache_salt"] = cache_salt
-    req = urllib.request.Request(base_url + "/v1/chat/completions", data=json.dumps(body).encode(), method="POST",
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
                                  headers={"Content-Type": "application/json"})
     t0 = time.perf_counter()
     ttft = None
@@ -155,10 +171,17 @@ def chat(base_url: str, messages: list[dict[str, str]], max_tokens: int = 32, ca
             for choice in event.get("choices", []):
                 if ttft is None:
                     ttft = time.perf_counter() - t0
-                text.append(choice.get("delta", {}).get("content") or "")
-                for lp in (choice.get("logprobs") or {}).get("content") or []:
-                    result.token_logprobs.append(lp["logprob"])
-                    result.top_logprobs.append({t["token"]: t["logprob"] for t in lp.get("top_logprobs", [])})
+                if "delta" in choice:  # chat
+                    text.append(choice["delta"].get("content") or "")
+                    for lp in (choice.get("logprobs") or {}).get("content") or []:
+                        result.token_logprobs.append(lp["logprob"])
+                        result.top_logprobs.append({t["token"]: t["logprob"] for t in lp.get("top_logprobs", [])})
+                else:  # completions
+                    text.append(choice.get("text") or "")
+                    result.token_ids.extend(choice.get("token_ids") or [])
+                    lps = choice.get("logprobs") or {}
+                    result.token_logprobs.extend(lps.get("token_logprobs") or [])
+                    result.top_logprobs.extend(lps.get("top_logprobs") or [])
             if event.get("usage"):
                 usage = event["usage"]
                 result.prompt_tokens = usage["prompt_tokens"]
