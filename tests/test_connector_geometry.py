@@ -1,0 +1,126 @@
+"""Connector geometry without an engine: strict prefix, negotiation, group resolution,
+start-up refusals, namespace fingerprint. Hand-built vLLM KV cache configs."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from connector.geometry import (
+    GeometryError,
+    engine_fingerprint,
+    negotiate_chunk_size,
+    resolve_geometry,
+    strict_prefix_chunks,
+)
+
+vkv = pytest.importorskip("vllm.v1.kv_cache_interface")
+
+
+def _attn(block: int = 1152) -> object:
+    return vkv.FullAttentionSpec(block_size=block, num_kv_heads=1, head_size=64, dtype=torch.bfloat16)
+
+
+def _state(block: int = 1152, mode: str = "align") -> object:
+    return vkv.MambaSpec(
+        block_size=block,
+        shapes=((3, 512), (2, 128, 128)),
+        dtypes=(torch.bfloat16, torch.float32),
+        mamba_cache_mode=mode,
+        page_size_padded=2 * block * 64 * 2,
+    )
+
+
+def _tail() -> object:
+    return vkv.CircularBufferSpec(block_size=32, num_kv_heads=1, head_size=64, dtype=torch.bfloat16)
+
+
+def _config(groups, prefix_caching: bool = True, model: str = "/ckpt/GLM-5.3-Flash", tp: int = 4):
+    kv = vkv.KVCacheConfig(
+        num_blocks=8,
+        kv_cache_tensors=[],
+        kv_cache_groups=[vkv.KVCacheGroupSpec([f"layers.{i}"], s) for i, s in enumerate(groups)],
+    )
+    vllm = SimpleNamespace(
+        cache_config=SimpleNamespace(
+            enable_prefix_caching=prefix_caching,
+            cache_dtype="auto",
+            mamba_cache_dtype="auto",
+            mamba_ssm_cache_dtype="auto",
+        ),
+        parallel_config=SimpleNamespace(
+            decode_context_parallel_size=1, tensor_parallel_size=tp, pipeline_parallel_size=1
+        ),
+        model_config=SimpleNamespace(
+            model=model, revision=None, dtype=torch.bfloat16, served_model_name=None
+        ),
+    )
+    return vllm, kv
+
+
+@pytest.mark.parametrize(
+    ("n", "c", "chunks"),
+    [(1, 256, 0), (255, 256, 0), (256, 256, 0), (257, 256, 1), (511, 256, 1), (512, 256, 1),
+     (513, 256, 2), (8507, 1152, 7), (2304, 1152, 1), (2305, 1152, 2)],
+)
+def test_full_hit_resumes_at_previous_chunk(n, c, chunks):
+    assert strict_prefix_chunks(n, c) == chunks
+    assert strict_prefix_chunks(n, c) * c < n  # never the whole prompt
+
+
+def test_chunk_negotiation_rounds_up_to_alignment():
+    assert negotiate_chunk_size(256, 1152) == 1152
+    assert negotiate_chunk_size(256, 256) == 256
+    assert negotiate_chunk_size(2000, 1152) == 2304
+    assert negotiate_chunk_size(256, 96) == 288
+
+
+def test_geometry_skips_scratch_group_and_takes_lcm():
+    vllm, kv = _config([_state(), _state(), _attn(1152), _tail()])
+    geo = resolve_geometry(vllm, kv)
+    assert geo.group_tokens_per_block == (1152, 1152, 1152, 0)
+    assert geo.scheduler_block_size == 1152
+    assert [g.group_id for g in geo.state_groups] == [0, 1]
+    assert [g.group_id for g in geo.attn_groups] == [2]
+    # State pages count their content, not the padding vLLM adds to match attention.
+    assert geo.state_groups[0].page_bytes == 3 * 512 * 2 + 2 * 128 * 128 * 4
+    assert geo.with_chunk_size(2304).chunk_size == 2304
+    assert "group_tokens_per_block=[1152, 1152, 1152, 0], scheduler_block_size=1152" in (
+        geo.with_chunk_size(1152).log_line()
+    )
+    with pytest.raises(GeometryError):
+        geo.with_chunk_size(1000)
+
+
+def test_mixed_block_spans_use_lcm():
+    vllm, kv = _config([_state(384), _attn(128)])
+    assert resolve_geometry(vllm, kv).scheduler_block_size == 384
+
+
+def test_prefix_caching_off_is_refused_naming_the_flag():
+    vllm, kv = _config([_state(), _attn()], prefix_caching=False)
+    with pytest.raises(GeometryError, match="--enable-prefix-caching"):
+        resolve_geometry(vllm, kv)
+
+
+def test_state_groups_without_align_snapshots_are_refused():
+    vllm, kv = _config([_state(mode="none"), _attn()])
+    with pytest.raises(GeometryError, match="mamba-cache-mode align"):
+        resolve_geometry(vllm, kv)
+
+
+def test_namespace_fingerprints_model_tp_and_geometry():
+    def ns(**kw):
+        groups = kw.pop("groups", [_state(), _attn()])
+        vllm, kv = _config(groups, **kw)
+        return engine_fingerprint(vllm, kv, resolve_geometry(vllm, kv))
+
+    base = ns()
+    assert base == ns()
+    assert base.startswith("GLM-5.3-Flash-")
+    assert ns(tp=2) != base
+    assert ns(model="/ckpt/other") != base
+    assert ns(groups=[_state(), _attn(), _attn()]) != base
+    assert ns(groups=[_state(2304), _attn(2304)]) != base
