@@ -2,13 +2,16 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo demo-server test bench clean
 
 setup:
 	@scripts/setup.sh
 
 demo: setup
 	$(PY) validation/demo.py
+
+demo-server: setup
+	$(PY) validation/demo_server.py
 
 test: setup
 	$(PY) -m pytest -q -p no:cacheprovider tests

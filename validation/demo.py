@@ -1,76 +1,143 @@
-"""Demo: a short client session against a real glm-cache-server.
+"""Demo: GLM-5.3-Flash (a generated tiny checkpoint) on vLLM with glm-cache-server.
 
-Starts the server, negotiates the chunk size the way a vLLM engine with GLM-5.3-Flash at
-TP 4 would (alignment 1152), stores a prompt's chunks as separate object groups (MLA
-latent + indexer per chunk, a KDA state at a chunk boundary), looks the prompt up by
-strict prefix and reads the hit back. The full engine demo replaces this once the
-connector and the plugin land.
+1. generates the checkpoint (random weights under the real tensor names, a small trained
+   tokenizer with a chat template), unless it is already there;
+2. starts ``glm-cache-server --separate-object-groups`` and ``vllm serve`` with
+   ``GlmCacheConnector``;
+3. runs a multi-turn document chat. Each turn is sent cold (a fresh ``cache_salt``, so no
+   cache can help), then under the conversation's salt (computed, stored in the server);
+4. resets vLLM's local prefix cache before resending each turn, so every reused token
+   comes from the cache server;
+5. prints cold vs reloaded TTFT, hit tokens and whether the outputs match;
+6. shuts everything down, also on Ctrl-C.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import random
 import sys
+import time
 import urllib.request
+import uuid
+from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 
 from cache_server.process import ServerProcess  # noqa: E402
-from connector.client import CacheClient  # noqa: E402
-from connector.keys import chunk_hashes  # noqa: E402
+from validation.serving import ChatResult, VllmServer, chat, connector_config  # noqa: E402
 
-ATTN_GROUP, STATE_GROUP = 4, 0  # group ids as vLLM numbers them: KDA state groups first
+WORDS = ("cache state token prompt model layer block chunk server engine request vector latent pool "
+         "index sparse expert router stream gate decay value key query memory host device prefix "
+         "resume snapshot boundary hash group").split()
+QUESTIONS = ["What does the report say about the cache?", "Which layer keeps a recurrent state?",
+             "How are snapshots kept at the chunk boundary?", "Summarise the third section please."]
+
+
+def document(n_sentences: int, seed: int) -> str:
+    rng = random.Random(seed)
+    sentences = []
+    for i in range(n_sentences):
+        words = [rng.choice(WORDS) for _ in range(rng.randint(6, 14))]
+        sentences.append(f"{i + 1}. " + " ".join(words).capitalize() + ".")
+    return " ".join(sentences)
+
+
+def ensure_checkpoint(path: Path) -> Path:
+    if (path / "config.json").exists():
+        print(f"[1/5] checkpoint: {path} (already there)")
+        return path
+    print(f"[1/5] generating the tiny GLM-5.3-Flash checkpoint into {path} ...", flush=True)
+    from glm5next_plugin.tiny_checkpoint import write_checkpoint
+
+    write_checkpoint(path)
+    return path
+
+
+def fmt_ms(seconds: float) -> str:
+    return f"{seconds * 1e3:8.1f}"
+
+
+def run(args: argparse.Namespace) -> int:
+    ckpt = ensure_checkpoint(Path(args.checkpoint))
+    print("[2/5] starting glm-cache-server ...", flush=True)
+    with ServerProcess("--separate-object-groups", "--l1-size-gb", "1", "--chunk-size", str(args.min_chunk)) as server:
+        print(f"      {server.url} (HTTP {server.http_url})")
+        print("[3/5] starting vllm serve with GlmCacheConnector (first start compiles; minutes on 2 cores) ...",
+              flush=True)
+        engine = VllmServer(ckpt, "--enforce-eager", "--max-num-batched-tokens", str(args.max_batched_tokens),
+                            kv_transfer_config=connector_config(server.url), max_model_len=args.max_model_len)
+        with engine:
+            geometry = [line.split("Resolved geometry:")[1].strip() for line in engine.log().splitlines()
+                        if "Resolved geometry:" in line]
+            negotiated = [line.split("INFO glm_cache_server: ")[1] for line in server.log().splitlines()
+                          if "Negotiated chunk size" in line]
+            print("      server:    ", negotiated[0] if negotiated else "(no negotiation logged)")
+            print("      connector: Resolved geometry:", geometry[0] if geometry else "(not logged)")
+
+            print(f"[4/5] {args.turns}-turn chat over a {args.sentences}-sentence document: cold, stored, then "
+                  "reloaded after resetting vLLM's local cache", flush=True)
+            chat(engine.base_url, [{"role": "user", "content": "warm up"}], 4)  # first-request costs out of the way
+            salt = f"demo-{uuid.uuid4().hex[:8]}"
+            messages = [{"role": "system", "content": "Answer from this document. " + document(args.sentences, 0)}]
+            rows: list[tuple[int, ChatResult, ChatResult]] = []
+            for turn in range(args.turns):
+                messages.append({"role": "user", "content": QUESTIONS[turn % len(QUESTIONS)]})
+                cold = chat(engine.base_url, messages, args.max_tokens, cache_salt=f"cold-{uuid.uuid4().hex}")
+                stored = chat(engine.base_url, messages, args.max_tokens, cache_salt=salt)
+                rows.append((turn + 1, cold, stored))
+                messages.append({"role": "assistant", "content": stored.text})
+                print(f"      turn {turn + 1}: {cold.prompt_tokens} prompt tokens, cold TTFT "
+                      f"{cold.ttft_s * 1e3:.0f} ms", flush=True)
+
+            # Resend every turn with vLLM's local cache emptied first: hits come from the server.
+            results = []
+            for i, (turn, cold, stored) in enumerate(rows):
+                replay = messages[: 2 + 2 * i]
+                if not engine.reset_prefix_cache():
+                    time.sleep(0.5)
+                    engine.reset_prefix_cache()
+                reloaded = chat(engine.base_url, replay, args.max_tokens, cache_salt=salt)
+                results.append((turn, cold, stored, reloaded))
+
+        print("[5/5] results")
+        print(f"{'turn':>4} {'prompt':>7} {'hit':>6} | {'cold TTFT ms':>12} {'reloaded ms':>12} {'speed-up':>8} | "
+              f"{'reloaded == cold':>16}")
+        all_match = True
+        for turn, cold, stored, reloaded in results:
+            match = reloaded.text == cold.text and reloaded.token_logprobs[:1] == cold.token_logprobs[:1]
+            all_match &= match
+            print(f"{turn:>4} {cold.prompt_tokens:>7} {reloaded.cached_tokens:>6} | {fmt_ms(cold.ttft_s):>12} "
+                  f"{fmt_ms(reloaded.ttft_s):>12} {cold.ttft_s / reloaded.ttft_s:>7.2f}x | {str(match):>16}")
+        with urllib.request.urlopen(server.http_url + "/status", timeout=5) as r:
+            status = json.loads(r.read())
+        print(f"server: {status['objects']} objects, bytes per group {status['bytes_by_group']}, "
+              f"{status['hits']} lookup hits, {status['misses']} misses, {status['evictions']} evictions")
+        print("outputs reloaded from the cache equal cold outputs:", all_match)
+        return 0 if all_match and all(r[3].cached_tokens > 0 for r in results) else 1
 
 
 def main() -> int:
-    with ServerProcess("--separate-object-groups", "--l1-size-gb", "0.5") as server, \
-            CacheClient(server.url, timeout_s=5.0) as client:
-        print(f"glm-cache-server running at {server.url}, HTTP {server.http_url}")
-        namespace = "demo:glm-5.3-flash:tp4"
-        hello = client.hello(namespace, alignment=1152)
-        chunk = hello["chunk_size"]
-        print(f"1. negotiation: alignment 1152, configured minimum {hello['min_chunk_size']} "
-              f"-> chunk size {chunk}")
-        print("   server log:", next(line for line in server.log().splitlines() if "Negotiated" in line))
-
-        rng = random.Random(0)
-        prompt = [rng.randrange(150_000) for _ in range(3 * chunk + 100)]
-        hashes = chunk_hashes(prompt, chunk, cache_salt="demo-user")
-        attn = [os.urandom(64 * 1024) for _ in hashes]  # stand-ins for MLA latent + indexer pages
-        state = os.urandom(256 * 1024)  # stand-in for every KDA layer's state at the boundary
-        results = client.put(namespace, [(h, ATTN_GROUP, 0, a) for h, a in zip(hashes, attn)])
-        results += client.put(namespace, [(hashes[-1], STATE_GROUP, 0, state)])
-        print(f"2. store: {len(prompt)} tokens -> {len(hashes)} whole chunks of attention objects and a KDA "
-              f"state at chunk {len(hashes)}: {results}")
-
-        n_strict = (len(prompt) - 1) // chunk
-        hit, lease = client.lookup(namespace, hashes[:n_strict], [ATTN_GROUP], [STATE_GROUP])
-        print(f"3. strict-prefix lookup of the same prompt: {hit} chunks = {hit * chunk} tokens of {len(prompt)} "
-              f"(at most C*floor((N-1)/C) = {chunk * n_strict}); the rest is recomputed")
-
-        got = client.get(namespace, [(h, ATTN_GROUP, 0) for h in hashes[:hit]] + [(hashes[hit - 1], STATE_GROUP, 0)])
-        ok = [bytes(g) for g in got] == attn[:hit] + [state]
-        client.release(lease)
-        print(f"4. hit: read back {sum(g.nbytes for g in got)} bytes, identical to what was stored: {ok}")
-
-        exact = [rng.randrange(150_000) for _ in range(2 * chunk)]
-        ex_hashes = chunk_hashes(exact, chunk, cache_salt="demo-user")
-        client.put(namespace, [(h, ATTN_GROUP, 0, b"a") for h in ex_hashes] + [(h, STATE_GROUP, 0, b"s") for h in ex_hashes])
-        ex_hit, _ = client.lookup(namespace, ex_hashes[:(len(exact) - 1) // chunk], [ATTN_GROUP], [STATE_GROUP],
-                                  lease=False)
-        print(f"5. a prompt of exactly {len(exact)} tokens, stored whole with states at both chunks, resumes at "
-              f"{ex_hit * chunk}, not {len(exact)}: the last chunk is recomputed, so the KDA state never sees a token "
-              "twice")
-        other = chunk_hashes(prompt, chunk, cache_salt="another-user")
-        print(f"6. the same prompt under another cache_salt: "
-              f"{client.lookup(namespace, other[:n_strict], [ATTN_GROUP], [STATE_GROUP])[0]} chunks hit")
-        with urllib.request.urlopen(server.http_url + "/status", timeout=5) as r:
-            status = json.loads(r.read())
-        print("7. /status:", json.dumps({k: status[k] for k in ("objects", "bytes_by_group", "hits", "misses",
-                                                                  "evictions", "active_leases")}))
-        return 0 if ok and hit == n_strict and ex_hit == 1 else 1
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--checkpoint", default=str(ROOT / "artifacts" / "glm5next-tiny"))
+    ap.add_argument("--turns", type=int, default=3)
+    ap.add_argument("--min-chunk", type=int, default=128,
+                    help="server --chunk-size. The tiny checkpoint's unified block is 128 tokens; 128 keeps the chunk "
+                         "equal to the block, as in production (1152 at TP 4), so vLLM's end-of-prompt state "
+                         "snapshot always falls on a chunk boundary")
+    ap.add_argument("--sentences", type=int, default=180, help="document length (~10 tokens a sentence)")
+    ap.add_argument("--max-tokens", type=int, default=24)
+    ap.add_argument("--max-model-len", type=int, default=8192)
+    ap.add_argument("--max-batched-tokens", type=int, default=2048)
+    args = ap.parse_args()
+    try:
+        return run(args)
+    except KeyboardInterrupt:
+        print("\ninterrupted: cache server and vllm serve were shut down", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":
