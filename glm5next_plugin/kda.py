@@ -58,8 +58,9 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | Non
         state = x.new_zeros(width - 1, x.shape[-1])
     full = torch.cat([state.to(x.dtype), x], dim=0)  # [W - 1 + T, C]
     windows = full.unfold(0, width, 1)  # [T, C, W]: window t covers full[t : t + W]
-    out = (windows * weight.to(x.dtype).unsqueeze(0)).sum(-1)
-    return F.silu(out), full[-(width - 1):].clone()
+    # in the weight's dtype (fp32 in the checkpoint), like the reference
+    out = (windows.to(weight.dtype) * weight.unsqueeze(0)).sum(-1)
+    return F.silu(out).to(x.dtype), full[-(width - 1):].clone()
 
 
 def kda_reference(

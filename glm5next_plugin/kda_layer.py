@@ -82,7 +82,7 @@ class KDAProjections(nn.Module):
             g = kda.safe_gate(raw, fg.dt_bias, fg.A_log, self.lower_bound)
         else:
             g = kda.softplus_gate(raw, fg.dt_bias, fg.A_log)
-        beta = torch.sigmoid(self.b_proj(x).float())
+        beta = torch.sigmoid(self.b_proj(x)).float()  # in the model dtype, as the reference
         out_gate = self.g_b_proj(self.g_a_proj(x)).view(t, self.num_heads, self.head_dim)
         return mixed, g, beta, out_gate
 
@@ -94,7 +94,7 @@ class KDAProjections(nn.Module):
         return q, kda.l2_normalize(k), v
 
     def output(self, core: torch.Tensor, out_gate: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        o = self.o_norm(core, out_gate).to(dtype)
+        o = self.o_norm(core.to(dtype), out_gate).to(dtype)
         return self.o_proj(o.reshape(o.shape[0], -1))
 
     def forward_sequence(
@@ -185,7 +185,8 @@ class KDAStateLayer(KDAProjections, _vllm_state_layer_base()):
             if dim_first:
                 conv_state = conv_state.transpose(1, 2)
             full = torch.cat([conv_state.to(mixed.dtype), mixed.unsqueeze(1)], dim=1)  # [B, W, C]
-            conv_out = torch.nn.functional.silu((full * self.conv_weight.to(full.dtype).t()).sum(1))
+            w = self.conv_weight
+            conv_out = torch.nn.functional.silu((full.to(w.dtype) * w.t()).sum(1)).to(mixed.dtype)
             new_conv = full[:, 1:]
             conv_cache[idx] = (new_conv.transpose(1, 2) if dim_first else new_conv).to(conv_cache.dtype)
             q, k, v = self.split_qkv(conv_out)

@@ -142,6 +142,19 @@ class Glm5NextModel(nn.Module):
         self.language_model = TextModel(config, vllm_config)
 
 
+# Kept in fp32 whatever the model dtype, as transformers does (_keep_in_fp32_modules_strict).
+FP32_TENSORS = ("A_log", "dt_bias", "conv1d.weight", "e_score_correction_bias")
+
+
+def cast_for_inference(module: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """Cast to ``dtype`` except the KDA gate/conv parameters and the router bias."""
+    module.to(dtype)
+    for name, t in [*module.named_parameters(), *module.named_buffers()]:
+        if name.endswith(FP32_TENSORS):
+            t.data = t.data.float()
+    return module
+
+
 def load_by_name(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], num_layers: int) -> set[str]:
     """Copy checkpoint tensors into ``module`` by exact name.
 
@@ -206,14 +219,7 @@ class Glm5NextForConditionalGeneration(nn.Module, *_vllm_interfaces()):
         dtype = vllm_config.model_config.dtype
         self.model = Glm5NextModel(self.config, vllm_config)
         self.lm_head = nn.Linear(self.config.hidden_size, self.config.vocab_size, bias=False)
-        # KDA gate parameters and the router bias stay fp32, as in the reference.
-        self.to(dtype)
-        for name, p in self.named_parameters():
-            if name.endswith(("A_log", "dt_bias")):
-                p.data = p.data.float()
-        for name, b in self.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.data = b.data.float()
+        cast_for_inference(self, dtype)
         logger.info("glm5next plugin: running the plugin's PyTorch implementation (%s)", type(self).__module__)
         _warn_if_cpu_disabled_prefix_caching(vllm_config)
 

@@ -7,11 +7,17 @@ import torch
 from torch import nn
 
 from glm5next_plugin import kda, sparse_mla, tiny_checkpoint
-from glm5next_plugin.model import Glm5NextModel, check_supported, load_by_name
+from glm5next_plugin.model import Glm5NextModel, cast_for_inference, check_supported, load_by_name
 
 # fp32 on both sides; the residual difference is summation order over 5 layers with
 # unit-scale random weights and 20 Sinkhorn iterations per mHC.
 FP32_LOGPROB_TOL = 2e-3
+# bf16: on a random-weight toy model, bf16 rounding flips discrete choices (MoE experts,
+# indexer top-k) in *both* implementations, so per-position maxima are large even for
+# transformers-bf16 vs transformers-fp32 (up to ~14 nats). What is stated instead: our
+# bf16 log-probs are, on average over positions and vocabulary, no further from the fp32
+# reference than transformers' own bf16 run is (factor BF16_MEAN_RATIO).
+BF16_MEAN_RATIO = 2.0
 
 
 def _kda_inputs(t: int, h: int = 2, d: int = 16, seed: int = 0):
@@ -118,6 +124,23 @@ def test_standalone_model_logprobs_match_transformers(both_models, t_len):
         a = ours.logprobs(ids)
         b = ref(input_ids=ids[None]).logits[0].log_softmax(-1)
     assert (a - b).abs().max().item() < FP32_LOGPROB_TOL
+
+
+@pytest.mark.parametrize("t_len", [150, 700])
+def test_bf16_logprobs_stay_as_close_to_fp32_reference_as_transformers_bf16(ckpt, both_models, t_len):
+    import copy
+
+    from transformers import Glm5NextForConditionalGeneration
+
+    ours32, ref32 = both_models
+    ours = cast_for_inference(copy.deepcopy(ours32), torch.bfloat16)
+    ref16 = Glm5NextForConditionalGeneration.from_pretrained(ckpt, dtype=torch.bfloat16).eval()
+    ids = torch.randint(16, 512, (t_len,), generator=torch.Generator().manual_seed(t_len))
+    with torch.no_grad():
+        exact = ref32(input_ids=ids[None]).logits[0].log_softmax(-1)
+        ours_err = (ours.logprobs(ids).float() - exact).abs().mean().item()
+        ref_err = (ref16(input_ids=ids[None]).logits[0].float().log_softmax(-1) - exact).abs().mean().item()
+    assert ours_err < BF16_MEAN_RATIO * ref_err + 0.02
 
 
 def test_weight_loading_names_missing_and_unexpected_tensors(ckpt):
