@@ -229,6 +229,7 @@ class GlmCacheConnector(KVConnectorBase_V1, SupportsHMA):
         self._link.hello = hello
         self._namespace = namespace
         logger.info("%s", self._geometry.log_line())
+        self._warn_if_chunk_exceeds_block()
         logger.info(
             "GlmCacheConnector: server %s, namespace %s, state groups %s, attention groups %s",
             self._url,
@@ -237,6 +238,26 @@ class GlmCacheConnector(KVConnectorBase_V1, SupportsHMA):
             [g.group_id for g in self._geometry.attn_groups],
         )
         return True
+
+    def _warn_if_chunk_exceeds_block(self) -> None:
+        """A chunk longer than vLLM's block needs state snapshots vLLM does not keep by
+        default: it ends prefill steps, and retains states, on its own block grid only."""
+        geo = self._geometry
+        if not geo.state_groups or geo.chunk_size == geo.scheduler_block_size:
+            return
+        sc = self._vllm_config.scheduler_config
+        retention = self._kv_cache_config.prefix_cache_retention_interval
+        if sc.max_num_batched_tokens % geo.chunk_size == 0 and retention == geo.chunk_size:
+            return
+        logger.warning(
+            "GlmCacheConnector: chunk size %d exceeds vLLM's block %d, so recurrent state "
+            "snapshots exist at chunk boundaries only where prefill steps end there; set "
+            "--max-num-batched-tokens to a multiple of %d and "
+            "--prefix-cache-retention-interval %d (or start glm-cache-server with "
+            "--chunk-size %d), otherwise many prompts will get no hit",
+            geo.chunk_size, geo.scheduler_block_size, geo.chunk_size, geo.chunk_size,
+            geo.scheduler_block_size,
+        )
 
     def _align_scheduler_block_size(self) -> None:
         """Keep the scheduler's block size equal to the state groups' block.

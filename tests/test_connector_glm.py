@@ -1,0 +1,108 @@
+"""GlmCacheConnector on the generated GLM-5.3-Flash checkpoint (the project's plugin:
+KDA state groups + sparse-MLA group), with a real glm-cache-server.
+
+The tiny checkpoint's unified block N is 128 while the server's minimum chunk is 256, so
+C = 2N: a chunk spans two attention blocks, and vLLM keeps state snapshots on its own
+128-token grid. The engine therefore runs with ``max_num_batched_tokens`` = C and
+``prefix_cache_retention_interval`` = C, so prefill steps end, and states are kept, on
+chunk boundaries (the connector warns at start-up when they are not). Requests are
+compared one at a time (see test_connector_e2e.py for why).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from cache_server.process import ServerProcess
+
+pytestmark = pytest.mark.engine
+
+C = 256
+CONTINUATION = 64
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(16, 512) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = ServerProcess("--separate-object-groups", "--chunk-size", "256", "--l1-size-gb", "1")
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory, server):
+    from vllm import LLM
+
+    from glm5next_plugin import tiny_checkpoint
+
+    ckpt = tmp_path_factory.mktemp("tiny_glm")
+    tiny_checkpoint.main([str(ckpt), "--seed", "3"])
+    mp = pytest.MonkeyPatch()
+    if not torch.cpu._is_amx_tile_supported():
+        # vLLM 0.32 turns prefix caching off for MLA models on CPUs without AMX (see
+        # tests/test_plugin_engine.py); the plugin uses no MLA kernel.
+        mp.setenv("VLLM_MLA_DISABLE", "1")
+    engine = LLM(
+        model=str(ckpt),
+        dtype="float32",
+        gpu_memory_utilization=0.15,
+        max_model_len=4096,
+        enable_prefix_caching=True,
+        enforce_eager=True,
+        max_num_batched_tokens=C,
+        prefix_cache_retention_interval=C,
+        seed=0,
+        kv_transfer_config={
+            "kv_connector": "GlmCacheConnector",
+            "kv_connector_module_path": "connector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"server": server.url},
+        },
+    )
+    yield engine
+    del engine
+    mp.undo()
+
+
+def _run(llm, prompt, salt, max_tokens=CONTINUATION):
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=1, ignore_eos=True)
+    (o,) = llm.generate([TokensPrompt(prompt_token_ids=prompt, cache_salt=salt)], params,
+                        use_tqdm=False)
+    c = o.outputs[0]
+    return list(c.token_ids), c.logprobs[0][c.token_ids[0]].logprob, o.num_cached_tokens or 0
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_glm_boundary_sweep_reloaded_equals_cold(llm, k):
+    for i, n in enumerate([k * C - 1, k * C, k * C + 1]):
+        prompt = _prompt(n, seed=40 * k + i)
+        salt = f"glm-sweep-{n}"
+        cold = _run(llm, prompt, salt)
+        llm.reset_prefix_cache()
+        reloaded = _run(llm, prompt, salt)
+        assert cold[2] == 0
+        assert reloaded[2] == C * ((n - 1) // C), f"length {n}"
+        assert reloaded[0] == cold[0], f"length {n}: continuation differs from cold"
+        assert reloaded[1] == cold[1], f"length {n}"
+
+
+def test_glm_reload_of_a_longer_prompt_mid_chunk(llm):
+    """1200 tokens: the strict prefix (1024) is a chunk boundary but not vLLM's replay
+    boundary (1152): the state there exists only because steps end on chunks."""
+    prompt = _prompt(1200, seed=77)
+    cold = _run(llm, prompt, "glm-1200", max_tokens=16)
+    llm.reset_prefix_cache()
+    reloaded = _run(llm, prompt, "glm-1200", max_tokens=16)
+    assert reloaded[2] == 1024
+    assert reloaded[0] == cold[0] and reloaded[1] == cold[1]
