@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import socket
@@ -49,6 +50,7 @@ class ServerProcess:
         self._log_file = open(self.log_path, "ab")
         self.proc = subprocess.Popen(cmd, stdout=self._log_file, stderr=subprocess.STDOUT,
                                      env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        atexit.register(self.stop)  # a notebook kernel or script that dies early leaves no server behind
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -66,6 +68,7 @@ class ServerProcess:
         """SIGTERM and wait; returns the exit code."""
         if self.proc is None:
             return None
+        atexit.unregister(self.stop)
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
@@ -73,7 +76,8 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        self._log_file.close()
+        if not self._log_file.closed:
+            self._log_file.close()
         return self.proc.returncode
 
     def kill(self) -> None:

@@ -7,6 +7,7 @@ report, log-probs of the generated tokens.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import signal
@@ -57,6 +58,7 @@ class VllmServer:
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=self.env,
                                      start_new_session=True)
+        atexit.register(self.stop)  # its own session: nothing else would stop it if we die early
         t0 = time.monotonic()
         while time.monotonic() - t0 < timeout_s:
             if self.proc.poll() is not None:
@@ -82,6 +84,7 @@ class VllmServer:
         """SIGINT the process group (vLLM shuts its engine core down), then SIGKILL if needed."""
         if self.proc is None:
             return
+        atexit.unregister(self.stop)
         if self.proc.poll() is None:
             for sig, wait in ((signal.SIGINT, timeout_s), (signal.SIGKILL, 10.0)):
                 try:
@@ -93,7 +96,8 @@ class VllmServer:
                     break
                 except subprocess.TimeoutExpired:
                     continue
-        self._log.close()
+        if not self._log.closed:
+            self._log.close()
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
