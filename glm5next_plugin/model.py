@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from .blocks import MLP, HyperConnection, MoE, RMSNorm
+from .checkpoint_names import canonical_names
 from .kda_layer import KDAProjections, KDAStateLayer, kda_state_dtype, kda_state_shape
 from .mla_layer import SparseMLALayer, SparseMLAProjections
 
@@ -155,12 +156,18 @@ def cast_for_inference(module: nn.Module, dtype: torch.dtype) -> nn.Module:
     return module
 
 
-def load_by_name(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], num_layers: int) -> set[str]:
-    """Copy checkpoint tensors into ``module`` by exact name.
+def load_by_name(
+    module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], num_layers: int, num_experts: int = 0
+) -> set[str]:
+    """Copy checkpoint tensors into ``module`` by name (transformers' names; with
+    ``num_experts``, the on-disk GLM spellings are converted first, see
+    :mod:`glm5next_plugin.checkpoint_names`).
 
     Vision-tower and MTP tensors are skipped (logged); any other unknown tensor, a shape
     mismatch, or a parameter left without a tensor raises with the names involved.
     """
+    if num_experts:
+        weights = canonical_names(weights, num_experts)
     params = dict(module.named_parameters())
     params.update(dict(module.named_buffers()))
     loaded: set[str] = set()
@@ -244,7 +251,7 @@ class Glm5NextForConditionalGeneration(nn.Module, *_vllm_interfaces()):
         return self.lm_head(hidden_states).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return load_by_name(self, weights, self.config.num_hidden_layers)
+        return load_by_name(self, weights, self.config.num_hidden_layers, self.config.n_routed_experts)
 
     # --- hybrid-state declarations (what vLLM's cache manager sizes from) ------------------
     @classmethod

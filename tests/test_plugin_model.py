@@ -160,6 +160,55 @@ def test_weight_loading_names_missing_and_unexpected_tensors(ckpt):
         load_by_name(_Standalone(cfg.text_config), extra.items(), n)
 
 
+def _on_disk_spelling(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The tiny checkpoint re-spelled the way published GLM checkpoints store tensors."""
+    out = {}
+    for name, t in weights.items():
+        if name.endswith("mlp.experts.gate_up_proj"):
+            prefix = name[: -len(".gate_up_proj")]
+            for e in range(t.shape[0]):
+                gate, up = t[e].chunk(2, dim=0)
+                out[f"{prefix}.{e}.gate_proj.weight"] = gate.clone()
+                out[f"{prefix}.{e}.up_proj.weight"] = up.clone()
+        elif name.endswith("mlp.experts.down_proj"):
+            prefix = name[: -len(".down_proj")]
+            for e in range(t.shape[0]):
+                out[f"{prefix}.{e}.down_proj.weight"] = t[e].clone()
+        elif name.endswith("self_attn.conv1d.weight"):
+            prefix = name[: -len(".conv1d.weight")]
+            for c, part in zip("qkv", t.squeeze(1).chunk(3, dim=0)):
+                out[f"{prefix}.{c}_conv1d.weight"] = part.clone()
+        else:
+            name = name.replace("self_attn.forget_gate.", "self_attn.")
+            for block in ("attn", "ffn"):
+                for leaf in ("fn", "base", "scale"):
+                    name = name.replace(f"{block}_hc.{leaf}", f"hc_{block}_{leaf}")
+            out[name] = t
+    return out
+
+
+def test_on_disk_glm_tensor_names_load_to_the_same_parameters(ckpt):
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(ckpt).text_config
+    weights = load_file(str(ckpt / "model.safetensors"))
+    disk = _on_disk_spelling(weights)
+    assert "model.language_model.layers.1.mlp.experts.7.up_proj.weight" in disk
+    assert "model.language_model.layers.0.hc_attn_fn" in disk
+    a, b = _Standalone(cfg), _Standalone(cfg)
+    load_by_name(a, weights.items(), cfg.num_hidden_layers, cfg.n_routed_experts)
+    load_by_name(b, disk.items(), cfg.num_hidden_layers, cfg.n_routed_experts)
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        assert torch.equal(sa[k], sb[k]), k
+    # an expert piece missing is named
+    del disk["model.language_model.layers.1.mlp.experts.3.down_proj.weight"]
+    with pytest.raises(ValueError, match="incomplete fused tensors.*layers.1.mlp.experts"):
+        load_by_name(_Standalone(cfg), disk.items(), cfg.num_hidden_layers, cfg.n_routed_experts)
+
+
 def test_quantized_checkpoints_are_refused_clearly(ckpt):
     from transformers import AutoConfig
 
