@@ -53,6 +53,8 @@ def llm(ckpt):
         seed=0,
     )
     yield engine
+    # stop the engine-core process now, not from a finalizer at interpreter exit
+    engine.llm_engine.engine_core.shutdown()
     del engine
     mp.undo()
 
