@@ -207,6 +207,7 @@ class GlmCacheConnector(KVConnectorBase_V1, SupportsHMA):
         self._finished_while_loading: set[str] = set()
         self._pending_loads: list[LoadJob] = []
         self._pending_saves: list[ObjectMove] = []
+        self._load_failed: set[str] = set()
         self._warned_block_size = False
         # Lease releases go to a background thread: the scheduler never waits on them.
         self._releaser = ThreadPoolExecutor(max_workers=1, thread_name_prefix="glm-release")
@@ -295,6 +296,8 @@ class GlmCacheConnector(KVConnectorBase_V1, SupportsHMA):
         self._align_scheduler_block_size()
         self._drop_lease(request.request_id)
         self._hits.pop(request.request_id, None)
+        if request.request_id in self._load_failed:
+            return 0, False
         if not self._negotiate() or not self._link.usable():
             return 0, False
         C = self._geometry.chunk_size
@@ -493,6 +496,8 @@ class GlmCacheConnector(KVConnectorBase_V1, SupportsHMA):
             self._finished_while_loading.discard(req_id)
             self._drop_lease(req_id)
         for req_id in connector_output.failed_recving or ():
+            # vLLM recomputes it from scratch; offering the same hit again would loop.
+            self._load_failed.add(req_id)
             tracked = self._tracked.get(req_id)
             if tracked is not None:
                 # The scheduler recomputes from 0: those chunks are ours to save again.
@@ -505,6 +510,7 @@ class GlmCacheConnector(KVConnectorBase_V1, SupportsHMA):
         req_id = request.request_id
         self._hits.pop(req_id, None)
         self._tracked.pop(req_id, None)
+        self._load_failed.discard(req_id)
         if req_id in self._inflight_loads:
             # A worker is still writing into these blocks: keep them until it reports.
             self._finished_while_loading.add(req_id)
@@ -589,6 +595,9 @@ class GlmCacheConnector(KVConnectorBase_V1, SupportsHMA):
             missing = [k for k, p in zip(keys, payloads) if p is None]
             if missing:
                 raise LookupError(f"{len(missing)} of {len(keys)} objects missing")
+            # Check every object before writing any: a bad one fails the load untouched.
+            for move, payload in zip(job.objects, payloads):
+                self._check_size(move, payload)
             for move, payload in zip(job.objects, payloads):
                 self._write(move, payload)
             ok = True
@@ -601,14 +610,16 @@ class GlmCacheConnector(KVConnectorBase_V1, SupportsHMA):
             if not ok:
                 self._loads_failed.add(job.req_id)
 
+    def _check_size(self, move: ObjectMove, payload: Any) -> None:
+        assert self._pages is not None
+        expected = self._pages.object_bytes(move.group_id, len(move.block_ids))
+        if len(payload) != expected:
+            raise ValueError(
+                f"object for group {move.group_id} has {len(payload)} bytes, expected {expected}"
+            )
+
     def _write(self, move: ObjectMove, payload: Any) -> None:
         assert self._pages is not None
-        page = self._pages.object_bytes(move.group_id, 1)
-        if len(payload) != page * len(move.block_ids):
-            raise ValueError(
-                f"object for group {move.group_id} has {len(payload)} bytes, "
-                f"expected {page * len(move.block_ids)}"
-            )
         if all(b is not None for b in move.block_ids):
             self._pages.write(move.group_id, move.block_ids, payload)  # type: ignore[arg-type]
             return

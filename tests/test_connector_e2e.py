@@ -188,6 +188,26 @@ def test_concurrent_requests_reload_their_own_prefixes(llm):
         assert r[1] == pytest.approx(c[1], abs=0.15)
 
 
+def test_corrupt_objects_fail_the_load_and_recompute(llm, server):
+    """Objects of the wrong size under the right keys: the lookup hits, the load fails,
+    vLLM is told (failed_recving) and recomputes; the output equals the cold one."""
+    from connector.keys import chunk_hashes
+
+    prompt = _prompt(800, seed=21)
+    (cold,) = _cold(llm, [prompt], max_tokens=16)
+    client = CacheClient(server.url)
+    stats = client.stats()
+    (namespace,) = stats["namespaces"]
+    groups = sorted(int(g) for g in stats["bytes_by_group"])
+    hashes = chunk_hashes(prompt, C, "corrupt")
+    results = client.put(namespace, [(h, g, 0, b"garbage") for h in hashes for g in groups])
+    assert set(results) == {"stored"}
+    llm.reset_prefix_cache()
+    (after,) = _run(llm, [prompt], salt="corrupt", max_tokens=16)
+    assert after[0] == cold[0]
+    assert after[1] == pytest.approx(cold[1], abs=1e-6)
+
+
 def test_server_killed_mid_run_serves_cold(llm, server):
     prompt = _prompt(900, seed=11)
     (cold,) = _run(llm, [prompt], salt="killed", max_tokens=16)  # cold, and saved
