@@ -78,8 +78,9 @@ def kda_reference(
     all fp32.
     """
     t_len, h, d = q.shape
-    s = torch.zeros(h, d, d) if state is None else state.float().clone()
-    out = torch.empty(t_len, h, d)
+    dev = q.device
+    s = torch.zeros(h, d, d, device=dev) if state is None else state.float().clone()
+    out = torch.empty(t_len, h, d, device=dev)
     for t in range(t_len):
         s = s * torch.exp(g[t].float()).unsqueeze(1)  # [H, V, K] * [H, 1, K]
         pred = torch.einsum("hvk,hk->hv", s, k[t].float())
@@ -133,8 +134,9 @@ def kda_chunked(
     ``G_t - G_s <= 0`` are exponentiated, so nothing overflows however long the chunk.
     """
     t_len, h, d = q.shape
-    s = torch.zeros(h, d, d) if state is None else state.float().clone()
-    out = torch.empty(t_len, h, d)
+    dev = q.device
+    s = torch.zeros(h, d, d, device=dev) if state is None else state.float().clone()
+    out = torch.empty(t_len, h, d, device=dev)
     q, k, v, g, beta = (x.float() for x in (q, k, v, g, beta))
     for start in range(0, t_len, chunk_size):
         end = min(start + chunk_size, t_len)
@@ -143,14 +145,14 @@ def kda_chunked(
         qc, kc, vc = (x[start:end].transpose(0, 1) for x in (q, k, v))
         gc = g[start:end].transpose(0, 1).cumsum(dim=1)  # G_t, [H, C, D]
         bc = beta[start:end].transpose(0, 1)  # [H, C]
-        causal = torch.ones(c, c, dtype=torch.bool).tril()
+        causal = torch.ones(c, c, dtype=torch.bool, device=dev).tril()
         diff = gc.unsqueeze(2) - gc.unsqueeze(1)  # [H, t, s, D] = G_t - G_s
         decay = torch.exp(diff.masked_fill(~causal[None, :, :, None], float("-inf")))
         kk = torch.einsum("htc,hsc,htsc->hts", kc, kc, decay)
         qk = torch.einsum("htc,hsc,htsc->hts", qc, kc, decay)
-        strict = torch.ones(c, c, dtype=torch.bool).tril(-1)
+        strict = torch.ones(c, c, dtype=torch.bool, device=dev).tril(-1)
         a = (bc.unsqueeze(-1) * kk).masked_fill(~strict, 0.0)
-        eye = torch.eye(c).expand(h, c, c)
+        eye = torch.eye(c, device=dev).expand(h, c, c)
         rhs = bc.unsqueeze(-1) * (vc - torch.einsum("hvk,htk->htv", s, kc * torch.exp(gc)))
         u = torch.linalg.solve_triangular(eye + a, rhs, upper=False, unitriangular=True)
         o = torch.einsum("hvk,htk->htv", s, qc * torch.exp(gc)) + torch.einsum("hts,hsv->htv", qk, u)

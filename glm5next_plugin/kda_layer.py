@@ -178,7 +178,7 @@ class KDAStateLayer(KDAProjections, _vllm_state_layer_base()):
         nd = md.num_decodes
         if nd > 0:
             # decodes come first, one token each: batch them
-            idx = torch.tensor(slots[:nd], dtype=torch.long)
+            idx = torch.tensor(slots[:nd], dtype=torch.long, device=x.device)
             xd = x[:nd]
             mixed, g, beta, out_gate = self.token_inputs(xd)
             conv_state = conv_cache[idx]

@@ -95,7 +95,7 @@ class SparseMLAProjections(nn.Module):
 
     def forward_sequence(self, x: torch.Tensor) -> torch.Tensor:
         """A whole fresh sequence (standalone use and tests)."""
-        return self.attend(x, self.cache_rows(x), torch.arange(x.shape[0]))
+        return self.attend(x, self.cache_rows(x), torch.arange(x.shape[0], device=x.device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Standalone: ``x`` is one whole fresh sequence."""
@@ -104,7 +104,7 @@ class SparseMLAProjections(nn.Module):
 
 @dataclass
 class SparseMLAMetadata:
-    """Per-step batch layout, as this layer reads it (all tensors on the host here)."""
+    """Per-step batch layout, as this layer reads it (lists on the host, tensors on the device)."""
 
     query_start_loc: list[int]
     seq_lens: list[int]
@@ -127,8 +127,8 @@ def _backend_classes():
             return SparseMLAMetadata(
                 query_start_loc=m.query_start_loc_cpu[: m.num_reqs + 1].tolist(),
                 seq_lens=m.seq_lens[: m.num_reqs].cpu().tolist(),
-                block_table=m.block_table_tensor[: m.num_reqs].cpu(),
-                slot_mapping=m.slot_mapping[: m.num_actual_tokens].cpu(),
+                block_table=m.block_table_tensor[: m.num_reqs],
+                slot_mapping=m.slot_mapping[: m.num_actual_tokens],
                 num_reqs=m.num_reqs,
                 num_actual_tokens=m.num_actual_tokens,
             )
@@ -244,9 +244,9 @@ class SparseMLALayer(SparseMLAProjections, _attention_layer_base()):
             if end == start:
                 continue
             seq_len = md.seq_lens[i]
-            pos = torch.arange(seq_len)
+            pos = torch.arange(seq_len, device=x.device)
             blocks = md.block_table[i, pos // bs].long()
             seq_rows = cache[blocks, pos % bs].to(x.dtype)
-            positions = torch.arange(seq_len - (end - start), seq_len)
+            positions = torch.arange(seq_len - (end - start), seq_len, device=x.device)
             out[start:end] = self.attend(x[start:end], seq_rows, positions)
         return out

@@ -57,8 +57,9 @@ def select_tokens(
     """
     n_pools = pooled.shape[0]
     t_len = index_q.shape[0]
-    token = torch.arange(seq_len)
-    mask = torch.zeros(t_len, seq_len, dtype=torch.bool)
+    dev = index_q.device
+    token = torch.arange(seq_len, device=dev)
+    mask = torch.zeros(t_len, seq_len, dtype=torch.bool, device=dev)
     # the query's own incomplete pool is always attended
     tail_start = positions + 1 - (positions + 1) % kpool
     mask |= (token[None, :] >= tail_start[:, None]) & (token[None, :] <= positions[:, None])
@@ -68,13 +69,13 @@ def select_tokens(
     scores = torch.einsum("thd,pd->thp", index_q.float(), pooled.float())
     scores = F.relu(scores * dk**-0.5)
     index_scores = torch.einsum("th,thp->tp", head_weights.float(), scores)
-    pool_end = torch.arange(n_pools) * kpool + kpool - 1
+    pool_end = torch.arange(n_pools, device=dev) * kpool + kpool - 1
     visible = pool_end[None, :] <= positions[:, None]  # [T, P]
     index_scores = index_scores.masked_fill(~visible, torch.finfo(index_scores.dtype).min)
     keep = min(topk // kpool, n_pools)
     chosen = index_scores.topk(keep, dim=-1).indices  # [T, keep]
     chosen_ok = visible.gather(1, chosen)
-    pool_mask = torch.zeros(t_len, n_pools, dtype=torch.bool)
+    pool_mask = torch.zeros(t_len, n_pools, dtype=torch.bool, device=dev)
     pool_mask.scatter_(1, chosen, chosen_ok)
     token_pool = (token // kpool).clamp(max=n_pools - 1)
     in_full_pool = token < n_pools * kpool

@@ -73,3 +73,23 @@ def test_model_declares_hybrid_state_and_prefix_caching_support():
 
     assert is_hybrid(M) and has_inner_state(M)
     assert M.supports_mamba_prefix_caching is True
+
+
+def test_mtp_parallelism_and_shared_indexers_are_refused_by_name(tmp_path):
+    from transformers import AutoConfig
+
+    from glm5next_plugin import tiny_checkpoint
+    from glm5next_plugin.model import check_supported
+
+    ckpt = tiny_checkpoint.write_checkpoint(tmp_path / "c", seed=0)
+    cfg = AutoConfig.from_pretrained(ckpt)
+    single = SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1)
+    check_supported(cfg, SimpleNamespace(speculative_config=None, parallel_config=single))
+    with pytest.raises(NotImplementedError, match="MTP"):
+        check_supported(cfg, SimpleNamespace(speculative_config=object(), parallel_config=single))
+    tp2 = SimpleNamespace(tensor_parallel_size=2, pipeline_parallel_size=1)
+    with pytest.raises(NotImplementedError, match="tensor/pipeline"):
+        check_supported(cfg, SimpleNamespace(speculative_config=None, parallel_config=tp2))
+    cfg.text_config.indexer_types = ["full", "full", "full", "full", "shared"]
+    with pytest.raises(NotImplementedError, match=r"'shared' indexer layers \[4\]"):
+        check_supported(cfg)
