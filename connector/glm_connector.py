@@ -199,6 +199,7 @@ class GlmCacheConnector(KVConnectorBase_V1, SupportsHMA):
             logger.info("GlmCacheConnector sets kv_load_failure_policy='recompute'")
             cfg.kv_load_failure_policy = "recompute"
         self._link = _ServerLink(self._url, self._timeout_s, self._retry_after_s)
+        self._logged_geometry: Geometry | None = None
         self._namespace = ""
         self._hits: dict[str, _Hit] = {}
         self._leases: dict[str, int] = {}
@@ -229,8 +230,10 @@ class GlmCacheConnector(KVConnectorBase_V1, SupportsHMA):
             return False
         self._link.hello = hello
         self._namespace = namespace
-        logger.info("%s", self._geometry.log_line())
-        self._warn_if_chunk_exceeds_block()
+        if self._geometry != self._logged_geometry:  # once, unless a new server differs
+            logger.info("%s", self._geometry.log_line())
+            self._warn_if_chunk_exceeds_block()
+            self._logged_geometry = self._geometry
         logger.info(
             "GlmCacheConnector: server %s, namespace %s, state groups %s, attention groups %s",
             self._url,
@@ -330,7 +333,9 @@ class GlmCacheConnector(KVConnectorBase_V1, SupportsHMA):
             return 0, False
         if lease_id is not None:
             self._leases[request.request_id] = lease_id
-        self._hits[request.request_id] = _Hit(start_chunk, n, num_computed_tokens)
+        self._hits[request.request_id] = _Hit(
+            start_chunk if want_load else 0, n, num_computed_tokens
+        )
         if n * C <= num_computed_tokens:
             self._drop_lease(request.request_id)
             return 0, False
@@ -351,6 +356,9 @@ class GlmCacheConnector(KVConnectorBase_V1, SupportsHMA):
             return
         if num_external_tokens == 0:
             self._drop_lease(req_id)
+            if hit.start_chunk == 0:
+                # The server holds attention for chunks [0, end_chunk): don't send them again.
+                tracked.saved_chunks = max(tracked.saved_chunks, hit.end_chunk)
             self._resave_local_state(request, blocks, hit)
             return
         C = self._geometry.chunk_size
