@@ -115,6 +115,22 @@ def test_greedy_decode_matches_transformers(llm, reference):
         seq.append(tok)
 
 
+def test_batched_requests_match_transformers_each(llm, reference):
+    """Several requests per step: prefills side by side, then decodes batched together."""
+    from vllm import SamplingParams
+
+    prompts = [_ids(n, seed=100 + n) for n in (37, 260, 610)]
+    sp = SamplingParams(max_tokens=6, temperature=0.0, logprobs=0, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        seq = list(prompt)
+        for tok, lp in zip(out.outputs[0].token_ids, out.outputs[0].logprobs):
+            ref = _reference_logprobs(reference, seq)[-1]
+            assert tok == int(ref.argmax())
+            assert abs(lp[tok].logprob - ref[tok].item()) < FP32_LOGPROB_TOL
+            seq.append(tok)
+
+
 def test_repeated_prompt_resumes_from_vllm_prefix_cache(llm):
     from vllm import SamplingParams
 
