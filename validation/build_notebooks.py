@@ -1,0 +1,319 @@
+"""Build (and with --execute, run) the validation notebooks.
+
+The cell sources live here, one list per notebook, so they are reviewed as code; the
+committed ``.ipynb`` files are this script's output, executed, with their plots.
+
+    python validation/build_notebooks.py --execute [NAME ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import nbformat
+from nbclient import NotebookClient
+
+HERE = Path(__file__).resolve().parent
+
+SETUP = '''\
+import json, random, sys, time, uuid
+from pathlib import Path
+
+ROOT = Path.cwd().resolve()
+while not (ROOT / "pyproject.toml").exists():
+    ROOT = ROOT.parent
+sys.path.insert(0, str(ROOT))
+
+import numpy as np
+import matplotlib.pyplot as plt
+from IPython.display import Markdown, display
+from scipy import stats
+
+from cache_server.process import ServerProcess
+from validation.serving import VllmServer, chat, complete, connector_config
+
+CKPT = ROOT / "artifacts" / "glm5next-tiny"
+if not (CKPT / "config.json").exists():
+    from glm5next_plugin.tiny_checkpoint import write_checkpoint
+    write_checkpoint(CKPT)
+
+# Chunk == vLLM's unified block (128 for this checkpoint), as in production (1152 at TP 4).
+server = ServerProcess("--separate-object-groups", "--l1-size-gb", "2", "--chunk-size", "128").start()
+engine = VllmServer(CKPT, "--enforce-eager", "--max-num-batched-tokens", "2048",
+                    kv_transfer_config=connector_config(server.url)).start(progress=False)
+chat(engine.base_url, [{"role": "user", "content": "warm up"}], 4)
+negotiated = [l.split(": ", 1)[1] for l in server.log().splitlines() if "Negotiated chunk size" in l][0]
+geometry = [l.split("Resolved geometry: ")[1] for l in engine.log().splitlines() if "Resolved geometry" in l][0]
+C = int(geometry.rsplit("chunk_size=", 1)[1])
+print(negotiated)
+print("Resolved geometry:", geometry)
+
+def reset_local_cache():
+    """Empty vLLM's local prefix cache, so a hit can only come from glm-cache-server."""
+    for _ in range(20):
+        if engine.reset_prefix_cache():
+            return
+        time.sleep(0.2)
+    raise RuntimeError("vLLM refused to reset its prefix cache")
+
+def strict_hit(n):
+    return C * ((n - 1) // C)
+
+def table(header, rows):
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(x) for x in row) + " |" for row in rows]
+    display(Markdown("\\n".join(lines)))
+'''
+
+TEARDOWN = '''\
+engine.stop()
+server_exit_code = server.stop()
+'''
+
+COLD_VS_RELOAD = [
+    ("markdown", """\
+# Cold vs reloaded log-probs (document QA)
+
+The seed recipe's validation (seeds/003) on our stack: GLM-5.3-Flash (a generated tiny
+checkpoint) in vLLM's CPU build with the plugin, `GlmCacheConnector` and
+`glm-cache-server`.
+
+* **Cold**: each prompt sent with a fresh `cache_salt`, so neither vLLM's prefix cache nor
+  the server can help.
+* **Reloaded**: each prompt stored once under the conversation's salt, vLLM's local prefix
+  cache reset, then sent again: every reused token comes from the cache server.
+
+On CPU the engine is deterministic, so instead of one prompt 16 times (as on GPUs, where
+run-to-run noise gives a distribution) we ask 16 different questions about one document:
+16 prompts, each cold and reloaded. The comparison is the first generated token's
+log-prob: its distribution under both conditions (Welch's t-test) and exact equality per
+prompt."""),
+    ("code", SETUP),
+    ("code", '''\
+WORDS = ("cache state token prompt model layer block chunk server engine request vector latent pool "
+         "index sparse expert router stream gate decay value key query memory host device prefix "
+         "resume snapshot boundary hash group").split()
+rng = random.Random(0)
+doc = " ".join(f"{i + 1}. " + " ".join(rng.choice(WORDS) for _ in range(rng.randint(6, 14))).capitalize() + "."
+               for i in range(160))
+questions = [f"Question {i + 1}: what does sentence {rng.randint(1, 160)} say about the {rng.choice(WORDS)}?"
+             for i in range(16)]
+prompts = [[{"role": "system", "content": "Answer from this document. " + doc}, {"role": "user", "content": q}]
+           for q in questions]
+
+cold = [chat(engine.base_url, p, max_tokens=16, cache_salt=f"cold-{uuid.uuid4().hex}") for p in prompts]
+salt = f"qa-{uuid.uuid4().hex[:8]}"
+for p in prompts:
+    chat(engine.base_url, p, max_tokens=16, cache_salt=salt)  # computed and stored
+reloaded = []
+for p in prompts:
+    reset_local_cache()
+    reloaded.append(chat(engine.base_url, p, max_tokens=16, cache_salt=salt))
+print(f"{len(prompts)} prompts of {min(r.prompt_tokens for r in cold)}-{max(r.prompt_tokens for r in cold)} tokens")
+'''),
+    ("code", '''\
+rows = []
+for i, (c, r) in enumerate(zip(cold, reloaded)):
+    rows.append((i + 1, c.prompt_tokens, c.cached_tokens, r.cached_tokens, strict_hit(c.prompt_tokens),
+                 f"{c.token_logprobs[0]:.6f}", f"{r.token_logprobs[0]:.6f}", c.text == r.text))
+table(["prompt", "tokens", "cold hit", "reloaded hit", "C*floor((N-1)/C)", "cold first log-prob",
+       "reloaded first log-prob", "same tokens"], rows)
+'''),
+    ("code", '''\
+cold_lp = np.array([c.token_logprobs[0] for c in cold])
+rel_lp = np.array([r.token_logprobs[0] for r in reloaded])
+fig, ax = plt.subplots(figsize=(7, 3.5))
+bins = np.linspace(min(cold_lp.min(), rel_lp.min()) - 0.05, max(cold_lp.max(), rel_lp.max()) + 0.05, 20)
+ax.hist(cold_lp, bins=bins, alpha=0.6, label=f"cold (mean {cold_lp.mean():.3f})")
+ax.hist(rel_lp, bins=bins, alpha=0.6, histtype="step", linewidth=2, label=f"reloaded (mean {rel_lp.mean():.3f})")
+ax.set_xlabel("log-prob of the first generated token")
+ax.set_ylabel("prompts")
+ax.set_title("First-token log-prob: cold vs reloaded from glm-cache-server")
+ax.legend()
+plt.tight_layout()
+plt.show()
+'''),
+    ("code", '''\
+t = stats.ttest_ind(cold_lp, rel_lp, equal_var=False)
+exact_lp = int(np.sum(cold_lp == rel_lp))
+exact_tokens = sum(c.text == r.text for c, r in zip(cold, reloaded))
+hits = [r.cached_tokens for r in reloaded]
+print(f"Welch's t-test: t = {t.statistic:.4f}, p = {t.pvalue:.4f}")
+print(f"first-token log-prob exactly equal: {exact_lp}/{len(cold)}")
+print(f"generated tokens exactly equal:     {exact_tokens}/{len(cold)}")
+print(f"reloaded hit tokens: {min(hits)}-{max(hits)} (mean {np.mean(hits):.0f}); cold hit tokens: "
+      f"{sum(c.cached_tokens for c in cold)}")
+assert all(c.cached_tokens == 0 for c in cold), "a cold run was served from a cache"
+assert all(0 < h <= strict_hit(r.prompt_tokens) for h, r in zip(hits, reloaded)), "hit outside the strict prefix"
+assert exact_tokens == len(cold) and exact_lp == len(cold), "a reloaded output differs from cold"
+'''),
+    ("code", TEARDOWN),
+]
+
+BOUNDARY_SWEEP = [
+    ("markdown", """\
+# Boundary sweep (the paper's nine-length serial workload)
+
+Prompt lengths `k*C-1`, `k*C`, `k*C+1` for k = 1, 2, 3 around the negotiated chunk `C`,
+served one at a time: each prompt cold (fresh `cache_salt`), then stored (itself and, as a
+later conversation turn would, a prompt one token longer), vLLM's local cache reset, and
+reloaded; 64-token greedy continuations compared token by token.
+
+With the strict-prefix rule a hit is at most `C*floor((N-1)/C)` tokens, so a prompt of
+exactly `k*C` tokens resumes one chunk early and recomputes it. The last section turns the
+rule off for diagnosis (`kv_transfer_params: {"glm_strict_prefix": false}`, a connector
+setting not for production) to show what it prevents: seed 004's bug, where a full hit
+restores the KDA state after all N tokens while vLLM recomputes the last one."""),
+    ("code", SETUP),
+    ("code", '''\
+def sweep(strict, seed):
+    rows = []
+    rng = random.Random(seed)
+    for k in (1, 2, 3):
+        for n in (k * C - 1, k * C, k * C + 1):
+            prompt = [rng.randrange(16, 500) for _ in range(n)]
+            params = None if strict else {"glm_strict_prefix": False}
+            cold = complete(engine.base_url, prompt, 64, cache_salt=f"cold-{uuid.uuid4().hex}")
+            salt = f"sweep-{uuid.uuid4().hex[:8]}"
+            complete(engine.base_url, prompt, 64, cache_salt=salt)
+            # A later turn of the same conversation: its prompt extends this one, so its
+            # computation leaves a KDA snapshot where this prompt ends when that is a chunk boundary.
+            complete(engine.base_url, prompt + [rng.randrange(16, 500)], 1, cache_salt=salt)
+            reset_local_cache()
+            rel = complete(engine.base_url, prompt, 64, cache_salt=salt, kv_transfer_params=params)
+            first_diff = next((i for i, (a, b) in enumerate(zip(cold.token_ids, rel.token_ids)) if a != b), None)
+            rows.append(dict(n=n, hit=rel.cached_tokens, strict=strict_hit(n),
+                             match=cold.token_ids == rel.token_ids, first_diff=first_diff,
+                             dlogprob=abs(cold.token_logprobs[0] - rel.token_logprobs[0])))
+    return rows
+
+strict_rows = sweep(strict=True, seed=1)
+table(["length", "hit tokens", "C*floor((N-1)/C)", "64 tokens match", "first differing token",
+       "|first log-prob diff|"],
+      [(r["n"], r["hit"], r["strict"], r["match"], r["first_diff"], f"{r['dlogprob']:.2e}") for r in strict_rows])
+print(f"strict prefix: {sum(r['match'] for r in strict_rows)}/{len(strict_rows)} continuations identical to cold")
+assert all(r["hit"] == r["strict"] for r in strict_rows), "hit is not the strict prefix"
+assert all(r["match"] for r in strict_rows), "a reloaded continuation differs from cold"
+'''),
+    ("markdown", """\
+## Diagnostic: strict prefix off
+
+Same workload with the rule disabled per request. At lengths `k*C` the lookup may now
+cover the whole prompt: the state stored at `k*C` already holds the prompt's last token,
+vLLM recomputes that token to get logits, and the KDA state sees it twice."""),
+    ("code", '''\
+loose_rows = sweep(strict=False, seed=1)
+table(["length", "hit tokens", "C*floor((N-1)/C)", "64 tokens match", "first differing token",
+       "|first log-prob diff|"],
+      [(r["n"], r["hit"], r["strict"], r["match"], r["first_diff"], f"{r['dlogprob']:.2e}") for r in loose_rows])
+full = [r for r in loose_rows if r["n"] % C == 0]
+print(f"strict prefix off: {sum(r['match'] for r in loose_rows)}/{len(loose_rows)} identical; at k*C lengths "
+      f"{sum(not r['match'] for r in full)}/{len(full)} diverge")
+assert all(r["hit"] == r["n"] for r in full), "without strict prefix a k*C prompt should hit in full"
+'''),
+    ("code", '''\
+fig, ax = plt.subplots(figsize=(7, 3.2))
+x = np.arange(len(strict_rows))
+ax.bar(x - 0.2, [r["dlogprob"] + 1e-12 for r in strict_rows], 0.4, label="strict prefix (default)")
+ax.bar(x + 0.2, [r["dlogprob"] + 1e-12 for r in loose_rows], 0.4, label="strict prefix off (diagnosis)")
+ax.set_yscale("log")
+ax.set_xticks(x, [str(r["n"]) for r in strict_rows])
+ax.set_xlabel("prompt length (tokens)")
+ax.set_ylabel("|first-token log-prob: reloaded - cold|")
+ax.set_title(f"Boundary sweep around C = {C}")
+ax.legend()
+plt.tight_layout()
+plt.show()
+'''),
+    ("code", TEARDOWN),
+]
+
+TTFT = [
+    ("markdown", """\
+# Time to first token: cold vs reloaded from glm-cache-server vs vLLM's local hit
+
+For each prompt length: a cold send (fresh `cache_salt`), a send that stores, a resend
+that hits vLLM's own prefix cache, and a resend after resetting vLLM's local cache, which
+reloads from glm-cache-server. Median of three rounds, measured from a streaming client.
+The tiny checkpoint makes prefill cheap, so absolute times are small and the ratios say
+more than the milliseconds."""),
+    ("code", SETUP),
+    ("code", '''\
+lengths = [512, 1024, 2048, 4096, 8000]
+rounds = 3
+results = {n: {"cold": [], "reloaded": [], "local": [], "hit": []} for n in lengths}
+rng = random.Random(2)
+for rnd in range(rounds):
+    for n in lengths:
+        prompt = [rng.randrange(16, 500) for _ in range(n)]
+        results[n]["cold"].append(complete(engine.base_url, prompt, 4, cache_salt=f"cold-{uuid.uuid4().hex}").ttft_s)
+        salt = f"ttft-{uuid.uuid4().hex[:8]}"
+        complete(engine.base_url, prompt, 4, cache_salt=salt)
+        results[n]["local"].append(complete(engine.base_url, prompt, 4, cache_salt=salt).ttft_s)
+        reset_local_cache()
+        r = complete(engine.base_url, prompt, 4, cache_salt=salt)
+        results[n]["reloaded"].append(r.ttft_s)
+        results[n]["hit"].append(r.cached_tokens)
+med = {n: {k: float(np.median(v)) for k, v in d.items()} for n, d in results.items()}
+table(["prompt tokens", "hit tokens (reloaded)", "cold ms", "reloaded ms", "local hit ms", "reloaded / cold"],
+      [(n, int(med[n]["hit"]), f"{med[n]['cold'] * 1e3:.1f}", f"{med[n]['reloaded'] * 1e3:.1f}",
+        f"{med[n]['local'] * 1e3:.1f}", f"{med[n]['reloaded'] / med[n]['cold']:.2f}") for n in lengths])
+'''),
+    ("code", '''\
+fig, ax = plt.subplots(figsize=(7, 3.8))
+for key, label in (("cold", "cold"), ("reloaded", "reloaded from glm-cache-server"), ("local", "vLLM local hit")):
+    ax.plot(lengths, [med[n][key] * 1e3 for n in lengths], marker="o", label=label)
+ax.set_xlabel("prompt tokens")
+ax.set_ylabel("TTFT (ms, median, log scale)")
+ax.set_yscale("log")
+ax.set_title("Time to first token, GLM-5.3-Flash tiny on CPU")
+ax.legend()
+plt.tight_layout()
+plt.show()
+assert all(med[n]["hit"] == strict_hit(n) for n in lengths), "reloaded hit is not the strict prefix"
+'''),
+    ("code", TEARDOWN),
+]
+
+NOTEBOOKS = {"cold_vs_reload": COLD_VS_RELOAD, "boundary_sweep": BOUNDARY_SWEEP, "ttft": TTFT}
+
+
+def build(name: str) -> nbformat.NotebookNode:
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    for kind, source in NOTEBOOKS[name]:
+        cell = nbformat.v4.new_markdown_cell(source) if kind == "markdown" else nbformat.v4.new_code_cell(source)
+        nb.cells.append(cell)
+    return nb
+
+
+def execute(nb: nbformat.NotebookNode, timeout_s: int = 900) -> nbformat.NotebookNode:
+    """Run a notebook headless in validation/ (raises CellExecutionError on a failing cell)."""
+    NotebookClient(nb, timeout=timeout_s, kernel_name="python3", resources={"metadata": {"path": str(HERE)}}).execute()
+    return nb
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("names", nargs="*", default=list(NOTEBOOKS), help=f"any of {', '.join(NOTEBOOKS)}")
+    ap.add_argument("--execute", action="store_true", help="run each notebook and save it with its outputs")
+    args = ap.parse_args()
+    unknown = set(args.names) - set(NOTEBOOKS)
+    if unknown:
+        ap.error(f"unknown notebooks {sorted(unknown)}; expected {', '.join(NOTEBOOKS)}")
+    for name in args.names:
+        nb = build(name)
+        if args.execute:
+            t0 = time.monotonic()
+            print(f"executing {name} ...", flush=True)
+            execute(nb)
+            print(f"  done in {time.monotonic() - t0:.0f}s", flush=True)
+        nbformat.write(nb, HERE / f"{name}.ipynb")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
