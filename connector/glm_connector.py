@@ -28,6 +28,14 @@ never a stalled engine. Extra config keys (``kv_connector_extra_config``):
 ``strict_prefix``    diagnostic only: false lets a hit cover the whole prompt, the bug of
                      seed 004 (default true). Per request: ``kv_transfer_params``
                      ``{"glm_strict_prefix": false}``.
+
+Which recurrent states exist: vLLM (align mode) snapshots the state where a prefill step
+ends on its block grid and keeps the snapshots its retention policy names (by default the
+prompt's replay boundary ``N * floor((len-1)/N)``); the scheduler hands each kept one to
+us as a boundary offload, and we save those on chunk boundaries. With C == N (production:
+1152 at TP 4) the replay boundary is the strict-prefix boundary. With C > N, run vLLM with
+``--max-num-batched-tokens`` a multiple of C and ``--prefix-cache-retention-interval C``
+(one state per chunk) or give the server ``--chunk-size N``; the connector warns otherwise.
 """
 
 from __future__ import annotations
@@ -72,6 +80,13 @@ if TYPE_CHECKING:
 logger = init_logger("vllm.glm_cache_connector")
 
 _CLIENT_ERRORS = (CacheServerUnavailable, CacheServerError, OSError)
+
+
+def _flag(value: Any) -> bool:
+    """A boolean setting from JSON or a CLI string ("false" is False)."""
+    if isinstance(value, str):
+        return value.strip().lower() not in ("0", "false", "no", "off", "")
+    return bool(value)
 
 
 # --------------------------------------------------------------------------------------
@@ -167,8 +182,8 @@ class GlmCacheConnector(KVConnectorBase_V1, SupportsHMA):
         self._url = str(cfg.get_from_extra_config("server", "tcp://127.0.0.1:5555"))
         self._timeout_s = float(cfg.get_from_extra_config("timeout_s", 2.0))
         self._retry_after_s = float(cfg.get_from_extra_config("retry_after_s", 5.0))
-        self._save_decode = bool(cfg.get_from_extra_config("save_decode", False))
-        self._strict_prefix = bool(cfg.get_from_extra_config("strict_prefix", True))
+        self._save_decode = _flag(cfg.get_from_extra_config("save_decode", False))
+        self._strict_prefix = _flag(cfg.get_from_extra_config("strict_prefix", True))
         self._max_pending_save_bytes = int(
             cfg.get_from_extra_config("max_pending_save_bytes", 1 << 30)
         )
@@ -205,7 +220,6 @@ class GlmCacheConnector(KVConnectorBase_V1, SupportsHMA):
         self._leases: dict[str, int] = {}
         self._tracked: dict[str, _Tracked] = {}
         self._inflight_loads: set[str] = set()
-        self._finished_while_loading: set[str] = set()
         self._pending_loads: list[LoadJob] = []
         self._pending_saves: list[ObjectMove] = []
         self._load_failed: set[str] = set()
@@ -291,7 +305,7 @@ class GlmCacheConnector(KVConnectorBase_V1, SupportsHMA):
 
     def _strict(self, request: Request) -> bool:
         params = request.kv_transfer_params or {}
-        return bool(params.get("glm_strict_prefix", self._strict_prefix))
+        return _flag(params.get("glm_strict_prefix", self._strict_prefix))
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
@@ -501,7 +515,6 @@ class GlmCacheConnector(KVConnectorBase_V1, SupportsHMA):
         done = set(connector_output.finished_recving or ())
         for req_id in done:
             self._inflight_loads.discard(req_id)
-            self._finished_while_loading.discard(req_id)
             self._drop_lease(req_id)
         for req_id in connector_output.failed_recving or ():
             # vLLM recomputes it from scratch; offering the same hit again would loop.
@@ -521,7 +534,6 @@ class GlmCacheConnector(KVConnectorBase_V1, SupportsHMA):
         self._load_failed.discard(req_id)
         if req_id in self._inflight_loads:
             # A worker is still writing into these blocks: keep them until it reports.
-            self._finished_while_loading.add(req_id)
             return True, None
         self._drop_lease(req_id)
         return False, None
@@ -559,10 +571,12 @@ class GlmCacheConnector(KVConnectorBase_V1, SupportsHMA):
     # ==================================================================================
 
     def _init_worker(self) -> None:
-        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+        from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
 
+        # One object per (chunk, group, rank): the rank is the worker's place in TP x PP.
         try:
-            self._rank = get_tensor_model_parallel_rank()
+            tp = self._vllm_config.parallel_config.tensor_parallel_size
+            self._rank = get_pp_group().rank_in_group * tp + get_tensor_model_parallel_rank()
         except (AssertionError, RuntimeError):
             self._rank = 0
         self._pages = None

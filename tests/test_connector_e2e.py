@@ -208,6 +208,22 @@ def test_corrupt_objects_fail_the_load_and_recompute(llm, server):
     assert after[1] == pytest.approx(cold[1], abs=1e-6)
 
 
+def test_reset_with_connector_clears_the_engines_entries(llm, server):
+    prompt = _prompt(600, seed=31)
+    _run(llm, [prompt], salt="reset-connector", max_tokens=2)
+    assert "Negotiated chunk size to 256" in server.log()
+    client = CacheClient(server.url)
+    counts = [client.stats()["objects"]]
+    while len(counts) < 3 or counts[-1] != counts[-2]:  # saves are sent in the background
+        time.sleep(0.2)
+        counts.append(client.stats()["objects"])
+    assert counts[-1] > 0
+    assert llm.reset_prefix_cache(reset_connector=True)
+    assert client.stats()["objects"] == 0
+    (after,) = _run(llm, [prompt], salt="reset-connector", max_tokens=2)
+    assert after[2] == 0
+
+
 def test_server_killed_mid_run_serves_cold(llm, server):
     prompt = _prompt(900, seed=11)
     (cold,) = _run(llm, [prompt], salt="killed", max_tokens=16)  # cold, and saved
