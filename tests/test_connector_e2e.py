@@ -208,6 +208,38 @@ def test_corrupt_objects_fail_the_load_and_recompute(llm, server):
     assert after[1] == pytest.approx(cold[1], abs=1e-6)
 
 
+def test_abort_during_external_load_keeps_the_engine_healthy(llm, server):
+    """A request aborted while its blocks are being loaded: the connector keeps the blocks
+    until the worker reports the load, its lease is released, and the engine goes on."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    prompt = _prompt(1100, seed=41)
+    (cold,) = _run(llm, [prompt], salt="abort", max_tokens=8)
+    engine = llm.llm_engine
+    for attempt in range(3):
+        llm.reset_prefix_cache()
+        req_id = f"abort-{attempt}"
+        engine.add_request(req_id, TokensPrompt(prompt_token_ids=prompt, cache_salt="abort"),
+                           SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+        engine.step()  # schedules the external load
+        engine.abort_request([req_id])
+        for _ in range(50):
+            if not engine.has_unfinished_requests():
+                break
+            engine.step()
+        assert not engine.has_unfinished_requests()
+    client = CacheClient(server.url)
+    deadline = time.monotonic() + 10
+    while client.stats()["active_leases"] and time.monotonic() < deadline:
+        time.sleep(0.1)  # releases are sent from a background thread
+    assert client.stats()["active_leases"] == 0
+    llm.reset_prefix_cache()
+    (after,) = _run(llm, [prompt], salt="abort", max_tokens=8)
+    assert after[2] == _strict_hit(1100)
+    assert after[0] == cold[0]
+
+
 def test_reset_with_connector_clears_the_engines_entries(llm, server):
     prompt = _prompt(600, seed=31)
     _run(llm, [prompt], salt="reset-connector", max_tokens=2)
