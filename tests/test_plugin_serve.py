@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -46,7 +47,11 @@ def _post(url: str, body: dict) -> tuple[int, dict]:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    ckpt = tiny_checkpoint.write_checkpoint(tmp_path_factory.mktemp("tiny_serve"), seed=4)
+    # A larger KDA state (8 heads x 64) than the default, so vLLM must grow the unified
+    # block beyond the CPU default of 128 to fit one state per attention page.
+    ckpt = tiny_checkpoint.write_checkpoint(
+        tmp_path_factory.mktemp("tiny_serve"), seed=4, linear_num_heads=8, linear_head_dim=64
+    )
     port = _free_port()
     vllm_bin = Path(sys.executable).with_name("vllm")
     log = open(ckpt / "serve.log", "w")
@@ -54,7 +59,8 @@ def server(tmp_path_factory):
         [
             str(vllm_bin), "serve", str(ckpt),
             "--host", "127.0.0.1", "--port", str(port),
-            "--dtype", "float32", "--gpu-memory-utilization", "0.15", "--max-model-len", "2048",
+            "--dtype", "float32", "--gpu-memory-utilization", "0.15", "--max-model-len", "4096",
+            "--enable-prefix-caching", "--enable-prompt-tokens-details",
             "--served-model-name", "glm5next-tiny",
             "--limit-mm-per-prompt", '{"image": 0, "video": 0}',
         ],
@@ -132,3 +138,24 @@ def test_image_input_is_refused_clearly(server):
     )
     assert status == 400
     assert "multimodal" in body["error"]["message"]
+
+
+def test_unified_block_size_grows_to_fit_kda_state_and_prefix_cache_resumes(server):
+    """Conv (3, 3*8*64) fp32 + recurrent (8, 64, 64) fp32 = 149,504 B per KDA slot; an MLA
+    token page (vLLM's own sizing: kv_lora_rank 32 x fp32) is 128 B, so the block must be a
+    multiple of 128 with block * 128 B >= 149,504 B: 1,280 tokens."""
+    base, ckpt = server
+    log = (ckpt / "serve.log").read_text()
+    m = re.search(r"Setting attention block size to (\d+) tokens", log)
+    assert m, "vLLM did not log a unified block size"
+    block = int(m.group(1))
+    assert block == 1280
+    ids = [16 + (i * 7) % 490 for i in range(3000)]
+    body = {"model": "glm5next-tiny", "prompt": ids, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    status, first = _post(base + "/v1/completions", body)
+    assert status == 200, first
+    status, second = _post(base + "/v1/completions", body)
+    assert status == 200, second
+    cached = (second["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
+    assert cached == block * ((len(ids) - 1) // block) == 2560
+    assert second["choices"][0]["text"] == first["choices"][0]["text"]
