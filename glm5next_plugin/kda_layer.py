@@ -170,6 +170,8 @@ class KDAStateLayer(KDAProjections, _vllm_state_layer_base()):
             return torch.zeros_like(x)
         md = metadata[self.prefix]
         out = torch.zeros_like(x)
+        if md.num_actual_tokens == 0:
+            return out
         conv_cache, rec_cache = self.kv_cache
         dim_first = _conv_dim_first()
         qsl = md.non_spec_query_start_loc.tolist()
