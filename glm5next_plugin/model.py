@@ -45,6 +45,8 @@ def check_supported(hf_config, vllm_config=None) -> None:
             f"glm5next plugin: quantized checkpoints ({method}) are not supported yet (FP8/NVFP4 come later); "
             "use a bf16/fp32 checkpoint or vLLM's native implementation on CUDA (GLM5NEXT_IMPL=native)"
         )
+    if getattr(text, "hidden_act", "silu") != "silu":
+        raise NotImplementedError(f"glm5next plugin: hidden_act={text.hidden_act!r} is not supported (only 'silu')")
     shared = [i for i, t in enumerate(getattr(text, "indexer_types", None) or []) if t == "shared"]
     shared = [i for i in shared if text.layer_types[i] == "indexed_attention"]
     if shared:

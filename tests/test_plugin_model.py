@@ -66,6 +66,27 @@ def test_kda_reference_matches_transformers_recurrence():
     torch.testing.assert_close(ours_state, theirs_state[0].transpose(-1, -2), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("lower_bound", [-5.0, None])
+def test_forget_gate_matches_transformers_safe_and_softplus_variants(lower_bound):
+    from types import SimpleNamespace
+
+    from transformers.models.glm5_next import modeling_glm5_next as hf
+
+    cfg = SimpleNamespace(linear_head_dim=8, linear_num_heads=3, hidden_size=16, linear_lower_bound=lower_bound)
+    theirs = hf.Glm5NextTextForgetGate(cfg)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in theirs.parameters():
+            p.copy_(torch.randn(p.shape, generator=g))
+    x = torch.randn(1, 5, 16, generator=g)
+    raw = theirs.f_b_proj(theirs.f_a_proj(x[0])).view(5, 3, 8)
+    if lower_bound is None:
+        ours = kda.softplus_gate(raw, theirs.dt_bias, theirs.A_log)
+    else:
+        ours = kda.safe_gate(raw, theirs.dt_bias, theirs.A_log, lower_bound)
+    torch.testing.assert_close(ours, theirs(x)[0].detach())
+
+
 def test_select_tokens_is_causal_below_budget_and_sparse_above():
     g = torch.Generator().manual_seed(0)
     kpool, topk, s = 4, 8, 40
