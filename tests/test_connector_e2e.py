@@ -19,7 +19,9 @@ server-killed test runs last and restarts the server on the same port.
 
 from __future__ import annotations
 
+import os
 import random
+import signal
 import time
 import uuid
 
@@ -254,6 +256,23 @@ def test_reset_with_connector_clears_the_engines_entries(llm, server):
     assert client.stats()["objects"] == 0
     (after,) = _run(llm, [prompt], salt="reset-connector", max_tokens=2)
     assert after[2] == 0
+
+
+def test_stalled_server_times_out_to_cold(llm, server):
+    """A server that stops answering (SIGSTOP) costs at most the connector's timeout."""
+    prompt = _prompt(900, seed=51)
+    (cold,) = _run(llm, [prompt], salt="stalled", max_tokens=8)
+    os.kill(server.proc.pid, signal.SIGSTOP)
+    try:
+        llm.reset_prefix_cache()
+        t0 = time.monotonic()
+        (after,) = _run(llm, [prompt], salt="stalled", max_tokens=8)
+        elapsed = time.monotonic() - t0
+    finally:
+        os.kill(server.proc.pid, signal.SIGCONT)
+    assert after[2] == 0 and after[0] == cold[0]
+    assert elapsed < 15, f"a stalled server held the request for {elapsed:.1f}s"
+    time.sleep(2.5)  # let the connector's back-off pass before the next test
 
 
 def test_server_killed_mid_run_serves_cold(llm, server):
