@@ -483,6 +483,7 @@ class GlmCacheConnector(KVConnectorBase_V1, SupportsHMA):
             return []
         assert self._kv_cache_manager is not None
         block_ids = self._kv_cache_manager.get_block_ids(tracked.request.request_id)
+        null_id = self._kv_cache_manager.block_pool.null_block.block_id
         C = self._geometry.chunk_size
         moves: list[ObjectMove] = []
         for g in self._geometry.attn_groups:
@@ -490,8 +491,8 @@ class GlmCacheConnector(KVConnectorBase_V1, SupportsHMA):
             ids = block_ids[g.group_id]
             for k in range(tracked.saved_chunks, n):
                 chunk_ids = ids[k * per_chunk : (k + 1) * per_chunk]
-                if len(chunk_ids) != per_chunk:
-                    break
+                if len(chunk_ids) != per_chunk or null_id in chunk_ids:
+                    break  # not allocated, or dropped (e.g. out of a sliding window)
                 moves.append(ObjectMove(tracked.hashes[k], g.group_id, list(chunk_ids)))
         tracked.saved_chunks = n
         return moves
