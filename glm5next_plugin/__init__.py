@@ -10,6 +10,21 @@ Which implementation serves the architecture is an explicit setting, ``GLM5NEXT_
   plugin never makes a GPU deployment slower by default.
 
 The choice is logged once per process at start-up.
+
+What the plugin puts in vLLM's cache (what a KV connector sees):
+
+- one full-attention group for the sparse-MLA layers, one row per token
+  ``[latent (kv_lora_rank) | indexer key | kpool gate (index_head_dim each)]`` in the model
+  dtype; kpool pools are rebuilt from these rows, so there is no tail scratch group and
+  every block-aligned prefix is complete;
+- state ("Mamba") groups for the KDA layers, GDN metadata, per slot conv
+  ``(conv_kernel - 1, 3 * heads * head_dim)`` (model dtype) and recurrent
+  ``(heads, head_dim, head_dim)`` ``[H, V, K]`` (fp32 unless ``mamba_ssm_cache_dtype``);
+  with ``--enable-prefix-caching`` vLLM keeps align-mode snapshots on the unified block grid.
+
+CPU note (vLLM 0.32): on CPUs without AMX, vLLM disables prefix caching and chunked
+prefill for every MLA model; ``VLLM_MLA_DISABLE=1`` keeps them on, and the plugin (which
+uses no MLA kernel) runs unchanged. The model logs a warning when this applies.
 """
 
 from __future__ import annotations
