@@ -84,11 +84,6 @@ def strict_prefix_chunks(num_tokens: int, chunk_size: int) -> int:
     return (num_tokens - 1) // chunk_size
 
 
-def negotiate_chunk_size(min_chunk_size: int, alignment: int) -> int:
-    """The server's rule: the least multiple of ``alignment`` that is >= the minimum."""
-    return max(1, math.ceil(min_chunk_size / alignment)) * alignment
-
-
 def _is_state_spec(spec: Any) -> bool:
     from vllm.v1.kv_cache_interface import MambaSpec
 

@@ -61,6 +61,19 @@ def _platform_is_cuda() -> bool:
     return bool(current_platform.is_cuda())
 
 
+CONNECTOR_NAME = "GlmCacheConnector"
+
+
+def register_connector_name() -> None:
+    """Let ``--kv-transfer-config '{"kv_connector":"GlmCacheConnector",...}'`` work without
+    ``kv_connector_module_path``. Only the name and module path are registered: vLLM imports
+    the connector lazily, so the plugin does not depend on it."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    if CONNECTOR_NAME not in KVConnectorFactory._registry:  # the factory raises on a second registration
+        KVConnectorFactory.register_connector(CONNECTOR_NAME, "connector.glm_connector", CONNECTOR_NAME)
+
+
 def register() -> None:
     """Entry point of the ``vllm.general_plugins`` group.
 
@@ -70,6 +83,7 @@ def register() -> None:
     global _registered_impl
     if _registered_impl is not None:
         return
+    register_connector_name()
     impl = choose_impl(_platform_is_cuda())
     if impl == "plugin":
         from vllm import ModelRegistry

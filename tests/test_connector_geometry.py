@@ -11,7 +11,6 @@ import torch
 from connector.geometry import (
     GeometryError,
     engine_fingerprint,
-    negotiate_chunk_size,
     resolve_geometry,
     strict_prefix_chunks,
 )
@@ -68,13 +67,6 @@ def _config(groups, prefix_caching: bool = True, model: str = "/ckpt/GLM-5.3-Fla
 def test_full_hit_resumes_at_previous_chunk(n, c, chunks):
     assert strict_prefix_chunks(n, c) == chunks
     assert strict_prefix_chunks(n, c) * c < n  # never the whole prompt
-
-
-def test_chunk_negotiation_rounds_up_to_alignment():
-    assert negotiate_chunk_size(256, 1152) == 1152
-    assert negotiate_chunk_size(256, 256) == 256
-    assert negotiate_chunk_size(2000, 1152) == 2304
-    assert negotiate_chunk_size(256, 96) == 288
 
 
 def test_geometry_skips_scratch_group_and_takes_lcm():

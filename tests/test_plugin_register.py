@@ -42,6 +42,23 @@ def test_register_is_idempotent_and_registers_the_plugin_class_on_cpu(monkeypatc
     assert ModelRegistry._try_load_model_cls("Glm5NextForConditionalGeneration") is Glm5NextForConditionalGeneration
 
 
+def test_register_makes_the_connector_name_known_without_a_module_path(monkeypatch):
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    from connector.glm_connector import GlmCacheConnector
+
+    monkeypatch.setattr(glm5next_plugin, "_registered_impl", None)
+    monkeypatch.setattr(KVConnectorFactory, "_registry", dict(KVConnectorFactory._registry))
+    KVConnectorFactory._registry.pop("GlmCacheConnector", None)
+    glm5next_plugin.register()
+    config = KVTransferConfig(kv_connector="GlmCacheConnector", kv_role="kv_both")
+    assert KVConnectorFactory.get_connector_class(config) is GlmCacheConnector
+    glm5next_plugin.register_connector_name()  # a second call (another process's plugin load) is harmless
+    assert KVConnectorFactory.get_connector_class(config) is GlmCacheConnector
+    assert KVConnectorFactory.supports_hma_config(config)
+
+
 def _vllm_config(linear_heads=2, head_dim=16, kernel=4, tp=1, ssm_dtype="auto"):
     text = SimpleNamespace(linear_num_heads=linear_heads, linear_head_dim=head_dim, linear_conv_kernel_dim=kernel)
     return SimpleNamespace(

@@ -7,7 +7,7 @@ from cache_server import protocol as p
 from cache_server.server import CacheServer, ServerConfig
 
 
-@pytest.mark.parametrize("minimum,alignment,chunk", [(256, 1152, 1152), (256, 16, 256), (256, 100, 300),
+@pytest.mark.parametrize("minimum,alignment,chunk", [(256, 1152, 1152), (256, 16, 256), (256, 100, 300), (256, 96, 288),
                                                      (256, 256, 256), (2048, 1152, 2304), (1, 7, 7)])
 def test_negotiated_chunk_is_smallest_multiple_of_alignment_at_least_the_minimum(minimum, alignment, chunk):
     assert p.negotiate_chunk_size(minimum, alignment) == chunk

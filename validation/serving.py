@@ -24,10 +24,14 @@ from typing import Any
 from cache_server.process import free_port
 
 
-def connector_config(server_url: str, **extra: Any) -> str:
-    """The ``--kv-transfer-config`` JSON that wires vLLM to a glm-cache-server."""
-    return json.dumps({"kv_connector": "GlmCacheConnector", "kv_connector_module_path": "connector",
-                       "kv_role": "kv_both", "kv_connector_extra_config": {"server": server_url, **extra}})
+def connector_config(server_url: str, module_path: bool = False, **extra: Any) -> str:
+    """The ``--kv-transfer-config`` JSON that wires vLLM to a glm-cache-server. The plugin
+    registers the connector's name, so ``kv_connector_module_path`` is optional."""
+    config: dict[str, Any] = {"kv_connector": "GlmCacheConnector", "kv_role": "kv_both",
+                              "kv_connector_extra_config": {"server": server_url, **extra}}
+    if module_path:
+        config["kv_connector_module_path"] = "connector"
+    return json.dumps(config)
 
 
 class VllmServer:
