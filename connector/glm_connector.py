@@ -102,6 +102,9 @@ class ObjectMove:
     chunk_hash: bytes
     group_id: int
     block_ids: list[int | None]
+    # State saves only: the hash of the previous state on this request's path, so the
+    # server can evict the superseded one first (snapshot-aware retention).
+    prev: bytes | None = None
 
 
 @dataclass
@@ -139,6 +142,7 @@ class _Tracked:
     hashes: list[bytes]  # whole-chunk hashes of the cacheable tokens so far
     saved_chunks: int = 0  # attention chunks [0, saved_chunks) are saved or on the server
     loaded_tokens: int = 0  # resume point of an external load (its states are on the server)
+    state_chunk: int = 0  # chunks covered by the newest state on this path (0: none yet)
 
 
 class _ServerLink:
@@ -371,6 +375,9 @@ class GlmCacheConnector(KVConnectorBase_V1, SupportsHMA):
         hit = self._hits.pop(req_id, None)
         if hit is None:
             return
+        C = self._geometry.chunk_size
+        if hit.local_tokens and hit.local_tokens % C == 0:
+            tracked.state_chunk = max(tracked.state_chunk, hit.local_tokens // C)  # resumed locally there
         if num_external_tokens == 0:
             self._drop_lease(req_id)
             if hit.start_chunk == 0:
@@ -378,7 +385,6 @@ class GlmCacheConnector(KVConnectorBase_V1, SupportsHMA):
                 tracked.saved_chunks = max(tracked.saved_chunks, hit.end_chunk)
             self._resave_local_state(request, blocks, hit)
             return
-        C = self._geometry.chunk_size
         resume = hit.local_tokens + num_external_tokens
         if resume != hit.end_chunk * C:
             # The scheduler trimmed our hit (it should not): load nothing, recompute.
@@ -388,6 +394,7 @@ class GlmCacheConnector(KVConnectorBase_V1, SupportsHMA):
         job = LoadJob(req_id, self._load_moves(request, blocks, hit))
         tracked.loaded_tokens = resume
         tracked.saved_chunks = max(tracked.saved_chunks, hit.end_chunk)
+        tracked.state_chunk = max(tracked.state_chunk, hit.end_chunk)
         self._pending_loads.append(job)
         self._inflight_loads.add(req_id)
 
@@ -504,7 +511,8 @@ class GlmCacheConnector(KVConnectorBase_V1, SupportsHMA):
         C = self._geometry.chunk_size
         state_ids = {g.group_id for g in self._geometry.state_groups}
         moves: list[ObjectMove] = []
-        for group_id, block_id, boundary in entries:
+        prev_chunk = tracked.state_chunk
+        for group_id, block_id, boundary in sorted(entries, key=lambda e: e[2]):
             if group_id not in state_ids or boundary <= 0 or boundary % C:
                 continue
             if boundary <= tracked.loaded_tokens:
@@ -512,7 +520,10 @@ class GlmCacheConnector(KVConnectorBase_V1, SupportsHMA):
             k = boundary // C
             if self._cacheable_chunks(tracked, boundary) < k:
                 continue
-            moves.append(ObjectMove(tracked.hashes[k - 1], group_id, [block_id]))
+            if k > tracked.state_chunk:  # a newer state on this path: the previous one is superseded
+                prev_chunk, tracked.state_chunk = tracked.state_chunk, k
+            prev = tracked.hashes[prev_chunk - 1] if 0 < prev_chunk < k else None
+            moves.append(ObjectMove(tracked.hashes[k - 1], group_id, [block_id], prev))
         return moves
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
@@ -680,6 +691,7 @@ class GlmCacheConnector(KVConnectorBase_V1, SupportsHMA):
         # Copy the pages now (they are valid after this step's forward and may be reused
         # later); the network send happens in the background.
         items = []
+        prevs: list[bytes | None] = []
         nbytes = 0
         for move in meta.saves:
             ids = [b for b in move.block_ids if b is not None]
@@ -687,6 +699,7 @@ class GlmCacheConnector(KVConnectorBase_V1, SupportsHMA):
                 continue
             data = self._pages.read(move.group_id, ids)
             items.append((move.chunk_hash, move.group_id, self._rank, data))
+            prevs.append(move.prev)
             nbytes += len(data)
         with self._lock:
             if self._pending_save_bytes + nbytes > self._max_pending_save_bytes:
@@ -696,11 +709,11 @@ class GlmCacheConnector(KVConnectorBase_V1, SupportsHMA):
                 )
                 return
             self._pending_save_bytes += nbytes
-        self._saver.submit(self._run_save, meta.namespace, items, nbytes)
+        self._saver.submit(self._run_save, meta.namespace, items, prevs, nbytes)
 
-    def _run_save(self, namespace: str, items: list, nbytes: int) -> None:
+    def _run_save(self, namespace: str, items: list, prevs: list[bytes | None], nbytes: int) -> None:
         try:
-            results = self._save_client.put(namespace, items)
+            results = self._save_client.put(namespace, items, prev=prevs)
             self.stats["saved_objects"] += sum(r == "stored" for r in results)
             bad = [r for r in results if r not in ("stored", "exists")]
             if bad:

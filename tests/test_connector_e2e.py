@@ -258,6 +258,31 @@ def test_reset_with_connector_clears_the_engines_entries(llm, server):
     assert after[2] == 0
 
 
+def _settled_stats(client):
+    """Server stats once the background saves have stopped changing them."""
+    seen = [client.stats()]
+    while len(seen) < 3 or seen[-1]["objects"] != seen[-2]["objects"]:
+        time.sleep(0.2)
+        seen.append(client.stats())
+    return seen[-1]
+
+
+def test_next_turn_marks_the_previous_turns_state_superseded(llm, server):
+    """Snapshot-aware retention: a conversation's new state names the one it replaces."""
+    client = CacheClient(server.url)
+    turn1 = _prompt(1000, seed=41)  # state kept at 768
+    turn2 = turn1 + _prompt(600, seed=42)  # resumes at 768, state kept at 1536
+    _run(llm, [turn1], salt="turns", max_tokens=2)
+    before = _settled_stats(client)["superseded_objects"]
+    _run(llm, [turn2], salt="turns", max_tokens=2)
+    after = _settled_stats(client)
+    n_state_groups = len(after["bytes_by_group"]) - 1  # every group but the attention one
+    assert after["superseded_objects"] - before == n_state_groups
+    llm.reset_prefix_cache()
+    (reloaded,) = _run(llm, [turn2], salt="turns", max_tokens=2)  # the newest state still resumes
+    assert reloaded[2] == _strict_hit(len(turn2))
+
+
 def test_stalled_server_times_out_to_cold(llm, server):
     """A server that stops answering (SIGSTOP) costs at most the connector's timeout."""
     prompt = _prompt(900, seed=51)
