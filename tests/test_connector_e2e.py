@@ -29,6 +29,7 @@ import pytest
 
 from cache_server.process import ServerProcess
 from connector.client import CacheClient
+from engines import connector_engine
 from tiny_qwen3_next import make_tiny_qwen3_next
 
 pytestmark = pytest.mark.engine
@@ -52,36 +53,8 @@ def model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server():
-    srv = ServerProcess("--separate-object-groups", "--chunk-size", "256", "--l1-size-gb", "1")
-    srv.start()
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
 def llm(model_dir, server):
-    from vllm import LLM
-
-    engine = LLM(
-        model=str(model_dir),
-        dtype="bfloat16",
-        enable_prefix_caching=True,
-        gpu_memory_utilization=0.15,
-        max_model_len=4096,
-        enforce_eager=True,
-        seed=0,
-        kv_transfer_config={
-            "kv_connector": "GlmCacheConnector",
-            "kv_connector_module_path": "connector",
-            "kv_role": "kv_both",
-            "kv_connector_extra_config": {
-                "server": server.url,
-                "timeout_s": 2.0,
-                "retry_after_s": 2.0,
-            },
-        },
-    )
+    engine = connector_engine(model_dir, server.url, connector={"timeout_s": 2.0, "retry_after_s": 2.0}, seed=0)
     yield engine
     del engine
 

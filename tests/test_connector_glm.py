@@ -16,7 +16,7 @@ import random
 import pytest
 import torch
 
-from cache_server.process import ServerProcess
+from engines import connector_engine
 
 pytestmark = pytest.mark.engine
 
@@ -30,17 +30,7 @@ def _prompt(n: int, seed: int) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def server():
-    srv = ServerProcess("--separate-object-groups", "--chunk-size", "256", "--l1-size-gb", "1")
-    srv.start()
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
 def llm(tmp_path_factory, server):
-    from vllm import LLM
-
     from glm5next_plugin import tiny_checkpoint
 
     ckpt = tmp_path_factory.mktemp("tiny_glm")
@@ -50,23 +40,8 @@ def llm(tmp_path_factory, server):
         # vLLM 0.32 turns prefix caching off for MLA models on CPUs without AMX (see
         # tests/test_plugin_engine.py); the plugin uses no MLA kernel.
         mp.setenv("VLLM_MLA_DISABLE", "1")
-    engine = LLM(
-        model=str(ckpt),
-        dtype="float32",
-        gpu_memory_utilization=0.15,
-        max_model_len=4096,
-        enable_prefix_caching=True,
-        enforce_eager=True,
-        max_num_batched_tokens=C,
-        prefix_cache_retention_interval=C,
-        seed=0,
-        kv_transfer_config={
-            "kv_connector": "GlmCacheConnector",
-            "kv_connector_module_path": "connector",
-            "kv_role": "kv_both",
-            "kv_connector_extra_config": {"server": server.url},
-        },
-    )
+    engine = connector_engine(ckpt, server.url, dtype="float32", max_num_batched_tokens=C,
+                              prefix_cache_retention_interval=C, seed=0)
     yield engine
     del engine
     mp.undo()

@@ -11,6 +11,7 @@ import time
 import pytest
 
 from cache_server.process import ServerProcess, free_port
+from engines import connector_engine
 from tiny_qwen3_next import make_tiny_qwen3_next
 
 pytestmark = pytest.mark.engine
@@ -30,27 +31,9 @@ def port():
 
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory, port):
-    from vllm import LLM
-
     model_dir = make_tiny_qwen3_next(tmp_path_factory.mktemp("tiny_qwen3_next"))
-    engine = LLM(
-        model=str(model_dir),
-        dtype="bfloat16",
-        enable_prefix_caching=True,
-        gpu_memory_utilization=0.15,
-        max_model_len=4096,
-        enforce_eager=True,
-        kv_transfer_config={
-            "kv_connector": "GlmCacheConnector",
-            "kv_connector_module_path": "connector",
-            "kv_role": "kv_both",
-            "kv_connector_extra_config": {
-                "server": f"tcp://127.0.0.1:{port}",
-                "timeout_s": 1.0,
-                "retry_after_s": RETRY_S,
-            },
-        },
-    )
+    engine = connector_engine(model_dir, f"tcp://127.0.0.1:{port}",
+                              connector={"timeout_s": 1.0, "retry_after_s": RETRY_S})
     yield engine
     del engine
 

@@ -1,0 +1,16 @@
+"""Shared fixtures: a real glm-cache-server process for the module."""
+
+from __future__ import annotations
+
+import pytest
+
+from cache_server.process import ServerProcess
+
+
+@pytest.fixture(scope="module")
+def server():
+    """glm-cache-server on free loopback ports, minimum chunk 256, for one test module."""
+    srv = ServerProcess("--separate-object-groups", "--chunk-size", "256", "--l1-size-gb", "1")
+    srv.start()
+    yield srv
+    srv.stop()
