@@ -319,23 +319,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--num-experts-per-tok", type=int, default=2)
     p.add_argument("--vocab-size", type=int, default=512)
     p.add_argument("--max-position-embeddings", type=int, default=8192)
-    a = p.parse_args(argv)
-    path = write_checkpoint(
-        a.out_dir,
-        seed=a.seed,
-        dtype=a.dtype,
-        hidden_size=a.hidden_size,
-        layer_types=a.layer_types,
-        dense_layers=a.dense_layers,
-        index_topk=a.index_topk,
-        index_kpool=a.index_kpool,
-        linear_num_heads=a.linear_num_heads,
-        linear_head_dim=a.linear_head_dim,
-        n_routed_experts=a.n_routed_experts,
-        num_experts_per_tok=a.num_experts_per_tok,
-        vocab_size=a.vocab_size,
-        max_position_embeddings=a.max_position_embeddings,
-    )
+    args = vars(p.parse_args(argv))  # option names are write_checkpoint's keyword names
+    path = write_checkpoint(args.pop("out_dir"), **args)
     print(f"wrote {path}")
 
 
