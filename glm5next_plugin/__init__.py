@@ -6,8 +6,9 @@ Which implementation serves the architecture is an explicit setting, ``GLM5NEXT_
   cache). Runs wherever PyTorch runs; the only choice on CPU.
 - ``native``: vLLM's own ``vllm.models.glm5next`` (CUDA kernels: FlashKDA/FLA, DeepGEMM,
   FlashMLA-sparse). Much faster on GPUs; the plugin then registers nothing.
-- ``auto`` (default): ``native`` on CUDA, ``plugin`` everywhere else, so installing the
-  plugin never makes a GPU deployment slower by default.
+- ``auto`` (default): ``native`` where vLLM has those kernels (CUDA and ROCm,
+  ``is_cuda_alike``), ``plugin`` everywhere else, so installing the plugin never makes a GPU
+  deployment slower by default.
 
 The choice is logged once per process at start-up.
 
@@ -22,9 +23,17 @@ What the plugin puts in vLLM's cache (what a KV connector sees):
   ``(heads, head_dim, head_dim)`` ``[H, V, K]`` (fp32 unless ``mamba_ssm_cache_dtype``);
   with ``--enable-prefix-caching`` vLLM keeps align-mode snapshots on the unified block grid.
 
-CPU note (vLLM 0.32): on CPUs without AMX, vLLM disables prefix caching and chunked
-prefill for every MLA model; ``VLLM_MLA_DISABLE=1`` keeps them on, and the plugin (which
-uses no MLA kernel) runs unchanged. The model logs a warning when this applies.
+Not MLA to vLLM (plugin only): vLLM's model-type list marks ``glm5_next`` as a DeepSeek-MLA
+model, and vLLM 0.32's CPU platform then forces a 16-token block and turns prefix caching
+and chunked prefill off on every CPU without AMX (``vllm/platforms/cpu.py``, "MLA is enabled
+on a non-GPU platform"), which crashes align mode at start-up. The plugin uses none of vLLM's
+MLA kernels (its backend reads and writes its own rows), so when it serves the architecture
+it tells vLLM so: ``register()`` maps the ``glm5_next`` / ``glm5_next_text`` model types to
+an architecture-config convertor that reports ``is_deepseek_mla=False``. The effect is
+limited to those two model types in that process; every other model, and the native
+implementation (which registers nothing), is unchanged. The page vLLM sizes the unified
+block from is then the plugin backend's real row (``customize_spec``), the same on CPUs
+with and without AMX.
 """
 
 from __future__ import annotations
@@ -35,14 +44,20 @@ import os
 # Under "vllm." so vLLM's log handler prints it in every process it starts.
 logger = logging.getLogger("vllm.glm5next_plugin")
 
-ARCHITECTURES = ("Glm5NextForConditionalGeneration",)
+ARCHITECTURES = ("Glm5NextForConditionalGeneration", "Glm5NextForCausalLM")
+# Model types of GLM-5.3-Flash configs (multimodal wrapper and flat text-only).
+MODEL_TYPES = ("glm5_next", "glm5_next_text")
 IMPL_ENV = "GLM5NEXT_IMPL"
 
 _registered_impl: str | None = None
 
 
 def choose_impl(is_cuda: bool) -> str:
-    """Resolve ``GLM5NEXT_IMPL`` (``plugin`` / ``native`` / ``auto``) for this platform."""
+    """Resolve ``GLM5NEXT_IMPL`` (``plugin`` / ``native`` / ``auto``) for this platform.
+
+    ``is_cuda`` means vLLM's native GLM5-Next kernels exist here: CUDA or ROCm
+    (``current_platform.is_cuda_alike()``; the native package has ``nvidia/`` and ``amd/``).
+    """
     wanted = os.environ.get(IMPL_ENV, "auto").strip().lower() or "auto"
     if wanted not in ("auto", "plugin", "native"):
         raise ValueError(f"{IMPL_ENV}={wanted!r}: expected 'plugin', 'native' or 'auto'")
@@ -50,7 +65,7 @@ def choose_impl(is_cuda: bool) -> str:
         return "native" if is_cuda else "plugin"
     if wanted == "native" and not is_cuda:
         raise ValueError(
-            f"{IMPL_ENV}=native needs CUDA (vLLM's GLM5-Next kernels); use {IMPL_ENV}=plugin on this platform"
+            f"{IMPL_ENV}=native needs CUDA or ROCm (vLLM's GLM5-Next kernels); use {IMPL_ENV}=plugin on this platform"
         )
     return wanted
 
@@ -58,7 +73,7 @@ def choose_impl(is_cuda: bool) -> str:
 def _platform_is_cuda() -> bool:
     from vllm.platforms import current_platform
 
-    return bool(current_platform.is_cuda())
+    return bool(current_platform.is_cuda_alike())
 
 
 CONNECTOR_NAME = "GlmCacheConnector"
@@ -88,17 +103,55 @@ def register() -> None:
     if impl == "plugin":
         from vllm import ModelRegistry
 
-        from .model import Glm5NextForConditionalGeneration
+        from .model import Glm5NextForCausalLM, Glm5NextForConditionalGeneration
 
         # The class itself, not a "module:Class" string: vLLM would inspect a string
         # in a subprocess at every start-up (~15 s on 2 cores).
-        for arch in ARCHITECTURES:
-            ModelRegistry.register_model(arch, Glm5NextForConditionalGeneration)
+        ModelRegistry.register_model("Glm5NextForConditionalGeneration", Glm5NextForConditionalGeneration)
+        ModelRegistry.register_model("Glm5NextForCausalLM", Glm5NextForCausalLM)
+        mark_not_mla()
     _registered_impl = impl
     logger.info(
-        "glm5next plugin: %s implementation serves %s (%s=%s)",
+        "glm5next plugin: %s implementation serves %s (%s=%s, platform %s)%s",
         "plugin (PyTorch)" if impl == "plugin" else "vLLM native",
         ", ".join(ARCHITECTURES),
         IMPL_ENV,
         os.environ.get(IMPL_ENV, "auto"),
+        _platform_name(),
+        "; vLLM treats model types glm5_next/glm5_next_text as non-MLA in this process "
+        "(the plugin's own sparse-MLA backend sizes the cache; other models unchanged)"
+        if impl == "plugin"
+        else "",
     )
+
+
+def _platform_name() -> str:
+    from vllm.platforms import current_platform
+
+    return str(current_platform.device_type or "unknown")
+
+
+def mark_not_mla() -> None:
+    """Make vLLM see GLM-5.3-Flash's model types as non-MLA (``model_config.use_mla`` False).
+
+    vLLM derives ``use_mla`` from a list of model types, not from the model class, and its
+    CPU platform acts on it before the model exists: a 16-token block and, without AMX,
+    prefix caching and chunked prefill switched off. The plugin's layers use no vLLM MLA
+    kernel, so the flag only does harm. The override is a convertor for these two model
+    types only, wrapping whatever convertor vLLM had for them; idempotent.
+    """
+    from vllm.transformers_utils import model_arch_config_convertor as mac
+
+    for model_type in MODEL_TYPES:
+        base = mac.MODEL_ARCH_CONFIG_CONVERTORS.get(model_type, mac.ModelArchConfigConvertorBase)
+        if getattr(base, "glm5next_plugin_not_mla", False):
+            continue
+
+        class NotMLAConvertor(base):  # type: ignore[misc, valid-type]
+            glm5next_plugin_not_mla = True
+
+            def is_deepseek_mla(self) -> bool:
+                return False
+
+        NotMLAConvertor.__name__ = f"Glm5NextPluginNotMLA({base.__name__})"
+        mac.MODEL_ARCH_CONFIG_CONVERTORS[model_type] = NotMLAConvertor

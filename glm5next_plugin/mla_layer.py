@@ -114,8 +114,8 @@ class SparseMLAMetadata:
     num_actual_tokens: int
 
 
-def _backend_classes():
-    """Build the backend classes lazily so importing the plugin does not import vLLM."""
+def _backend_class():
+    """Build the backend class lazily so importing the plugin does not import vLLM."""
     from vllm.v1.attention.backend import AttentionBackend, AttentionMetadataBuilder, MultipleOf
 
     class SparseMLAMetadataBuilder(AttentionMetadataBuilder[SparseMLAMetadata]):
@@ -159,18 +159,33 @@ def _backend_classes():
         def is_mla(cls) -> bool:
             return True
 
-    return SparseMLATorchBackend, SparseMLAMetadataBuilder
+        # The cache row of one token, in values; set on the per-geometry subclass.
+        row_size: ClassVar[int] = 0
+
+        @classmethod
+        def customize_spec(cls, spec):
+            """vLLM sizes the hybrid unified block from the attention page a backend
+            reports here (``Platform._align_hybrid_block_size``), starting from a dense
+            K/V spec built from the model config. Our page is one row per token, nothing
+            else, so the block and the KDA state padding follow the real row."""
+            return replace(spec, num_kv_heads=1, head_size=cls.row_size, head_size_v=0, page_size_padded=None)
+
+    return SparseMLATorchBackend
 
 
-_BACKEND = None
+_BASE_BACKEND = None
+_BACKENDS: dict[int, type] = {}
 
 
-def sparse_mla_backend():
-    """The (singleton) attention backend class of :class:`SparseMLALayer`."""
-    global _BACKEND
-    if _BACKEND is None:
-        _BACKEND = _backend_classes()[0]
-    return _BACKEND
+def sparse_mla_backend(row_size: int):
+    """The attention backend class of :class:`SparseMLALayer` for rows of ``row_size``
+    values (one class per geometry, so ``customize_spec`` knows the row)."""
+    global _BASE_BACKEND
+    if _BASE_BACKEND is None:
+        _BASE_BACKEND = _backend_class()
+    if row_size not in _BACKENDS:
+        _BACKENDS[row_size] = type(f"SparseMLATorchBackend{row_size}", (_BASE_BACKEND,), {"row_size": row_size})
+    return _BACKENDS[row_size]
 
 
 def _attention_layer_base():
@@ -194,7 +209,7 @@ class SparseMLALayer(SparseMLAProjections, _attention_layer_base()):
             ctx[prefix] = self
 
     def get_attn_backend(self):
-        return sparse_mla_backend()
+        return sparse_mla_backend(self.row_size)
 
     def get_kv_cache_spec(self, vllm_config):
         from vllm.v1.kv_cache_interface import FullAttentionSpec
@@ -205,21 +220,20 @@ class SparseMLALayer(SparseMLAProjections, _attention_layer_base()):
             raise NotImplementedError(
                 f"glm5next plugin: kv cache dtype {cache_config.cache_dtype!r} is not supported; use 'auto'"
             )
-        # One "head" holding the whole per-token row, no separate V.
-        spec = FullAttentionSpec(
-            block_size=cache_config.block_size,
-            num_kv_heads=1,
-            head_size=self.row_size,
-            head_size_v=0,
-            dtype=model_config.dtype,
+        # One "head" holding the whole per-token row, no separate V: the same spec the
+        # backend reported to vLLM's block-size alignment (customize_spec).
+        spec = self.get_attn_backend().customize_spec(
+            FullAttentionSpec(block_size=cache_config.block_size, num_kv_heads=1, head_size=1, dtype=model_config.dtype)
         )
-        # vLLM sized the unified block from its own idea of an attention page (the
-        # latent only, or a dense K/V page when MLA is disabled) and padded the KDA
-        # state page to it. Our page must not be the smaller one: vLLM would then grow
-        # our block size (not the state's), breaking align mode's shared block grid.
         state_page = cache_config.mamba_page_size_padded or 0
         if spec.page_size_bytes < state_page:
-            spec = replace(spec, page_size_padded=state_page)
+            # vLLM pads the state page up to the attention page it computed; a larger
+            # state page means it sized the block from something other than our row.
+            raise RuntimeError(
+                f"glm5next plugin: sparse-MLA page {spec.page_size_bytes} B (block {cache_config.block_size} x "
+                f"{self.row_size} values) is smaller than the padded KDA state page {state_page} B; vLLM did not "
+                "size the unified block from this backend's rows"
+            )
         return spec
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

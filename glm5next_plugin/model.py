@@ -8,6 +8,8 @@ Layers follow ``layer_types`` (``linear_attention`` -> KDA state layer,
 Not supported yet, and refused with a message rather than ignored: image/video inputs
 (the vision tower's tensors are skipped; the model registers as text-only), MTP heads,
 FP8/NVFP4 checkpoints, tensor/pipeline parallelism, ``"shared"`` indexer layers.
+``Glm5NextForCausalLM`` (flat text-only checkpoints) maps names and runs the same modules;
+``tie_word_embeddings=True`` shares ``lm_head`` with the embeddings, as transformers does.
 """
 
 from __future__ import annotations
@@ -60,23 +62,6 @@ def check_supported(hf_config, vllm_config=None) -> None:
                 "glm5next plugin: tensor/pipeline parallelism is not supported; "
                 "run with --tensor-parallel-size 1 or use GLM5NEXT_IMPL=native on CUDA"
             )
-
-
-def _warn_if_cpu_disabled_prefix_caching(vllm_config) -> None:
-    """vLLM 0.32's CPU platform turns prefix caching and chunked prefill off for every
-    ``use_mla`` model unless the CPU has AMX (its AMX_MLA kernels). This plugin does not
-    use those kernels; with ``VLLM_MLA_DISABLE=1`` vLLM keeps both on and the plugin runs
-    the same way. Say so instead of silently losing the cache."""
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu() or not vllm_config.model_config.use_mla:
-        return
-    if torch.cpu._is_amx_tile_supported():
-        return
-    logger.warning(
-        "glm5next plugin: this CPU has no AMX, so vLLM disabled prefix caching and chunked prefill for "
-        "this MLA model; set VLLM_MLA_DISABLE=1 to keep align-mode prefix caching with the plugin"
-    )
 
 
 class DecoderLayer(nn.Module):
@@ -159,14 +144,21 @@ def cast_for_inference(module: nn.Module, dtype: torch.dtype) -> nn.Module:
 
 
 def load_by_name(
-    module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], num_layers: int, num_experts: int = 0
+    module: nn.Module,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    num_layers: int,
+    num_experts: int = 0,
+    *,
+    tied_lm_head: bool = False,
 ) -> set[str]:
     """Copy checkpoint tensors into ``module`` by name (transformers' names; with
     ``num_experts``, the on-disk GLM spellings are converted first, see
     :mod:`glm5next_plugin.checkpoint_names`).
 
     Vision-tower and MTP tensors are skipped (logged); any other unknown tensor, a shape
-    mismatch, or a parameter left without a tensor raises with the names involved.
+    mismatch, or a parameter left without a tensor raises with the names involved. With
+    ``tied_lm_head`` the module's ``lm_head`` is the embedding matrix: an ``lm_head.weight``
+    in the checkpoint is ignored, as transformers ignores it for tied models.
     """
     if num_experts:
         weights = canonical_names(weights, num_experts)
@@ -177,6 +169,8 @@ def load_by_name(
     skipped = {"vision": 0, "mtp": 0}
     prefix = "model.language_model.layers."
     for name, tensor in weights:
+        if tied_lm_head and name == "lm_head.weight":
+            continue
         if name.startswith(_UNSUPPORTED_PREFIXES):
             skipped["vision"] += 1
             continue
@@ -228,9 +222,20 @@ class Glm5NextForConditionalGeneration(nn.Module, *_vllm_interfaces()):
         dtype = vllm_config.model_config.dtype
         self.model = Glm5NextModel(self.config, vllm_config)
         self.lm_head = nn.Linear(self.config.hidden_size, self.config.vocab_size, bias=False)
+        self.tie_word_embeddings = ties_word_embeddings(hf_config)
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.language_model.embed_tokens.weight
         cast_for_inference(self, dtype)
-        logger.info("glm5next plugin: running the plugin's PyTorch implementation (%s)", type(self).__module__)
-        _warn_if_cpu_disabled_prefix_caching(vllm_config)
+        conv_dtype, rec_dtype = kda_state_dtype(vllm_config)
+        logger.info(
+            "glm5next plugin: running the plugin's PyTorch implementation (%s); KDA state dtypes conv=%s "
+            "recurrent=%s (mamba_ssm_cache_dtype=%s); tie_word_embeddings=%s",
+            type(self).__name__,
+            conv_dtype,
+            rec_dtype,
+            vllm_config.cache_config.mamba_ssm_cache_dtype,
+            self.tie_word_embeddings,
+        )
 
     # --- vLLM model API -----------------------------------------------------------------
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -253,7 +258,13 @@ class Glm5NextForConditionalGeneration(nn.Module, *_vllm_interfaces()):
         return self.lm_head(hidden_states).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return load_by_name(self, weights, self.config.num_hidden_layers, self.config.n_routed_experts)
+        return load_by_name(
+            self,
+            weights,
+            self.config.num_hidden_layers,
+            self.config.n_routed_experts,
+            tied_lm_head=self.tie_word_embeddings,
+        )
 
     # --- hybrid-state declarations (what vLLM's cache manager sizes from) ------------------
     @classmethod
@@ -269,3 +280,27 @@ class Glm5NextForConditionalGeneration(nn.Module, *_vllm_interfaces()):
         from vllm.model_executor.layers.mamba.mamba_utils import MambaStateCopyFuncCalculator
 
         return MambaStateCopyFuncCalculator.kda_state_copy_func()
+
+
+class Glm5NextForCausalLM(Glm5NextForConditionalGeneration):
+    """Text-only flat checkpoints (``architectures: ["Glm5NextForCausalLM"]``, model type
+    ``glm5_next_text``): tensors named ``model.layers.*``, ``model.embed_tokens.*``,
+    ``model.norm.*`` and ``lm_head.*``, as vLLM's native ``Glm5NextForCausalLM`` reads them.
+    Same modules as the multimodal entry class; names are mapped on load."""
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        return super().load_weights(nest_flat_names(weights))
+
+
+def nest_flat_names(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
+    """``model.X`` -> ``model.language_model.X`` (flat text-only spelling to the nested one)."""
+    for name, tensor in weights:
+        if name.startswith("model.") and not name.startswith(("model.language_model.", "model.visual.")):
+            name = "model.language_model." + name[len("model.") :]
+        yield name, tensor
+
+
+def ties_word_embeddings(hf_config) -> bool:
+    """Whether ``lm_head`` shares the embedding matrix. transformers reads the flag on the
+    top-level config (the one ``from_pretrained`` gets), so do we."""
+    return bool(getattr(hf_config, "tie_word_embeddings", False))

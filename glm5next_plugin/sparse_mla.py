@@ -12,7 +12,18 @@ A query at position ``i`` may pick pools that end at or before ``i``. Score per 
     score[i, p] = sum_h w[i, h] * relu(q_idx[i, h] . pool_key[p] / sqrt(index_head_dim))
 
 and keeps the best ``index_topk // index_kpool`` pools, plus the tokens of its own
-incomplete pool (the "tail": ``[i + 1 - (i + 1) % kpool, i]``). Attention then runs over
+incomplete pool (the "tail": ``[i + 1 - (i + 1) % kpool, i]``).
+
+Ties: scores are sums of ReLU'd products, so pools tie exactly (at 0) whenever every
+indexer head's dot product is negative; with few heads and signed head weights that is
+common. Among equal scores the *lower pool index* wins (a stable descending sort), so the
+chosen pools depend only on the query position, the pool scores and the pool indices: the
+same whether the prompt runs in one step, in 128-token steps, batched, or resumed from a
+checkpoint (``torch.topk`` alone picks among ties by how many pools the tensor holds).
+transformers' reference uses ``torch.topk`` (order among ties unspecified), and vLLM's
+native CUDA path selects with its ``top_k_per_row_prefill`` / decode kernels
+(``vllm/models/glm5next/sparse_indexer.py``), which document no tie order either; on
+tie-free scores all three agree. Attention then runs over
 exactly those tokens. Until a query sees more pools than it may keep, that is plain
 causal attention; past it, the selection matters.
 
@@ -38,6 +49,12 @@ def pool_keys(keys: torch.Tensor, gate_scores: torch.Tensor, ape: torch.Tensor) 
     z = gate_scores[: n_pools * kpool].view(n_pools, kpool, dk).float() + ape.float()
     weights = z.softmax(dim=1).to(k.dtype)
     return (weights * k).sum(dim=1)
+
+
+def top_pools(index_scores: torch.Tensor, keep: int) -> torch.Tensor:
+    """Indices of the ``keep`` best pools per row of ``index_scores`` ``[T, P]``; equal
+    scores rank the lower pool index first (see the module docstring)."""
+    return index_scores.sort(dim=-1, descending=True, stable=True).indices[:, :keep]
 
 
 def select_tokens(
@@ -73,7 +90,7 @@ def select_tokens(
     visible = pool_end[None, :] <= positions[:, None]  # [T, P]
     index_scores = index_scores.masked_fill(~visible, torch.finfo(index_scores.dtype).min)
     keep = min(topk // kpool, n_pools)
-    chosen = index_scores.topk(keep, dim=-1).indices  # [T, keep]
+    chosen = top_pools(index_scores, keep)  # [T, keep]
     chosen_ok = visible.gather(1, chosen)
     pool_mask = torch.zeros(t_len, n_pools, dtype=torch.bool, device=dev)
     pool_mask.scatter_(1, chosen, chosen_ok)

@@ -120,6 +120,7 @@ def build_config(
     dense_layers: int = 1,
     index_topk: int = 128,
     index_kpool: int = 16,
+    index_n_heads: int = 16,
     linear_num_heads: int = 2,
     linear_head_dim: int = 16,
     n_routed_experts: int = 8,
@@ -167,7 +168,7 @@ def build_config(
         layer_types=layers,
         index_topk=index_topk,
         index_head_dim=16,
-        index_n_heads=16,
+        index_n_heads=index_n_heads,
         index_kpool=index_kpool,
         index_kpool_always_select_tail=True,
         swiglu_limit=10.0,
@@ -313,6 +314,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dense-layers", type=int, default=1, help="leading layers with a dense MLP")
     p.add_argument("--index-topk", type=int, default=128)
     p.add_argument("--index-kpool", type=int, default=16)
+    p.add_argument(
+        "--index-n-heads",
+        type=int,
+        default=16,
+        help="indexer heads; with few heads (2) many pools score exactly 0 (a tie-heavy checkpoint)",
+    )
     p.add_argument("--linear-num-heads", type=int, default=2)
     p.add_argument("--linear-head-dim", type=int, default=16)
     p.add_argument("--n-routed-experts", type=int, default=8)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 from engines import connector_engine
 
@@ -35,16 +34,10 @@ def llm(tmp_path_factory, server):
 
     ckpt = tmp_path_factory.mktemp("tiny_glm")
     tiny_checkpoint.main([str(ckpt), "--seed", "3"])
-    mp = pytest.MonkeyPatch()
-    if not torch.cpu._is_amx_tile_supported():
-        # vLLM 0.32 turns prefix caching off for MLA models on CPUs without AMX (see
-        # tests/test_plugin_engine.py); the plugin uses no MLA kernel.
-        mp.setenv("VLLM_MLA_DISABLE", "1")
     engine = connector_engine(ckpt, server.url, dtype="float32", max_num_batched_tokens=C,
                               prefix_cache_retention_interval=C, seed=0)
     yield engine
     del engine
-    mp.undo()
 
 
 def _run(llm, prompt, salt, max_tokens=CONTINUATION):

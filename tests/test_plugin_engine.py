@@ -30,19 +30,10 @@ def ckpt(tmp_path_factory):
     return out
 
 
-def no_amx_env() -> dict[str, str]:
-    """vLLM 0.32 turns prefix caching off for MLA models on CPUs without AMX; with MLA
-    marked disabled it keeps it on, and the plugin (which uses no MLA kernel) is unchanged."""
-    return {} if torch.cpu._is_amx_tile_supported() else {"VLLM_MLA_DISABLE": "1"}
-
-
 @pytest.fixture(scope="module")
 def llm(ckpt):
     from vllm import LLM
 
-    mp = pytest.MonkeyPatch()
-    for k, v in no_amx_env().items():
-        mp.setenv(k, v)
     engine = LLM(
         model=str(ckpt),
         dtype="float32",
@@ -56,7 +47,6 @@ def llm(ckpt):
     # stop the engine-core process now, not from a finalizer at interpreter exit
     engine.llm_engine.engine_core.shutdown()
     del engine
-    mp.undo()
 
 
 @pytest.fixture(scope="module")

@@ -108,6 +108,27 @@ def test_select_tokens_is_causal_below_budget_and_sparse_above():
             assert mask[i, i - (i + 1) % kpool + 1 : i + 1].all()
 
 
+
+def test_tied_pool_scores_pick_the_lower_pool_index_whatever_the_step_split():
+    """Exact ties (all indexer heads ReLU'd to 0) resolve to the lower pool index, so a
+    query picks the same pools whether later pools are in the tensor (one-shot prefill,
+    masked as not yet visible) or not (chunked prefill, resumed from a checkpoint)."""
+    scores = torch.tensor([[0.0, 0.5, 0.0, 0.0, -0.3, 0.0]])
+    assert sparse_mla.top_pools(scores, 3).tolist() == [[1, 0, 2]]
+    hidden = torch.finfo(torch.float32).min
+    wider = torch.cat([scores, torch.full((1, 40), hidden)], dim=1)
+    assert sparse_mla.top_pools(wider, 3).tolist() == [[1, 0, 2]]
+    # the whole mask: 2 indexer heads, signed weights, every dot product negative => all
+    # scores tie at 0; one query at position 47 sees pools 0-2 of a longer sequence
+    kpool, topk, dk = 4, 8, 8
+    pooled = torch.ones(12, dk)
+    q = -torch.ones(1, 2, dk)
+    w = torch.tensor([[1.0, -1.0]])
+    short = sparse_mla.select_tokens(q, w, pooled[:3], torch.tensor([13]), 14, kpool, topk)
+    long = sparse_mla.select_tokens(q, w, pooled, torch.tensor([13]), 48, kpool, topk)
+    assert torch.equal(long[:, :14], short) and not long[:, 14:].any()
+    assert short[0, :8].all() and not short[0, 8:12].any()  # pools 0 and 1, not 2
+
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     out = tmp_path_factory.mktemp("tiny_model")
@@ -116,10 +137,12 @@ def ckpt(tmp_path_factory):
 
 
 class _Standalone(nn.Module):
-    def __init__(self, text_config):
+    def __init__(self, text_config, tie_word_embeddings: bool = False):
         super().__init__()
         self.model = Glm5NextModel(text_config)
         self.lm_head = nn.Linear(text_config.hidden_size, text_config.vocab_size, bias=False)
+        if tie_word_embeddings:  # as Glm5NextForConditionalGeneration.__init__ ties them
+            self.lm_head.weight = self.model.language_model.embed_tokens.weight
 
     def logprobs(self, ids: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.model.language_model(ids)).log_softmax(-1)
@@ -237,3 +260,58 @@ def test_quantized_checkpoints_are_refused_clearly(ckpt):
     cfg.quantization_config = {"quant_method": "fp8"}
     with pytest.raises(NotImplementedError, match="fp8"):
         check_supported(cfg)
+
+
+def test_tied_word_embeddings_match_transformers(ckpt, tmp_path):
+    """A checkpoint with ``tie_word_embeddings=True`` and no ``lm_head.weight``: the plugin's
+    lm_head is the embedding matrix, as in transformers (log-probs within tolerance)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig, Glm5NextForConditionalGeneration
+
+    from glm5next_plugin.model import ties_word_embeddings
+
+    tied = tmp_path / "tied"
+    shutil.copytree(ckpt, tied)
+    weights = load_file(str(tied / "model.safetensors"))
+    del weights["lm_head.weight"]
+    save_file(weights, str(tied / "model.safetensors"), metadata={"format": "pt"})
+    cfg = AutoConfig.from_pretrained(tied)
+    cfg.tie_word_embeddings = True
+    cfg.save_pretrained(tied)
+    cfg = AutoConfig.from_pretrained(tied)
+    assert ties_word_embeddings(cfg)
+    ours = _Standalone(cfg.text_config, tie_word_embeddings=True)
+    n = cfg.text_config.num_hidden_layers
+    load_by_name(ours, weights.items(), n, tied_lm_head=True)
+    # a tied checkpoint that also stores lm_head.weight loads the same way
+    load_by_name(ours, {**weights, "lm_head.weight": torch.zeros(1)}.items(), n, tied_lm_head=True)
+    ref = Glm5NextForConditionalGeneration.from_pretrained(tied, dtype=torch.float32).eval()
+    assert ref.lm_head.weight.data_ptr() == ref.model.language_model.embed_tokens.weight.data_ptr()
+    ids = torch.randint(16, 512, (150,), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        diff = (ours.eval().logprobs(ids) - ref(input_ids=ids[None]).logits[0].log_softmax(-1)).abs().max()
+    assert diff < FP32_LOGPROB_TOL
+    # untied loading of the same tensors names the missing lm_head
+    with pytest.raises(ValueError, match="missing.*lm_head.weight"):
+        load_by_name(_Standalone(cfg.text_config), weights.items(), n)
+
+
+def test_flat_text_only_names_load_to_the_same_parameters(ckpt):
+    """``Glm5NextForCausalLM`` checkpoints spell tensors ``model.layers.*`` (vLLM's native
+    flat layout); they map onto the same modules as the nested ``model.language_model.*``."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    from glm5next_plugin.model import nest_flat_names
+
+    cfg = AutoConfig.from_pretrained(ckpt).text_config
+    weights = load_file(str(ckpt / "model.safetensors"))
+    flat = {k.replace("model.language_model.", "model."): v for k, v in weights.items()}
+    assert "model.layers.0.input_layernorm.weight" in flat and "model.embed_tokens.weight" in flat
+    a, b = _Standalone(cfg), _Standalone(cfg)
+    load_by_name(a, weights.items(), cfg.num_hidden_layers)
+    load_by_name(b, nest_flat_names(flat.items()), cfg.num_hidden_layers)
+    for (ka, va), (kb, vb) in zip(a.state_dict().items(), b.state_dict().items()):
+        assert ka == kb and torch.equal(va, vb), ka

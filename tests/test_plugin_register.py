@@ -11,7 +11,7 @@ import glm5next_plugin
 from glm5next_plugin import choose_impl
 
 
-def test_impl_choice_defaults_to_native_on_cuda_and_plugin_elsewhere(monkeypatch):
+def test_impl_choice_defaults_to_native_on_cuda_and_rocm_and_plugin_elsewhere(monkeypatch):
     monkeypatch.delenv("GLM5NEXT_IMPL", raising=False)
     assert choose_impl(is_cuda=True) == "native"
     assert choose_impl(is_cuda=False) == "plugin"
@@ -19,17 +19,27 @@ def test_impl_choice_defaults_to_native_on_cuda_and_plugin_elsewhere(monkeypatch
     assert choose_impl(is_cuda=True) == "plugin"
     monkeypatch.setenv("GLM5NEXT_IMPL", "native")
     assert choose_impl(is_cuda=True) == "native"
-    with pytest.raises(ValueError, match="needs CUDA"):
+    with pytest.raises(ValueError, match="needs CUDA or ROCm"):
         choose_impl(is_cuda=False)
     monkeypatch.setenv("GLM5NEXT_IMPL", "fast")
     with pytest.raises(ValueError, match="expected"):
         choose_impl(is_cuda=False)
 
 
+@pytest.mark.parametrize("platform,expected", [("cuda", "native"), ("rocm", "native"), ("cpu", "plugin")])
+def test_auto_asks_vllm_for_a_cuda_alike_platform(monkeypatch, platform, expected):
+    """ROCm has vLLM's native GLM5-Next kernels too (``vllm/models/glm5next/amd``)."""
+    from vllm.platforms import PlatformEnum, current_platform
+
+    monkeypatch.delenv("GLM5NEXT_IMPL", raising=False)
+    monkeypatch.setattr(type(current_platform), "_enum", getattr(PlatformEnum, platform.upper()))
+    assert choose_impl(glm5next_plugin._platform_is_cuda()) == expected
+
+
 def test_register_is_idempotent_and_registers_the_plugin_class_on_cpu(monkeypatch):
     from vllm import ModelRegistry
 
-    from glm5next_plugin.model import Glm5NextForConditionalGeneration
+    from glm5next_plugin.model import Glm5NextForCausalLM, Glm5NextForConditionalGeneration
 
     monkeypatch.delenv("GLM5NEXT_IMPL", raising=False)
     monkeypatch.setattr(glm5next_plugin, "_registered_impl", None)
@@ -38,8 +48,33 @@ def test_register_is_idempotent_and_registers_the_plugin_class_on_cpu(monkeypatc
     monkeypatch.setattr(ModelRegistry, "register_model", lambda *a: (calls.append(a), real(*a)))
     glm5next_plugin.register()
     glm5next_plugin.register()
-    assert calls == [("Glm5NextForConditionalGeneration", Glm5NextForConditionalGeneration)]
+    assert calls == [
+        ("Glm5NextForConditionalGeneration", Glm5NextForConditionalGeneration),
+        ("Glm5NextForCausalLM", Glm5NextForCausalLM),
+    ]
     assert ModelRegistry._try_load_model_cls("Glm5NextForConditionalGeneration") is Glm5NextForConditionalGeneration
+    assert ModelRegistry._try_load_model_cls("Glm5NextForCausalLM") is Glm5NextForCausalLM
+
+
+def test_plugin_marks_only_glm5next_model_types_as_not_mla(tmp_path):
+    """vLLM's model-type list says glm5_next is DeepSeek-MLA; with the plugin serving it,
+    ``use_mla`` is False for GLM-5.3-Flash configs and unchanged for other MLA models."""
+    from transformers import DeepseekV3Config
+    from vllm.transformers_utils.model_arch_config_convertor import MODEL_ARCH_CONFIG_CONVERTORS as table
+    from vllm.transformers_utils.model_arch_config_convertor import ModelArchConfigConvertorBase as base
+
+    from glm5next_plugin import tiny_checkpoint
+
+    glm5next_plugin.register()
+    glm5next_plugin.mark_not_mla()  # idempotent: a second call wraps nothing twice
+    tok = tiny_checkpoint.build_tokenizer(0, 512)
+    cfg = tiny_checkpoint.build_config(tok)
+    for hf, text in ((cfg, cfg.text_config), (cfg.text_config, cfg.text_config)):
+        convertor = table[hf.model_type](hf, text)
+        assert convertor.is_deepseek_mla() is False
+        assert type(convertor).__mro__[1] is base  # wrapped once, around vLLM's default
+    deepseek = DeepseekV3Config(kv_lora_rank=32, q_lora_rank=32)
+    assert table.get("deepseek_v3", base)(deepseek, deepseek).is_deepseek_mla() is True
 
 
 def test_register_makes_the_connector_name_known_without_a_module_path(monkeypatch):

@@ -23,13 +23,6 @@ pytestmark = pytest.mark.engine
 STARTUP_TIMEOUT_S = 300
 
 
-def no_amx_env() -> dict[str, str]:
-    """Keep prefix caching on CPUs without AMX (see test_plugin_engine.no_amx_env)."""
-    import torch
-
-    return {} if torch.cpu._is_amx_tile_supported() else {"VLLM_MLA_DISABLE": "1"}
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -64,7 +57,7 @@ def server(tmp_path_factory):
             "--served-model-name", "glm5next-tiny",
             "--limit-mm-per-prompt", '{"image": 0, "video": 0}',
         ],
-        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **no_amx_env()}, start_new_session=True,
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )
     base = f"http://127.0.0.1:{port}"
     deadline = time.time() + STARTUP_TIMEOUT_S
@@ -141,15 +134,16 @@ def test_image_input_is_refused_clearly(server):
 
 
 def test_unified_block_size_grows_to_fit_kda_state_and_prefix_cache_resumes(server):
-    """Conv (3, 3*8*64) fp32 + recurrent (8, 64, 64) fp32 = 149,504 B per KDA slot; an MLA
-    token page (vLLM's own sizing: kv_lora_rank 32 x fp32) is 128 B, so the block must be a
-    multiple of 128 with block * 128 B >= 149,504 B: 1,280 tokens."""
+    """Conv (3, 3*8*64) fp32 + recurrent (8, 64, 64) fp32 = 149,504 B per KDA slot; the
+    sparse-MLA page per token is the plugin's real row (kv_lora_rank 32 + 2 x index_head_dim
+    16 = 64 values, fp32: 256 B, reported through the backend's ``customize_spec``), so the
+    block is the smallest multiple of 128 with block * 256 B >= 149,504 B: 640 tokens."""
     base, ckpt = server
     log = (ckpt / "serve.log").read_text()
     m = re.search(r"Setting attention block size to (\d+) tokens", log)
     assert m, "vLLM did not log a unified block size"
     block = int(m.group(1))
-    assert block == 1280
+    assert block == 640
     ids = [16 + (i * 7) % 490 for i in range(3000)]
     body = {"model": "glm5next-tiny", "prompt": ids, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
     status, first = _post(base + "/v1/completions", body)
