@@ -59,6 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="largest object accepted, in MiB (default 256, or the whole budget if smaller)")
     ap.add_argument("--lease-ttl-s", type=_positive_float, default=60.0,
                     help="seconds a lookup's hit stays pinned if never released (default 60)")
+    ap.add_argument("--debug-fault-hooks", action="store_true",
+                    help="testing only: enable the debug_corrupt op (flips a byte of a stored object: bit "
+                         "rot cannot be caused otherwise) and debug_die_on (SIGKILL on the next get/put, to "
+                         "crash mid-transfer); never in production")
     ap.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                     type=str.upper, help="log level (default INFO)")
     return ap
@@ -71,7 +75,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_object_bytes=(int(args.max_object_size_mb * MIB) if args.max_object_size_mb is not None
                           else min(256 * MIB, int(args.l1_size_gb * GIB))),
         separate_object_groups=args.separate_object_groups, lease_ttl_s=args.lease_ttl_s,
-        eviction_policy=args.eviction_policy)
+        eviction_policy=args.eviction_policy, debug_fault_hooks=args.debug_fault_hooks)
 
 
 def main(argv: list[str] | None = None) -> int:

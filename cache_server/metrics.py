@@ -74,6 +74,9 @@ class ServerMetrics:
                                   registry=self.registry,
                                   buckets=(1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0))
         self.errors = Counter(f"{PREFIX}_errors", "Error replies, by code", ["code"], registry=self.registry)
+        self.deleted = Counter(f"{PREFIX}_deleted_objects", "Objects deleted on a client's request, by reason "
+                               "(checksum: a loader found the bytes did not match their checksum)", ["reason"],
+                               registry=self.registry)
 
     def render(self) -> bytes:
         """Prometheus text exposition."""

@@ -23,10 +23,19 @@ geometry; objects never cross namespaces):
              ``attn_groups``, ``state_groups`` (lists of group ids), ``world_size``,
              optional ``start_chunk`` (default 0) -> ``chunks`` (hit depth), ``lease_id``
 ``get``      ``ns``, ``keys`` (list of [hash, group, rank]) -> ``found`` (list of bool),
-             one payload frame per found key, in order
-``put``      ``ns``, ``keys``, optional ``prev`` (one hash or nil per key: the previous
-             state of the same path, for snapshot-aware retention); one payload frame
-             per key -> ``results`` (list of :class:`PutResult` values)
+             ``sums`` (the stored checksum of each found object, in order), one payload
+             frame per found key, in order
+``put``      ``ns``, ``keys``, ``sums`` (one :data:`CHECKSUM_BYTES`-byte checksum per key,
+             :func:`checksum` of its payload), optional ``prev`` (one hash or nil per
+             key: the previous state of the same path, for snapshot-aware retention);
+             one payload frame per key -> ``results`` (list of :class:`PutResult` values)
+``delete``   ``ns``, ``keys``, optional ``reason`` (``checksum``: the loader found the
+             bytes do not match their checksum) -> ``removed`` (objects)
+``debug_corrupt``  ``ns``, ``keys`` (one key), optional ``offset``: flips that byte of the
+             stored object, keeping its checksum (servers started with
+             ``--debug-fault-hooks`` only; tests of the checksum path) -> ``corrupted``
+``debug_die_on``  ``on`` (``get``, ``put`` or ``lookup``): the server SIGKILLs itself when
+             the next such request arrives (``--debug-fault-hooks`` only) -> ``armed``
 ``release``  ``lease_id`` -> ``released`` (bool)
 ``clear``    optional ``ns`` -> ``removed`` (objects)
 ``stats``    -> ``stats`` (map)
@@ -39,11 +48,15 @@ import enum
 from typing import Any
 
 import msgpack
+from blake3 import blake3
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # v2: every object carries a checksum (put/get ``sums``), ``delete``
 HASH_BYTES = 32  # blake3 digest size; chunk hashes on the wire are exactly this long
+CHECKSUM_BYTES = 16
+DELETE_REASONS = ("checksum", "client")
 
-OPS = ("hello", "lookup", "get", "put", "release", "clear", "stats", "ping")
+OPS = ("hello", "lookup", "get", "put", "delete", "debug_corrupt", "debug_die_on", "release", "clear", "stats",
+       "ping")
 
 
 class ErrorCode(str, enum.Enum):
@@ -84,6 +97,16 @@ def negotiate_chunk_size(min_chunk_size: int, alignment: int) -> int:
     if min_chunk_size <= 0 or alignment <= 0:
         raise ValueError(f"chunk size and alignment must be positive, got {min_chunk_size}, {alignment}")
     return -(-min_chunk_size // alignment) * alignment
+
+
+def checksum(payload: bytes | memoryview) -> bytes:
+    """The object checksum: blake3 of the payload, truncated to :data:`CHECKSUM_BYTES`.
+
+    Written by the client that stores an object and checked by the client that loads it,
+    so a flipped bit anywhere between (network, server memory, a second tier) is caught
+    before any byte reaches the engine's cache. It is integrity, not authentication:
+    whoever may write may also compute it (authentication is the server's token)."""
+    return blake3(payload).digest(length=CHECKSUM_BYTES)
 
 
 def pack_header(header: dict[str, Any]) -> bytes:
@@ -167,6 +190,15 @@ def key_list(header: dict[str, Any], name: str = "keys") -> list[ObjectKey]:
                                 f"{name}[{i}] must be [{HASH_BYTES}-byte hash, group >= 0, rank >= 0]")
         keys.append((k[0], k[1], k[2]))
     return keys
+
+
+def checksum_list(header: dict[str, Any], count: int, name: str = "sums") -> list[bytes]:
+    """``count`` checksums, each exactly :data:`CHECKSUM_BYTES` bytes."""
+    sums = field(header, name, list)
+    if len(sums) != count or not all(isinstance(s, bytes) and len(s) == CHECKSUM_BYTES for s in sums):
+        raise ProtocolError(ErrorCode.BAD_REQUEST,
+                            f"{name} must list one {CHECKSUM_BYTES}-byte checksum per key ({count})")
+    return sums
 
 
 def _kind_name(kind: type | tuple[type, ...]) -> str:

@@ -8,6 +8,8 @@ store, or clears it.
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import threading
 import time
 from dataclasses import dataclass
@@ -38,6 +40,7 @@ class ServerConfig:
     separate_object_groups: bool = False
     lease_ttl_s: float = 60.0
     eviction_policy: str = "LRU"
+    debug_fault_hooks: bool = False  # enables ``debug_corrupt`` (tests of the checksum path)
 
 
 class CacheServer:
@@ -49,6 +52,7 @@ class CacheServer:
         self.metrics = ServerMetrics(self.store)
         self._chunk_by_namespace: dict[str, tuple[int, int]] = {}  # ns -> (alignment, chunk)
         self._stop = threading.Event()
+        self._die_on: str | None = None  # debug fault hook: SIGKILL ourselves on this op
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -56,6 +60,7 @@ class CacheServer:
         self.port = self._bind(config.host, config.port)
         self._handlers = {
             "hello": self._hello, "lookup": self._lookup, "get": self._get, "put": self._put,
+            "delete": self._delete, "debug_corrupt": self._debug_corrupt, "debug_die_on": self._debug_die_on,
             "release": self._release, "clear": self._clear, "stats": self._stats, "ping": self._ping,
         }
         assert set(self._handlers) == set(p.OPS)
@@ -107,6 +112,8 @@ class CacheServer:
                 raise p.ProtocolError(p.ErrorCode.UNKNOWN_OP,
                                       f"unknown op {op_field[:64]!r}; expected one of {', '.join(p.OPS)}")
             op = op_field
+            if op == self._die_on:  # debug fault hook: die mid-request, as kill -9 would
+                os.kill(os.getpid(), signal.SIGKILL)
             reply_header, payloads = handler(header, [_buffer(f) for f in frames[1:]])
             reply_header.update(ok=True, id=request_id if isinstance(request_id, int) else None)
             out = [p.pack_header(reply_header), *payloads]
@@ -160,13 +167,14 @@ class CacheServer:
 
     def _get(self, h: dict[str, Any], _: list[memoryview]) -> tuple[dict[str, Any], list[Any]]:
         ns = p.field(h, "ns", str)
-        found, payloads = [], []
+        found, sums, payloads = [], [], []
         for digest, group, rank in p.key_list(h):
-            payload = self.store.get((ns, digest, group, rank))
-            found.append(payload is not None)
-            if payload is not None:
-                payloads.append(payload)
-        return {"found": found}, payloads
+            hit = self.store.get_with_checksum((ns, digest, group, rank))
+            found.append(hit is not None)
+            if hit is not None:
+                payloads.append(hit[0])
+                sums.append(hit[1])
+        return {"found": found, "sums": sums}, payloads
 
     def _put(self, h: dict[str, Any], frames: list[memoryview]) -> tuple[dict[str, Any], list[Any]]:
         ns = p.field(h, "ns", str)
@@ -181,13 +189,57 @@ class CacheServer:
                 raise p.ProtocolError(p.ErrorCode.TOO_LARGE,
                                       f"object (group {group}, rank {rank}) is {frame.nbytes} bytes; "
                                       f"the maximum is {self.config.max_object_bytes}")
+        sums = p.checksum_list(h, len(keys))
         prevs = p.field(h, "prev", list, default=[None] * len(keys))
         if len(prevs) != len(keys) or not all(x is None or (isinstance(x, bytes) and len(x) == p.HASH_BYTES)
                                               for x in prevs):
             raise p.ProtocolError(p.ErrorCode.BAD_REQUEST,
                                   f"prev must list one {p.HASH_BYTES}-byte hash or nil per key")
-        results = [self.store.put((ns, *key), frame, prev).value for key, frame, prev in zip(keys, frames, prevs)]
+        results = [self.store.put((ns, *key), frame, prev, s).value
+                   for key, frame, prev, s in zip(keys, frames, prevs, sums)]
         return {"results": results}, []
+
+    def _delete(self, h: dict[str, Any], _: list[memoryview]) -> tuple[dict[str, Any], list[Any]]:
+        ns = p.field(h, "ns", str)
+        keys = p.key_list(h)
+        reason = p.field(h, "reason", str, default="client")
+        if reason not in p.DELETE_REASONS:
+            raise p.ProtocolError(p.ErrorCode.BAD_REQUEST, f"reason must be one of {', '.join(p.DELETE_REASONS)}")
+        removed = sum(self.store.delete((ns, *key)) for key in keys)
+        self.metrics.deleted.labels(reason=reason).inc(removed)
+        if reason == "checksum" and removed:
+            logger.warning("deleted %d object(s) of namespace %r whose bytes failed their checksum at a loader",
+                           removed, ns)
+        return {"removed": removed}, []
+
+    def _debug_corrupt(self, h: dict[str, Any], _: list[memoryview]) -> tuple[dict[str, Any], list[Any]]:
+        """Flip one byte of a stored object, keeping its checksum: bit rot on demand."""
+        if not self.config.debug_fault_hooks:
+            raise p.ProtocolError(p.ErrorCode.UNKNOWN_OP, "debug_corrupt needs --debug-fault-hooks")
+        ns = p.field(h, "ns", str)
+        (key,) = p.key_list(h)
+        offset = p.int_field(h, "offset", minimum=0, default=0)
+        found = self.store.get_with_checksum((ns, *key))
+        if found is None:
+            return {"corrupted": False}, []
+        data = bytearray(found[0])
+        data[offset % len(data)] ^= 0xFF
+        self.store.delete((ns, *key))
+        self.store.put((ns, *key), bytes(data), None, found[1])
+        logger.warning("debug fault hook: flipped byte %d of an object in namespace %r", offset % len(data), ns)
+        return {"corrupted": True}, []
+
+    def _debug_die_on(self, h: dict[str, Any], _: list[memoryview]) -> tuple[dict[str, Any], list[Any]]:
+        """Arm a SIGKILL of this process when the next request of ``op`` arrives (before it is
+        answered): a crash during a load (``get``) or a save (``put``), on demand."""
+        if not self.config.debug_fault_hooks:
+            raise p.ProtocolError(p.ErrorCode.UNKNOWN_OP, "debug_die_on needs --debug-fault-hooks")
+        op = p.field(h, "on", str)
+        if op not in ("get", "put", "lookup"):
+            raise p.ProtocolError(p.ErrorCode.BAD_REQUEST, "on must be get, put or lookup")
+        self._die_on = op
+        logger.warning("debug fault hook: this server will SIGKILL itself on the next %s", op)
+        return {"armed": op}, []
 
     def _release(self, h: dict[str, Any], _: list[memoryview]) -> tuple[dict[str, Any], list[Any]]:
         return {"released": self.store.release(p.int_field(h, "lease_id", minimum=1))}, []

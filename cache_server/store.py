@@ -31,6 +31,7 @@ StoreKey = tuple[str, bytes, int, int]  # (namespace, chunk hash, group, rank)
 class _Entry:
     payload: Payload
     nbytes: int
+    checksum: bytes = b""  # written by the storing client, returned to loaders as is
     leases: int = 0  # active leases holding this object; > 0 means not evictable
     children: set[bytes] | None = None  # hashes of newer states linked to this one by ``prev``
 
@@ -92,7 +93,8 @@ class ObjectStore:
 
     # --- writes --------------------------------------------------------------------------
 
-    def put(self, key: StoreKey, payload: Payload, prev: bytes | None = None) -> PutResult:
+    def put(self, key: StoreKey, payload: Payload, prev: bytes | None = None,
+            checksum: bytes = b"") -> PutResult:
         """Store one object. Makes room by evicting whole unleased objects (superseded states
         first, then least recently used); if that cannot make room, evicts nothing and
         answers ``NO_SPACE``. ``prev`` links a state object to the previous state of the
@@ -114,7 +116,7 @@ class ObjectStore:
             for victim in victims:
                 self.counters.evicted_bytes += self._remove_locked(victim)
                 self.counters.evictions += 1
-            self._objects[key] = _Entry(payload, nbytes)
+            self._objects[key] = _Entry(payload, nbytes, checksum)
             if prev is not None and prev != key[1]:
                 parent = self._objects.get((key[0], prev, key[2], key[3]))
                 if parent is not None:
@@ -147,6 +149,14 @@ class ObjectStore:
         self._objects_by_group[key[2]] -= 1
         return entry.nbytes
 
+    def delete(self, key: StoreKey) -> bool:
+        """Remove one object now, leased or not (a loader found it corrupt)."""
+        with self._lock:
+            if key not in self._objects:
+                return False
+            self._remove_locked(key)
+            return True
+
     def clear(self, namespace: str | None = None) -> int:
         """Remove every object (of one namespace, if given), leased ones included, and drop
         the leases on them. Returns the number of objects removed."""
@@ -163,6 +173,11 @@ class ObjectStore:
 
     def get(self, key: StoreKey) -> Payload | None:
         """The object's payload, or None. A hit makes the object the most recently used."""
+        found = self.get_with_checksum(key)
+        return None if found is None else found[0]
+
+    def get_with_checksum(self, key: StoreKey) -> tuple[Payload, bytes] | None:
+        """The object's payload and stored checksum, or None (see :meth:`get`)."""
         with self._lock:
             entry = self._objects.get(key)
             if entry is None:
@@ -171,7 +186,7 @@ class ObjectStore:
             self._objects.move_to_end(key)
             self.counters.get_hits += 1
             self.counters.served_bytes_total += entry.nbytes
-            return entry.payload
+            return entry.payload, entry.checksum
 
     def lookup(self, namespace: str, hashes: Sequence[bytes], attn_groups: Sequence[int],
                state_groups: Sequence[int], world_size: int, start_chunk: int = 0,

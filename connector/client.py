@@ -4,6 +4,7 @@ timeout, never hangs the caller."""
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -13,6 +14,8 @@ import zmq
 from cache_server import protocol as p
 
 Payload = bytes | bytearray | memoryview
+
+logger = logging.getLogger("vllm.glm_cache_client")
 
 
 class CacheServerError(RuntimeError):
@@ -45,6 +48,7 @@ class CacheClient:
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self._sock: zmq.Socket | None = None
+        self.corrupt_objects = 0  # payloads that failed their checksum (deleted on the server)
 
     def _socket(self) -> zmq.Socket:
         if self._sock is None:
@@ -125,20 +129,52 @@ class CacheClient:
         value per item. ``prev`` gives, per item, the hash of the previous state stored on the
         same conversation path (state objects only), so the server evicts superseded
         snapshots first. Payloads must not change until this returns."""
-        header: dict[str, Any] = {"op": "put", "ns": namespace, "keys": [[h, g, r] for h, g, r, _ in items]}
+        header: dict[str, Any] = {"op": "put", "ns": namespace, "keys": [[h, g, r] for h, g, r, _ in items],
+                                  "sums": [p.checksum(item[3]) for item in items]}
         if prev is not None:
             header["prev"] = list(prev)
         reply, _ = self.request(header, [item[3] for item in items])
         return reply["results"]
 
     def get(self, namespace: str, keys: Sequence[tuple[bytes, int, int]]) -> list[memoryview | None]:
-        """Payloads of ``(hash, group, rank)`` keys, None where absent."""
+        """Payloads of ``(hash, group, rank)`` keys, None where absent.
+
+        Every payload is checked against the checksum its writer stored with it; one that
+        does not match is deleted on the server (``delete`` with reason ``checksum``, counted
+        there) and answered as absent, so no corrupt byte ever reaches the caller."""
         reply, frames = self.request({"op": "get", "ns": namespace, "keys": [list(k) for k in keys]})
-        found = reply["found"]
-        if len(found) != len(keys) or sum(found) != len(frames):
+        found, sums = reply["found"], reply.get("sums")
+        if len(found) != len(keys) or sum(found) != len(frames) or not isinstance(sums, list) \
+                or len(sums) != len(frames):
             raise CacheServerError("bad_reply", f"get answered {len(frames)} payloads for {found}")
-        it = iter(frames)
-        return [next(it) if f else None for f in found]
+        it = iter(zip(frames, sums))
+        out: list[memoryview | None] = []
+        corrupt: list[tuple[bytes, int, int]] = []
+        for key, f in zip(keys, found):
+            if not f:
+                out.append(None)
+                continue
+            frame, stored = next(it)
+            if stored != p.checksum(frame):
+                corrupt.append(tuple(key))
+                out.append(None)
+            else:
+                out.append(frame)
+        if corrupt:
+            self.corrupt_objects += len(corrupt)
+            logger.warning("glm-cache-server at %s: %d object(s) failed their checksum; deleting them",
+                           self.url, len(corrupt))
+            try:
+                self.delete(namespace, corrupt, reason="checksum")
+            except (CacheServerError, CacheServerUnavailable) as e:
+                logger.warning("delete of corrupt objects failed: %s", e)
+        return out
+
+    def delete(self, namespace: str, keys: Sequence[tuple[bytes, int, int]], reason: str = "client") -> int:
+        """Remove objects now; ``reason`` ``checksum`` reports them as corrupt."""
+        reply, _ = self.request({"op": "delete", "ns": namespace, "keys": [list(k) for k in keys],
+                                 "reason": reason})
+        return reply["removed"]
 
     def release(self, lease_id: int) -> bool:
         reply, _ = self.request({"op": "release", "lease_id": lease_id})

@@ -25,9 +25,10 @@ never a stalled engine. Extra config keys (``kv_connector_extra_config``):
 ``retry_after_s``    after the server failed, skip it this long before trying again (5.0)
 ``save_decode``      also save whole chunks of generated tokens (default false)
 ``max_pending_save_bytes``  drop saves beyond this many queued bytes (default 1 GiB)
-``strict_prefix``    diagnostic only: false lets a hit cover the whole prompt, the bug of
-                     seed 004 (default true). Per request: ``kv_transfer_params``
-                     ``{"glm_strict_prefix": false}``.
+``strict_prefix``    operator policy, diagnostic only: false lets a hit cover the whole
+                     prompt, the bug of seed 004 (default true). Such an engine loads but
+                     never saves, so its wrong states cannot reach other replicas. There
+                     is no per-request switch: API clients cannot turn the rule off.
 
 Which recurrent states exist: vLLM (align mode) snapshots the state where a prefill step
 ends on its block grid and keeps the snapshots its retention policy names (by default the
@@ -80,6 +81,22 @@ if TYPE_CHECKING:
 logger = init_logger("vllm.glm_cache_connector")
 
 _CLIENT_ERRORS = (CacheServerUnavailable, CacheServerError, OSError)
+
+
+def uncacheable_reason(request: Any) -> str | None:
+    """Why a request's KV must not be shared through the cache, or None.
+
+    Keys hash token ids only. Images/video (placeholder tokens whose KV depends on the
+    pixels), LoRA adapters (other weights) and prompt embeddings (no token ids at all)
+    would let different requests share a key, so such requests are not cached (fail
+    closed) rather than keyed by something partial."""
+    if getattr(request, "mm_features", None):
+        return "multimodal inputs"
+    if getattr(request, "lora_request", None) is not None:
+        return "a LoRA adapter"
+    if getattr(request, "prompt_embeds", None) is not None:
+        return "prompt embeddings"
+    return None
 
 
 def _flag(value: Any) -> bool:
@@ -228,6 +245,13 @@ class GlmCacheConnector(KVConnectorBase_V1, SupportsHMA):
         self._pending_saves: list[ObjectMove] = []
         self._load_failed: set[str] = set()
         self._warned_block_size = False
+        self._warned_request_switch = False
+        self._logged_uncacheable: set[str] = set()
+        if not self._strict_prefix:
+            logger.warning(
+                "GlmCacheConnector: strict_prefix=false (diagnosis only): full-prompt hits apply the last "
+                "token to the KDA state twice and outputs drift (seed 004); this engine loads but never saves"
+            )
         # Lease releases go to a background thread: the scheduler never waits on them.
         self._releaser = ThreadPoolExecutor(max_workers=1, thread_name_prefix="glm-release")
         self._negotiate()
@@ -310,9 +334,31 @@ class GlmCacheConnector(KVConnectorBase_V1, SupportsHMA):
         cache_config.block_size = block
         cache_config.mamba_block_size = block
 
-    def _strict(self, request: Request) -> bool:
+    def _skip_uncacheable(self, request: Request) -> bool:
+        """True for requests whose keys would not capture their inputs (logged once per kind)."""
+        reason = uncacheable_reason(request)
+        if reason is None:
+            return False
+        if reason not in self._logged_uncacheable:
+            self._logged_uncacheable.add(reason)
+            logger.info(
+                "GlmCacheConnector: requests with %s are not looked up or saved (keys hash token ids "
+                "only); first: %s", reason, request.request_id,
+            )
+        return True
+
+    def _warn_if_request_asks_for_non_strict(self, request: Request) -> None:
+        """The per-request switch of earlier versions let any API client reproduce seed
+        004's bug (and, with decode saves, store its wrong states under shared keys). It
+        is ignored now; say so once, so a client relying on it learns why."""
         params = request.kv_transfer_params or {}
-        return _flag(params.get("glm_strict_prefix", self._strict_prefix))
+        if "glm_strict_prefix" in params and not self._warned_request_switch:
+            logger.warning(
+                "GlmCacheConnector: ignoring kv_transfer_params glm_strict_prefix of request %s: "
+                "strict prefix is operator policy (kv_connector_extra_config strict_prefix)",
+                request.request_id,
+            )
+            self._warned_request_switch = True
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
@@ -325,7 +371,10 @@ class GlmCacheConnector(KVConnectorBase_V1, SupportsHMA):
         if not self._negotiate() or not self._link.usable():
             return 0, False
         C = self._geometry.chunk_size
-        if self._strict(request):
+        self._warn_if_request_asks_for_non_strict(request)
+        if self._skip_uncacheable(request):
+            return 0, False
+        if self._strict_prefix:
             max_chunks = strict_prefix_chunks(request.num_tokens, C)
         else:
             max_chunks = request.num_tokens // C
@@ -371,6 +420,8 @@ class GlmCacheConnector(KVConnectorBase_V1, SupportsHMA):
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         req_id = request.request_id
+        if self._skip_uncacheable(request):
+            return  # never tracked: nothing of it is saved
         tracked = self._track(request)
         hit = self._hits.pop(req_id, None)
         if hit is None:
@@ -450,6 +501,9 @@ class GlmCacheConnector(KVConnectorBase_V1, SupportsHMA):
         )
         self._pending_loads, self._pending_saves = [], []
         if self._link.hello is None:
+            return meta
+        if not self._strict_prefix:  # a non-strict engine's states may be wrong: never share them
+            meta.saves = []
             return meta
         computed_after = self._tokens_after_step(scheduler_output)
         block_state = scheduler_output.kv_connector_block_state

@@ -59,12 +59,11 @@ def llm(model_dir, server):
     del engine
 
 
-def _run(llm, prompts, salt=None, strict=True, max_tokens=CONTINUATION):
+def _run(llm, prompts, salt=None, max_tokens=CONTINUATION, extra=None):
     """Greedy generation; returns (token ids, first-token logprob, cached tokens) per prompt."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    extra = None if strict else {"kv_transfer_params": {"glm_strict_prefix": False}}
     params = SamplingParams(
         temperature=0.0, max_tokens=max_tokens, logprobs=1, ignore_eos=True, extra_args=extra
     )
@@ -114,26 +113,37 @@ def test_boundary_sweep_reloaded_equals_cold(llm, k):
         assert reloaded[1] == cold[1], f"length {n}"
 
 
-def test_full_prompt_hit_without_strict_prefix_diverges(llm):
-    """Taking the strict-prefix rule out lets a k*C prompt resume at k*C: vLLM recomputes
-    the last token on a state that already holds it (seed 004), and the output drifts."""
+def test_full_prompt_hit_without_strict_prefix_diverges_and_is_never_saved(llm, model_dir, server):
+    """Taking the strict-prefix rule out (operator policy ``strict_prefix: false``, a second
+    engine on the same server) lets a k*C prompt resume at k*C: vLLM recomputes the last
+    token on a state that already holds it (seed 004), and the output drifts. That engine
+    never saves, so its wrong states reach no other replica. A request asking for the
+    switch per request is ignored by the strict engine."""
     diverged = []
-    for k in (1, 2, 3):
-        longer = _prompt(k * C + 1, seed=500 + k)
-        prompt = longer[: k * C]
-        salt = f"nonstrict-{k}"
-        (cold,) = _cold(llm, [prompt])
-        _run(llm, [longer], salt=salt)  # leaves a state snapshot at k*C on the server
-        llm.reset_prefix_cache()
-        (loose,) = _run(llm, [prompt], salt=salt, strict=False)
-        llm.reset_prefix_cache()
-        (strict,) = _run(llm, [prompt], salt=salt)
-        assert loose[2] == k * C  # the whole prompt came from the cache
-        # Strict: at most (k-1)*C; here 0, as the longer prompt's cold run left a state
-        # snapshot only at k*C (vLLM keeps the replay boundary, not every block).
-        assert strict[2] <= (k - 1) * C
-        assert strict[0] == cold[0] and strict[1] == cold[1]
-        diverged.append(loose[0] != cold[0] or abs(loose[1] - cold[1]) > 1e-3)
+    loose_engine = connector_engine(model_dir, server.url, connector={"strict_prefix": False}, seed=0)
+    try:
+        for k in (1, 2, 3):
+            longer = _prompt(k * C + 1, seed=500 + k)
+            prompt = longer[: k * C]
+            salt = f"nonstrict-{k}"
+            (cold,) = _cold(llm, [prompt])
+            _run(llm, [longer], salt=salt)  # leaves a state snapshot at k*C on the server
+            llm.reset_prefix_cache()
+            objects = CacheClient(server.url).stats()["objects"]
+            (loose,) = _run(loose_engine, [prompt], salt=salt)
+            (fresh,) = _run(loose_engine, [_prompt(k * C + 5, seed=900 + k)], salt=salt)
+            time.sleep(0.5)  # saves would leave from a background thread
+            assert CacheClient(server.url).stats()["objects"] == objects, "a non-strict engine saved"
+            (asked,) = _run(llm, [prompt], salt=salt, extra={"kv_transfer_params": {"glm_strict_prefix": False}})
+            assert loose[2] == k * C  # the whole prompt came from the cache
+            # Strict: at most (k-1)*C; here 0, as the longer prompt's cold run left a state
+            # snapshot only at k*C (vLLM keeps the replay boundary, not every block).
+            assert asked[2] <= (k - 1) * C
+            assert asked[0] == cold[0] and asked[1] == cold[1]
+            diverged.append(loose[0] != cold[0] or abs(loose[1] - cold[1]) > 1e-3)
+    finally:
+        loose_engine.llm_engine.engine_core.shutdown()
+        del loose_engine
     assert all(diverged), f"non-strict full hits should drift from cold: {diverged}"
 
 
@@ -181,6 +191,33 @@ def test_corrupt_objects_fail_the_load_and_recompute(llm, server):
     (after,) = _run(llm, [prompt], salt="corrupt", max_tokens=16)
     assert after[0] == cold[0]
     assert after[1] == pytest.approx(cold[1], abs=1e-6)
+
+
+def test_flipped_byte_in_a_stored_object_is_caught_and_recomputed(llm, server):
+    """Right size, right key, one byte wrong (the server's debug fault hook): the loader's
+    checksum check refuses it before any byte reaches vLLM's cache, the server deletes it
+    and counts it, and the request computes cold."""
+    import urllib.request
+
+    from connector.keys import chunk_hashes
+
+    prompt = _prompt(800, seed=23)
+    salt = "bitrot"
+    (cold,) = _run(llm, [prompt], salt=salt, max_tokens=16)
+    client = CacheClient(server.url)
+    stats = client.stats()
+    (namespace,) = stats["namespaces"]
+    first = chunk_hashes(prompt, C, salt)[0]
+    flipped = [client.request({"op": "debug_corrupt", "ns": namespace, "keys": [[first, int(g), 0]],
+                               "offset": 4097})[0]["corrupted"] for g in stats["bytes_by_group"]]
+    assert any(flipped)
+    llm.reset_prefix_cache()
+    (after,) = _run(llm, [prompt], salt=salt, max_tokens=16)
+    assert after[0] == cold[0]
+    assert after[1] == pytest.approx(cold[1], abs=1e-6)
+    metrics = urllib.request.urlopen(server.http_url + "/metrics", timeout=5).read().decode()
+    assert f'glm_cache_deleted_objects_total{{reason="checksum"}} {float(sum(flipped))}' in metrics
+    client.close()
 
 
 def test_abort_during_external_load_keeps_the_engine_healthy(llm, server):

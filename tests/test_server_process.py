@@ -131,7 +131,7 @@ MALFORMED = [
      "bad_request"),
     ("bool where an int goes", [msgpack.packb({"op": "hello", "id": 1, "v": True, "ns": NS, "alignment": 1})],
      "bad_request"),
-    ("negative alignment", [msgpack.packb({"op": "hello", "id": 1, "v": 1, "ns": NS, "alignment": -5})],
+    ("negative alignment", [msgpack.packb({"op": "hello", "id": 1, "v": PROTOCOL_VERSION, "ns": NS, "alignment": -5})],
      "bad_request"),
     ("keys and payloads disagree", [msgpack.packb({"op": "put", "id": 1, "ns": NS,
                                                    "keys": [[bytes(32), 0, 0], [bytes(32), 1, 0]]}), b"x"],
@@ -141,6 +141,12 @@ MALFORMED = [
     ("prev of the wrong length", [msgpack.packb({"op": "put", "id": 1, "ns": NS, "keys": [[bytes(32), 1, 0]],
                                                  "prev": [b"x"]}), b"s"], "bad_request"),
     ("malformed key", [msgpack.packb({"op": "get", "id": 1, "ns": NS, "keys": [["abc", -1]]})], "bad_request"),
+    ("put without checksums", [msgpack.packb({"op": "put", "id": 1, "ns": NS, "keys": [[bytes(32), 1, 0]]}), b"s"],
+     "bad_request"),
+    ("checksum of the wrong length", [msgpack.packb({"op": "put", "id": 1, "ns": NS, "keys": [[bytes(32), 1, 0]],
+                                                     "sums": [b"x" * 32]}), b"s"], "bad_request"),
+    ("delete with an unknown reason", [msgpack.packb({"op": "delete", "id": 1, "ns": NS, "keys": [[bytes(32), 0, 0]],
+                                                      "reason": "because"})], "bad_request"),
 ]
 
 

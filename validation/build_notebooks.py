@@ -164,18 +164,19 @@ reloaded; 64-token greedy continuations compared token by token.
 
 With the strict-prefix rule a hit is at most `C*floor((N-1)/C)` tokens, so a prompt of
 exactly `k*C` tokens resumes one chunk early and recomputes it. The last section turns the
-rule off for diagnosis (`kv_transfer_params: {"glm_strict_prefix": false}`, a connector
-setting not for production) to show what it prevents: seed 004's bug, where a full hit
+rule off for diagnosis, on a second engine sharing the server (`strict_prefix: false` in
+its `kv_connector_extra_config`: operator policy, never a per-request switch, and such an
+engine never saves) to show what the rule prevents: seed 004's bug, where a full hit
 restores the KDA state after all N tokens while vLLM recomputes the last one."""),
     ("code", SETUP),
     ("code", '''\
-def sweep(strict, seed):
+def sweep(reloader, seed):
+    """Cold and stored through the strict `engine`; reloaded through `reloader`."""
     rows = []
     rng = random.Random(seed)
     for k in (1, 2, 3):
         for n in (k * C - 1, k * C, k * C + 1):
             prompt = [rng.randrange(16, 500) for _ in range(n)]
-            params = None if strict else {"glm_strict_prefix": False}
             cold = complete(engine.base_url, prompt, 64, cache_salt=f"cold-{uuid.uuid4().hex}")
             salt = f"sweep-{uuid.uuid4().hex[:8]}"
             complete(engine.base_url, prompt, 64, cache_salt=salt)
@@ -183,14 +184,14 @@ def sweep(strict, seed):
             # computation leaves a KDA snapshot where this prompt ends when that is a chunk boundary.
             complete(engine.base_url, prompt + [rng.randrange(16, 500)], 1, cache_salt=salt)
             reset_local_cache()
-            rel = complete(engine.base_url, prompt, 64, cache_salt=salt, kv_transfer_params=params)
+            rel = complete(reloader.base_url, prompt, 64, cache_salt=salt)
             first_diff = next((i for i, (a, b) in enumerate(zip(cold.token_ids, rel.token_ids)) if a != b), None)
             rows.append(dict(n=n, hit=rel.cached_tokens, strict=strict_hit(n),
                              match=cold.token_ids == rel.token_ids, first_diff=first_diff,
                              dlogprob=abs(cold.token_logprobs[0] - rel.token_logprobs[0])))
     return rows
 
-strict_rows = sweep(strict=True, seed=1)
+strict_rows = sweep(engine, seed=1)
 table(["length", "hit tokens", "C*floor((N-1)/C)", "64 tokens match", "first differing token",
        "|first log-prob diff|"],
       [(r["n"], r["hit"], r["strict"], r["match"], r["first_diff"], f"{r['dlogprob']:.2e}") for r in strict_rows])
@@ -201,11 +202,16 @@ assert all(r["match"] for r in strict_rows), "a reloaded continuation differs fr
     ("markdown", """\
 ## Diagnostic: strict prefix off
 
-Same workload with the rule disabled per request. At lengths `k*C` the lookup may now
+Same workload, reloaded through a second engine whose connector runs with
+`strict_prefix: false` (the stores still go through the strict engine: a non-strict engine
+never saves). At lengths `k*C` the lookup may now
 cover the whole prompt: the state stored at `k*C` already holds the prompt's last token,
 vLLM recomputes that token to get logits, and the KDA state sees it twice."""),
     ("code", '''\
-loose_rows = sweep(strict=False, seed=1)
+loose_engine = VllmServer(CKPT, "--enforce-eager", "--max-num-batched-tokens", "2048",
+                          kv_transfer_config=connector_config(server.url, strict_prefix=False)).start(progress=False)
+loose_rows = sweep(loose_engine, seed=1)
+loose_engine.stop()
 table(["length", "hit tokens", "C*floor((N-1)/C)", "64 tokens match", "first differing token",
        "|first log-prob diff|"],
       [(r["n"], r["hit"], r["strict"], r["match"], r["first_diff"], f"{r['dlogprob']:.2e}") for r in loose_rows])
