@@ -78,10 +78,27 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         eviction_policy=args.eviction_policy, debug_fault_hooks=args.debug_fault_hooks)
 
 
+def _return_freed_payloads_to_the_os() -> None:
+    """Objects are megabytes and churn constantly. glibc serves such blocks with mmap only
+    up to a threshold it raises each time one is freed (to 32 MiB), after which freed
+    payloads stay in fragmented heap arenas and RSS drifts well past the byte budget.
+    Pinning the threshold keeps every payload-sized block an mmap that free() returns."""
+    import ctypes
+    import ctypes.util
+
+    m_mmap_threshold = -3
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.mallopt(m_mmap_threshold, 256 * 1024)
+    except (OSError, AttributeError):  # not glibc: its allocator has its own policy
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)  # invalid values exit 2 with argparse's message
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _return_freed_payloads_to_the_os()
     config = config_from_args(args)
     if config.max_object_bytes > config.l1_size_bytes:
         ap.error(f"--max-object-size-mb ({args.max_object_size_mb}) exceeds --l1-size-gb ({args.l1_size_gb} GiB)")
