@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 import zmq
 
+from cache_server.auth import TokenFileError, is_loopback, read_token_file, world_readable
 from cache_server.http import start_http
 from cache_server.server import GIB, MIB, CacheServer, ServerConfig
 
@@ -43,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "shared by any number of vLLM replicas running GlmCacheConnector.")
     ap.add_argument("--host", default="127.0.0.1",
                     help="address to bind the ZMQ and HTTP sockets (default 127.0.0.1; binding beyond "
-                         "loopback is an explicit choice)")
+                         "loopback needs --auth-token-file or --insecure-no-auth)")
     ap.add_argument("--port", type=_port, default=5555, help="ZMQ ROUTER port (default 5555; 0 picks a free one)")
     ap.add_argument("--http-port", type=_port, default=8080,
                     help="HTTP port for /healthcheck, /status, /metrics (default 8080; 0 disables HTTP)")
@@ -63,19 +64,28 @@ def build_parser() -> argparse.ArgumentParser:
                     help="testing only: enable the debug_corrupt op (flips a byte of a stored object: bit "
                          "rot cannot be caused otherwise) and debug_die_on (SIGKILL on the next get/put, to "
                          "crash mid-transfer); never in production")
+    auth = ap.add_mutually_exclusive_group()
+    auth.add_argument("--auth-token-file", metavar="PATH", default=None,
+                      help="file holding a shared secret (one word, at least 16 characters) that every ZMQ "
+                           "request and the HTTP /status and /cache/clear must carry; one token for all "
+                           "namespaces")
+    auth.add_argument("--insecure-no-auth", action="store_true",
+                      help="allow binding beyond loopback without a token: anyone who reaches the port "
+                           "may read, write and clear the cache")
     ap.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                     type=str.upper, help="log level (default INFO)")
     return ap
 
 
-def config_from_args(args: argparse.Namespace) -> ServerConfig:
+def config_from_args(args: argparse.Namespace, auth_token: str | None = None) -> ServerConfig:
     return ServerConfig(
         host=args.host, port=args.port, http_port=args.http_port, min_chunk_size=args.chunk_size,
         l1_size_bytes=int(args.l1_size_gb * GIB),
         max_object_bytes=(int(args.max_object_size_mb * MIB) if args.max_object_size_mb is not None
                           else min(256 * MIB, int(args.l1_size_gb * GIB))),
         separate_object_groups=args.separate_object_groups, lease_ttl_s=args.lease_ttl_s,
-        eviction_policy=args.eviction_policy, debug_fault_hooks=args.debug_fault_hooks)
+        eviction_policy=args.eviction_policy, debug_fault_hooks=args.debug_fault_hooks,
+        auth_token=auth_token)
 
 
 def _return_freed_payloads_to_the_os() -> None:
@@ -99,7 +109,19 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)  # invalid values exit 2 with argparse's message
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     _return_freed_payloads_to_the_os()
-    config = config_from_args(args)
+    auth_token = None
+    if args.auth_token_file is not None:
+        try:
+            auth_token = read_token_file(args.auth_token_file)
+        except TokenFileError as e:
+            ap.error(str(e))
+        if world_readable(args.auth_token_file):
+            logger.warning("auth token file %s is readable by every local user; chmod 600 it unless "
+                           "this host (or container) has no other users", args.auth_token_file)
+    elif not is_loopback(args.host) and not args.insecure_no_auth:
+        ap.error(f"--host {args.host} is reachable beyond this machine: pass --auth-token-file PATH "
+                 "(or, on a network you trust completely, --insecure-no-auth)")
+    config = config_from_args(args, auth_token)
     if config.max_object_bytes > config.l1_size_bytes:
         ap.error(f"--max-object-size-mb ({args.max_object_size_mb}) exceeds --l1-size-gb ({args.l1_size_gb} GiB)")
     try:
@@ -121,6 +143,14 @@ def main(argv: list[str] | None = None) -> int:
                                                                signal.Signals(signum).name), server.stop()))
     http_where = f"http://{config.host}:{httpd.server_address[1]}" if httpd else "disabled"
     logger.info("glm-cache-server listening on tcp://%s:%d (HTTP %s)", config.host, server.port, http_where)
+    if config.auth_token is not None:
+        logger.info("auth on: every ZMQ request and HTTP /status, /cache/clear need the token of %s",
+                    args.auth_token_file)
+    elif is_loopback(config.host):
+        logger.info("auth off: bound to loopback only")
+    else:
+        logger.warning("auth OFF on %s (--insecure-no-auth): anyone who reaches the port can read, "
+                       "write and clear the cache", config.host)
     logger.info("budget %.2f GiB (%d bytes), eviction %s, separate object groups %s, min chunk %d tokens, "
                 "max object %d bytes, lease TTL %.0f s", config.l1_size_bytes / GIB, config.l1_size_bytes,
                 config.eviction_policy, "on" if config.separate_object_groups else "off",

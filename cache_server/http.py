@@ -1,4 +1,8 @@
-"""HTTP side of glm-cache-server: /healthcheck, /status, /metrics and cache clearing."""
+"""HTTP side of glm-cache-server: /healthcheck, /status, /metrics and cache clearing.
+
+With a token configured, /status (it lists namespaces) and POST /cache/clear need
+``Authorization: Bearer <token>``; /healthcheck and /metrics stay open for probes and
+scrapers (they reveal sizes and counts, never keys or namespaces)."""
 
 from __future__ import annotations
 
@@ -10,6 +14,8 @@ from typing import TYPE_CHECKING
 from urllib.parse import parse_qs, urlparse
 
 from prometheus_client import CONTENT_TYPE_LATEST
+
+from cache_server.auth import bearer_matches
 
 if TYPE_CHECKING:
     from cache_server.server import CacheServer
@@ -26,6 +32,8 @@ def start_http(server: CacheServer, host: str, port: int) -> ThreadingHTTPServer
             if path == "/healthcheck":
                 self._send(200, "application/json", b'{"status": "ok"}')
             elif path == "/status":
+                if not self._authorized():
+                    return
                 self._send(200, "application/json", json.dumps(server.status(), indent=1).encode())
             elif path == "/metrics":
                 self._send(200, CONTENT_TYPE_LATEST, server.metrics.render())
@@ -37,16 +45,30 @@ def start_http(server: CacheServer, host: str, port: int) -> ThreadingHTTPServer
             if url.path != "/cache/clear":
                 self._error(404, f"no such endpoint {url.path}")
                 return
+            if not self._authorized():
+                return
             namespace = parse_qs(url.query).get("ns", [None])[0]
             removed = server.store.clear(namespace)
             logger.info("HTTP clear removed %d objects", removed)
             self._send(200, "application/json", json.dumps({"removed": removed}).encode())
 
-        def _error(self, code: int, message: str) -> None:
-            self._send(code, "application/json", json.dumps({"error": message}).encode())
+        def _authorized(self) -> bool:
+            """True if no token is configured or the request bears it; else answers 401."""
+            token = server.config.auth_token
+            if token is None or bearer_matches(self.headers.get("Authorization"), token):
+                return True
+            server.metrics.errors.labels(code="unauthorized").inc()
+            self._error(401, "this endpoint needs Authorization: Bearer <token> (server started with "
+                             "--auth-token-file)", {"WWW-Authenticate": 'Bearer realm="glm-cache-server"'})
+            return False
 
-        def _send(self, code: int, content_type: str, body: bytes) -> None:
+        def _error(self, code: int, message: str, headers: dict[str, str] | None = None) -> None:
+            self._send(code, "application/json", json.dumps({"error": message}).encode(), headers)
+
+        def _send(self, code: int, content_type: str, body: bytes, headers: dict[str, str] | None = None) -> None:
             self.send_response(code)
+            for name, value in (headers or {}).items():
+                self.send_header(name, value)
             self.send_header("Content-Type", content_type)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()

@@ -25,15 +25,23 @@ class ServerProcess:
     """``glm-cache-server`` as a child process on free loopback ports.
 
     Use as a context manager; the log is kept in :attr:`log_path` and readable with
-    :meth:`log`.
+    :meth:`log`. With ``auth_token`` the server requires it (written to a 0600 file next to
+    the log and passed as ``--auth-token-file``); loopback needs none.
     """
 
     def __init__(self, *extra_args: str, port: int | None = None, http_port: int | None = None,
-                 log_path: str | Path | None = None) -> None:
+                 log_path: str | Path | None = None, auth_token: str | None = None) -> None:
         self.port = port or free_port()
         self.http_port = http_port or free_port()
         self.extra_args = list(extra_args)
         self.log_path = Path(log_path) if log_path else Path(tempfile.mkdtemp(prefix="glm-cache-")) / "server.log"
+        self.auth_token = auth_token
+        if auth_token is not None:
+            fd, token_path = tempfile.mkstemp(prefix="token-", dir=self.log_path.parent)  # created 0600
+            with os.fdopen(fd, "w") as f:
+                f.write(auth_token + "\n")
+            self.auth_token_file = Path(token_path)
+            self.extra_args += ["--auth-token-file", token_path]
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property

@@ -12,6 +12,9 @@ on the wire is ever pickled.
 Every request header carries ``op`` (str) and ``id`` (int, echoed in the reply so a client
 can drop a stale reply after a timeout). Every reply header carries ``ok`` (bool) and
 ``id``; an error reply also carries ``code`` (one of :class:`ErrorCode`) and ``message``.
+A server started with ``--auth-token-file`` also wants ``auth`` (str, the shared token) in
+every request, ``ping`` and ``hello`` included; without it, or with another token, the
+request does nothing and gets ``unauthorized``. A server without a token ignores ``auth``.
 
 Operations and their header fields (``ns`` is the namespace: a fingerprint of the engine
 geometry; objects never cross namespaces):
@@ -68,6 +71,7 @@ class ErrorCode(str, enum.Enum):
     TOO_LARGE = "too_large"  # a payload over the server's maximum object size
     GROUPS_NOT_SEPARATE = "groups_not_separate"  # group id != 0 without --separate-object-groups
     CONFLICT = "conflict"  # a namespace re-negotiated with another alignment
+    UNAUTHORIZED = "unauthorized"  # missing or wrong ``auth`` token
     INTERNAL = "internal"
 
 

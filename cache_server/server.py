@@ -12,12 +12,13 @@ import os
 import signal
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
 
 from cache_server import protocol as p
+from cache_server.auth import AUTH_FIELD, token_matches
 from cache_server.metrics import ServerMetrics
 from cache_server.store import ObjectStore
 
@@ -41,6 +42,9 @@ class ServerConfig:
     lease_ttl_s: float = 60.0
     eviction_policy: str = "LRU"
     debug_fault_hooks: bool = False  # enables ``debug_corrupt`` (tests of the checksum path)
+    # Shared secret every request must carry; None: no authentication (loopback, or
+    # --insecure-no-auth). Kept out of repr so it never reaches a log line.
+    auth_token: str | None = field(default=None, repr=False)
 
 
 class CacheServer:
@@ -51,6 +55,10 @@ class CacheServer:
         self.store = ObjectStore(config.l1_size_bytes, config.max_object_bytes, config.lease_ttl_s)
         self.metrics = ServerMetrics(self.store)
         self._chunk_by_namespace: dict[str, tuple[int, int]] = {}  # ns -> (alignment, chunk)
+        if config.auth_token is not None:
+            self.metrics.errors.labels(code=p.ErrorCode.UNAUTHORIZED.value)  # exported as 0 from the start
+        self._refused_since_log = 0
+        self._refusal_logged_at = -float("inf")
         self._stop = threading.Event()
         self._die_on: str | None = None  # debug fault hook: SIGKILL ourselves on this op
         self._ctx = zmq.Context()
@@ -106,6 +114,7 @@ class CacheServer:
                 raise p.ProtocolError(p.ErrorCode.BAD_REQUEST, "empty message")
             header = p.unpack_header(_buffer(frames[0]))
             request_id = header.get("id")
+            self._authenticate(header)
             op_field = p.field(header, "op", str)
             handler = self._handlers.get(op_field)
             if handler is None:
@@ -126,6 +135,26 @@ class CacheServer:
             out = [p.pack_header(p.error_reply(request_id, p.ErrorCode.INTERNAL, f"{type(e).__name__}: {e}"))]
         self.metrics.requests.labels(op=op).observe(time.perf_counter() - start)
         return out
+
+    def _authenticate(self, header: dict[str, Any]) -> None:
+        """Refuse a request without the shared token, before it can read or change anything.
+
+        Checked per request, not per connection: ROUTER_HANDOVER lets any peer take over a
+        routing identity, so an identity that once authenticated proves nothing."""
+        token = self.config.auth_token
+        if token is not None and not token_matches(header.get(AUTH_FIELD), token):
+            self._note_refusal()
+            raise p.ProtocolError(p.ErrorCode.UNAUTHORIZED,
+                                  f"missing or wrong {AUTH_FIELD!r} token (server started with --auth-token-file)")
+
+    def _note_refusal(self) -> None:
+        """Say in the log that requests are being refused, at most once a minute (a
+        misconfigured client retries often; the exact count is the errors metric)."""
+        self._refused_since_log += 1
+        now = time.monotonic()
+        if now - self._refusal_logged_at >= 60.0:
+            logger.warning("refused %d unauthenticated request(s) (missing or wrong token)", self._refused_since_log)
+            self._refused_since_log, self._refusal_logged_at = 0, now
 
     # --- operations ----------------------------------------------------------------------
 

@@ -12,6 +12,7 @@ from typing import Any
 import zmq
 
 from cache_server import protocol as p
+from cache_server.auth import AUTH_FIELD
 
 Payload = bytes | bytearray | memoryview
 
@@ -36,14 +37,18 @@ class CacheClient:
 
     After a timeout the socket is closed and reopened, so a late reply can never be taken
     for the answer to a later request, and nothing queued for a dead server piles up.
+
+    ``auth_token`` is the server's shared secret (``--auth-token-file``), sent with every
+    request: the server checks each request, not the connection.
     """
 
     def __init__(self, url: str = "tcp://127.0.0.1:5555", timeout_s: float = 5.0,
-                 context: zmq.Context | None = None) -> None:
+                 context: zmq.Context | None = None, auth_token: str | None = None) -> None:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
         self.url = url
         self.timeout_s = timeout_s
+        self._auth_token = auth_token
         self._ctx = context or zmq.Context.instance()
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
@@ -79,6 +84,8 @@ class CacheClient:
         with self._lock:
             request_id = next(self._ids)
             header = {**header, "id": request_id}
+            if self._auth_token is not None:
+                header[AUTH_FIELD] = self._auth_token
             sock = self._socket()
             deadline_ms = int(self.timeout_s * 1000)
             try:

@@ -25,6 +25,9 @@ never a stalled engine. Extra config keys (``kv_connector_extra_config``):
 ``retry_after_s``    after the server failed, skip it this long before trying again (5.0)
 ``save_decode``      also save whole chunks of generated tokens (default false)
 ``max_pending_save_bytes``  drop saves beyond this many queued bytes (default 1 GiB)
+``auth_token_file``  file holding the server's shared secret (its ``--auth-token-file``),
+                     read once at start-up; an unusable file, or a token the server
+                     refuses, means no external cache (logged), never a request without it
 ``strict_prefix``    operator policy, diagnostic only: false lets a hit cover the whole
                      prompt, the bug of seed 004 (default true). Such an engine loads but
                      never saves, so its wrong states cannot reach other replicas. There
@@ -56,6 +59,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.logger import init_logger
 
+from cache_server.auth import TokenFileError, read_token_file
+from cache_server.protocol import ErrorCode
 from connector.client import CacheClient, CacheServerError, CacheServerUnavailable
 from connector.geometry import (
     Geometry,
@@ -97,6 +102,22 @@ def uncacheable_reason(request: Any) -> str | None:
     if getattr(request, "prompt_embeds", None) is not None:
         return "prompt embeddings"
     return None
+
+
+def auth_token_from_config(get: Any) -> str | None:
+    """The token named by ``auth_token_file`` (None if the key is absent or empty).
+
+    ``get`` is ``KVTransferConfig.get_from_extra_config``. Raises :class:`TokenFileError`
+    with the path and the reason when the file cannot be used.
+    """
+    path = get("auth_token_file", None)
+    if path is None or str(path).strip() == "":
+        return None
+    return read_token_file(str(path))
+
+
+def _unauthorized(err: BaseException) -> bool:
+    return isinstance(err, CacheServerError) and err.code == ErrorCode.UNAUTHORIZED.value
 
 
 def _flag(value: Any) -> bool:
@@ -163,22 +184,45 @@ class _Tracked:
 
 
 class _ServerLink:
-    """The scheduler's connection state: negotiated chunk size, back-off after failures."""
+    """The scheduler's connection state: negotiated chunk size, back-off after failures.
 
-    def __init__(self, url: str, timeout_s: float, retry_after_s: float) -> None:
-        self.client = CacheClient(url, timeout_s=timeout_s)
+    ``disabled`` (the auth token file was unusable) keeps it unusable for good: we never
+    talk to the server without the token we were told to use."""
+
+    def __init__(
+        self,
+        url: str,
+        timeout_s: float,
+        retry_after_s: float,
+        auth_token: str | None = None,
+        disabled: bool = False,
+    ) -> None:
+        self.client = CacheClient(url, timeout_s=timeout_s, auth_token=auth_token)
         self.retry_after_s = retry_after_s
+        self.disabled = disabled
         self._down_until = 0.0
+        self._refused_logged = False
         self.hello: dict[str, Any] | None = None
 
     def usable(self) -> bool:
-        return time.monotonic() >= self._down_until
+        return not self.disabled and time.monotonic() >= self._down_until
 
     def failed(self, what: str, err: BaseException) -> None:
-        logger.warning(
-            "glm-cache-server %s failed (%s); serving cold, retrying in %.0fs",
-            what, err, self.retry_after_s,
-        )
+        if _unauthorized(err):
+            # Like a dead server (no hits, no saves), but it will not heal by itself:
+            # say so once, loudly; retries keep going in case the server is fixed.
+            log = logger.debug if self._refused_logged else logger.error
+            log(
+                "glm-cache-server refused our token on %s (%s): serving without the external "
+                "cache; auth_token_file must hold the server's --auth-token-file token",
+                what, err,
+            )
+            self._refused_logged = True
+        else:
+            logger.warning(
+                "glm-cache-server %s failed (%s); serving cold, retrying in %.0fs",
+                what, err, self.retry_after_s,
+            )
         self._down_until = time.monotonic() + self.retry_after_s
         # A restarted server has forgotten our namespace: handshake again next time.
         self.hello = None
@@ -208,6 +252,16 @@ class GlmCacheConnector(KVConnectorBase_V1, SupportsHMA):
         self._max_pending_save_bytes = int(
             cfg.get_from_extra_config("max_pending_save_bytes", 1 << 30)
         )
+        self._auth_token: str | None = None
+        self._auth_broken = False  # the token file was unusable: no external cache at all
+        try:
+            self._auth_token = auth_token_from_config(cfg.get_from_extra_config)
+        except TokenFileError as e:
+            self._auth_broken = True
+            logger.error(
+                "GlmCacheConnector: %s; serving without the external cache (fix "
+                "auth_token_file and restart)", e,
+            )
         # Raises GeometryError (prefix caching off, non-align state groups) at start-up.
         self._geometry: Geometry = resolve_geometry(vllm_config, kv_cache_config)
         parallel = vllm_config.parallel_config
@@ -234,7 +288,9 @@ class GlmCacheConnector(KVConnectorBase_V1, SupportsHMA):
             # become a recompute, not a failed request.
             logger.info("GlmCacheConnector sets kv_load_failure_policy='recompute'")
             cfg.kv_load_failure_policy = "recompute"
-        self._link = _ServerLink(self._url, self._timeout_s, self._retry_after_s)
+        self._link = _ServerLink(
+            self._url, self._timeout_s, self._retry_after_s, self._auth_token, self._auth_broken
+        )
         self._logged_geometry: Geometry | None = None
         self._namespace = ""
         self._hits: dict[str, _Hit] = {}
@@ -649,8 +705,13 @@ class GlmCacheConnector(KVConnectorBase_V1, SupportsHMA):
         except (AssertionError, RuntimeError):
             self._rank = 0
         self._pages = None
-        self._load_client = CacheClient(self._url, timeout_s=self._timeout_s)
-        self._save_client = CacheClient(self._url, timeout_s=self._timeout_s)
+        self._load_client = CacheClient(
+            self._url, timeout_s=self._timeout_s, auth_token=self._auth_token
+        )
+        self._save_client = CacheClient(
+            self._url, timeout_s=self._timeout_s, auth_token=self._auth_token
+        )
+        self._refused_logged = False
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="glm-load")
         self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="glm-save")
         self._lock = threading.Lock()
@@ -681,6 +742,8 @@ class GlmCacheConnector(KVConnectorBase_V1, SupportsHMA):
         ok = False
         try:
             assert self._pages is not None
+            if self._auth_broken:
+                raise RuntimeError("no usable auth_token_file")
             keys = [(m.chunk_hash, m.group_id, self._rank) for m in job.objects]
             payloads = self._load_client.get(namespace, keys)
             missing = [k for k, p in zip(keys, payloads) if p is None]
@@ -742,6 +805,8 @@ class GlmCacheConnector(KVConnectorBase_V1, SupportsHMA):
         meta = self._connector_metadata
         if not isinstance(meta, GlmConnectorMetadata) or not meta.saves or self._pages is None:
             return
+        if self._auth_broken:
+            return
         # Copy the pages now (they are valid after this step's forward and may be reused
         # later); the network send happens in the background.
         items = []
@@ -773,7 +838,15 @@ class GlmCacheConnector(KVConnectorBase_V1, SupportsHMA):
             if bad:
                 logger.debug("GlmCacheConnector: put results %s", bad)
         except _CLIENT_ERRORS as e:
-            logger.warning("GlmCacheConnector: save of %d objects failed: %s", len(items), e)
+            if _unauthorized(e):
+                if not self._refused_logged:
+                    logger.error(
+                        "GlmCacheConnector: glm-cache-server refused our token (%s); saves are "
+                        "dropped until auth_token_file matches its --auth-token-file", e,
+                    )
+                self._refused_logged = True
+            else:
+                logger.warning("GlmCacheConnector: save of %d objects failed: %s", len(items), e)
         finally:
             with self._lock:
                 self._pending_save_bytes -= nbytes
