@@ -307,10 +307,18 @@ class ObjectStore:
             keys = [(namespace, hashes[i], g, r) for i in range(start_chunk, hit) for g in attn_groups for r in ranks]
             keys += [(namespace, hashes[hit - 1], g, r) for g in state_groups for r in ranks]
             for key in keys:
-                self._touch_locked(key, self._objects[key])
+                if lease:  # about to be pinned: no heap item until the lease ends
+                    self._tick += 1
+                    self._objects[key].tick = self._tick
+                else:
+                    self._touch_locked(key, self._objects[key])
             if not lease:
                 return hit, None
-            return hit, self._grant_lease_locked(keys, owner)
+            lease_id = self._grant_lease_locked(keys, owner)
+            if lease_id is None:
+                for key in keys:
+                    self._queue_locked(key, self._objects[key])
+            return hit, lease_id
 
     def _grant_lease_locked(self, keys: list[StoreKey], owner: bytes | None) -> int | None:
         if sum(self._objects[k].nbytes for k in set(keys)) > self.max_leased_bytes:

@@ -381,12 +381,14 @@ def test_leases_cannot_pin_more_than_the_cap_and_puts_keep_succeeding():
 
 
 def test_lookup_whose_objects_exceed_the_lease_cap_gets_no_lease_and_drops_none():
-    s = ObjectStore(1000, 400, 60.0, FakeClock(), max_leased_bytes=300)
+    s = ObjectStore(900, 500, 60.0, FakeClock(), max_leased_bytes=300)
     s.put((NS, h(0), ATTN, 0), b"a" * 100)
     _, small = s.lookup(NS, [h(0)], [ATTN], [], 1)
     s.put((NS, h(1), ATTN, 0), b"b" * 400)
     assert s.lookup(NS, [h(1)], [ATTN], [], 1) == (1, None)
     assert s.counters.leases_refused == 1
+    assert s.put((NS, h(2), ATTN, 0), b"c" * 500) is PutResult.STORED  # the unleased hit stays evictable
+    assert (NS, h(1), ATTN, 0) not in s and (NS, h(0), ATTN, 0) in s
     assert s.release(small) is True  # the older, smaller lease was not sacrificed
 
 
