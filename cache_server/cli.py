@@ -12,7 +12,8 @@ import zmq
 
 from cache_server.auth import TokenFileError, is_loopback, read_token_file, world_readable
 from cache_server.http import start_http
-from cache_server.server import GIB, MIB, CacheServer, ServerConfig
+from cache_server.protocol import DEFAULT_MAX_HEADER_BYTES
+from cache_server.server import GIB, MIB, PUT_OBJECTS_BOUND, CacheServer, ServerConfig
 
 logger = logging.getLogger("glm_cache_server")
 
@@ -35,6 +36,7 @@ def _number(kind: type, what: str, ok: Callable[[float], bool]) -> Callable[[str
 _positive_int = _number(int, "a positive integer", lambda v: v > 0)
 _port = _number(int, "a port number in 0..65535", lambda v: 0 <= v <= 65535)
 _positive_float = _number(float, "a positive finite number", lambda v: 0 < v < float("inf"))
+_fraction = _number(float, "a fraction in (0, 1]", lambda v: 0 < v <= 1)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -72,6 +74,21 @@ def build_parser() -> argparse.ArgumentParser:
     auth.add_argument("--insecure-no-auth", action="store_true",
                       help="allow binding beyond loopback without a token: anyone who reaches the port "
                            "may read, write and clear the cache")
+    ap.add_argument("--max-message-mb", type=_positive_float, default=None,
+                    help="largest request in MiB, header and payloads together; ZMQ disconnects a peer that "
+                         "sends a bigger frame, a bigger total is answered too_large (default: "
+                         f"{PUT_OBJECTS_BOUND} maximum-size objects, at most the L1 budget, plus the header cap)")
+    ap.add_argument("--max-header-kb", type=_positive_int, default=DEFAULT_MAX_HEADER_BYTES >> 10,
+                    help="largest request header in KiB, refused before parsing "
+                         f"(default {DEFAULT_MAX_HEADER_BYTES >> 10})")
+    ap.add_argument("--max-leases-per-client", type=_positive_int, default=1024,
+                    help="leases one connection holds; its oldest is dropped for a new one (default 1024)")
+    ap.add_argument("--max-leased-fraction", type=_fraction, default=0.5,
+                    help="share of the L1 budget leases may pin; the oldest leases are dropped to stay under it "
+                         "(default 0.5)")
+    ap.add_argument("--max-namespaces", type=_positive_int, default=64,
+                    help="namespaces known at once; a new one replaces the least recently used empty one, "
+                         "else it is refused (default 64)")
     ap.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                     type=str.upper, help="log level (default INFO)")
     return ap
@@ -85,7 +102,10 @@ def config_from_args(args: argparse.Namespace, auth_token: str | None = None) ->
                           else min(256 * MIB, int(args.l1_size_gb * GIB))),
         separate_object_groups=args.separate_object_groups, lease_ttl_s=args.lease_ttl_s,
         eviction_policy=args.eviction_policy, debug_fault_hooks=args.debug_fault_hooks,
-        auth_token=auth_token)
+        auth_token=auth_token,
+        max_message_bytes=int(args.max_message_mb * MIB) if args.max_message_mb is not None else None,
+        max_header_bytes=args.max_header_kb << 10, max_leases_per_client=args.max_leases_per_client,
+        max_leased_fraction=args.max_leased_fraction, max_namespaces=args.max_namespaces)
 
 
 def _return_freed_payloads_to_the_os() -> None:
@@ -124,6 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     config = config_from_args(args, auth_token)
     if config.max_object_bytes > config.l1_size_bytes:
         ap.error(f"--max-object-size-mb ({args.max_object_size_mb}) exceeds --l1-size-gb ({args.l1_size_gb} GiB)")
+    if config.message_limit_bytes < config.max_object_bytes:
+        ap.error(f"--max-message-mb ({args.max_message_mb}) is below the maximum object size "
+                 f"({config.max_object_bytes} bytes): a put of one such object could never arrive")
     try:
         server = CacheServer(config)
     except zmq.ZMQError as e:
@@ -155,6 +178,9 @@ def main(argv: list[str] | None = None) -> int:
                 "max object %d bytes, lease TTL %.0f s", config.l1_size_bytes / GIB, config.l1_size_bytes,
                 config.eviction_policy, "on" if config.separate_object_groups else "off",
                 config.min_chunk_size, config.max_object_bytes, config.lease_ttl_s)
+    logger.info("limits: message %d bytes, header %d bytes, %d leases per client, %d leased bytes, %d namespaces",
+                config.message_limit_bytes, config.max_header_bytes, config.max_leases_per_client,
+                server.store.max_leased_bytes, config.max_namespaces)
     server.serve_forever()
     if httpd:
         httpd.shutdown()

@@ -57,6 +57,14 @@ class _StoreCollector(Collector):
         yield GaugeMetricFamily(f"{PREFIX}_active_leases", "Leases not yet released or expired",
                                 value=s["active_leases"])
         yield GaugeMetricFamily(f"{PREFIX}_leased_objects", "Objects pinned by a lease", value=s["leased_objects"])
+        yield GaugeMetricFamily(f"{PREFIX}_leased_bytes", "Bytes pinned by leases", value=s["leased_bytes"])
+        yield GaugeMetricFamily(f"{PREFIX}_max_leased_bytes", "Cap on bytes pinned by leases (--max-leased-fraction)",
+                                value=s["max_leased_bytes"])
+        dropped = CounterMetricFamily(f"{PREFIX}_leases_dropped", "Oldest leases dropped to admit a newer one, "
+                                      "by the cap that was reached", labels=["cap"])
+        dropped.add_metric(["per_client"], s["leases_dropped_client_cap"])
+        dropped.add_metric(["leased_bytes"], s["leases_dropped_leased_bytes"])
+        yield dropped
         yield GaugeMetricFamily(f"{PREFIX}_superseded_objects",
                                 "State objects with a newer state on their path (evicted first)",
                                 value=s["superseded_objects"])
@@ -77,6 +85,11 @@ class ServerMetrics:
         self.deleted = Counter(f"{PREFIX}_deleted_objects", "Objects deleted on a client's request, by reason "
                                "(checksum: a loader found the bytes did not match their checksum)", ["reason"],
                                registry=self.registry)
+        self.limit_refusals = Counter(
+            f"{PREFIX}_limit_refusals", "Requests refused by a limit (message_bytes, header_bytes, namespaces), "
+            "and hits answered without a lease (leased_bytes)", ["limit"], registry=self.registry)
+        for limit in ("message_bytes", "header_bytes", "namespaces", "leased_bytes"):
+            self.limit_refusals.labels(limit=limit)  # present at 0 from the start
 
     def render(self) -> bytes:
         """Prometheus text exposition."""

@@ -43,6 +43,13 @@ geometry; objects never cross namespaces):
 ``clear``    optional ``ns`` -> ``removed`` (objects)
 ``stats``    -> ``stats`` (map)
 ``ping``     -> nothing more
+
+Limits (server flags): a frame over ``--max-message-mb`` makes ZMQ drop the message and
+disconnect the peer unanswered (libzmq applies ``MAXMSGSIZE`` to each frame); a request
+whose frames add up to more, or whose header is over ``--max-header-kb``, gets a
+``too_large`` error before its header is parsed. A ``hello`` or ``put`` that would add a
+namespace beyond ``--max-namespaces`` gets ``too_many_namespaces`` when every known one
+still holds objects.
 """
 
 from __future__ import annotations
@@ -58,6 +65,9 @@ HASH_BYTES = 32  # blake3 digest size; chunk hashes on the wire are exactly this
 CHECKSUM_BYTES = 16
 DELETE_REASONS = ("checksum", "client")
 
+HEADER_BYTES_PER_CONTAINER = 32  # a request header builds at most one array or map per this many bytes
+DEFAULT_MAX_HEADER_BYTES = 1 << 20  # --max-header-kb default: a lookup of 30k chunks, a get of 28k keys
+
 OPS = ("hello", "lookup", "get", "put", "delete", "debug_corrupt", "debug_die_on", "release", "clear", "stats",
        "ping")
 
@@ -72,6 +82,7 @@ class ErrorCode(str, enum.Enum):
     GROUPS_NOT_SEPARATE = "groups_not_separate"  # group id != 0 without --separate-object-groups
     CONFLICT = "conflict"  # a namespace re-negotiated with another alignment
     UNAUTHORIZED = "unauthorized"  # missing or wrong ``auth`` token
+    TOO_MANY_NAMESPACES = "too_many_namespaces"  # --max-namespaces reached, none of them empty
     INTERNAL = "internal"
 
 
@@ -118,16 +129,73 @@ def pack_header(header: dict[str, Any]) -> bytes:
     return msgpack.packb(header, use_bin_type=True)
 
 
-def unpack_header(frame: bytes | memoryview) -> dict[str, Any]:
-    """Parse a header frame; anything but a msgpack map with a string ``op`` or ``ok`` raises."""
+def unpack_header(frame: bytes | memoryview, max_bytes: int | None = None) -> dict[str, Any]:
+    """Parse a header frame; anything but a msgpack map raises.
+
+    With ``max_bytes`` (the server, parsing requests) a longer frame is refused before any
+    parsing, and the parse is bounded by the frame's own length: no string or map may
+    declare more than the frame could hold, and no array more than one element, nor the
+    whole header more than one array or map, per :data:`HEADER_BYTES_PER_CONTAINER`
+    bytes. Before anything is built, a skipping pass (which allocates nothing) checks the
+    frame is one complete msgpack value: msgpack pre-sizes an array by its declared length,
+    so a truncated chain of nested arrays would otherwise allocate far more than it sends.
+    The review measured an 8 MiB header of nested containers expand to 516 MiB of Python
+    objects; real headers spend at least a 32-byte hash per array element (hash lists) or
+    per array (keys), so they never come near these bounds.
+    """
+    kwargs: dict[str, Any] = {"max_bin_len": 1 << 20, "max_str_len": 1 << 20, "max_array_len": 1 << 20,
+                              "max_map_len": 64}
+    if max_bytes is not None:
+        size = memoryview(frame).nbytes
+        if size > max_bytes:
+            raise ProtocolError(ErrorCode.TOO_LARGE, f"header is {size} bytes; the maximum is {max_bytes} "
+                                                     "(--max-header-kb)")
+        most = size // HEADER_BYTES_PER_CONTAINER + 16
+        budget = [most]
+
+        def count(container: Any) -> Any:
+            budget[0] -= 1
+            if budget[0] < 0:
+                raise ValueError(f"more than one array or map per {HEADER_BYTES_PER_CONTAINER} header bytes")
+            return container
+
+        kwargs.update(max_bin_len=size, max_str_len=size, max_array_len=most, max_map_len=min(64, size),
+                      max_ext_len=0)
+        try:
+            scan = msgpack.Unpacker(max_buffer_size=max(size, 1), **kwargs)
+            scan.feed(frame)
+            scan.skip()
+            if scan.tell() != size:
+                raise ValueError(f"{size - scan.tell()} bytes after the header map")
+        except Exception as e:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"header is not valid msgpack: {str(e) or type(e).__name__}"
+                                ) from None
+        kwargs.update(list_hook=count, object_hook=count)
     try:
-        header = msgpack.unpackb(frame, raw=False, strict_map_key=True, max_bin_len=1 << 20,
-                                 max_str_len=1 << 20, max_array_len=1 << 20, max_map_len=64)
+        header = msgpack.unpackb(frame, raw=False, strict_map_key=True, **kwargs)
     except Exception as e:  # msgpack raises several unrelated exception types
-        raise ProtocolError(ErrorCode.BAD_REQUEST, f"header is not valid msgpack: {e}") from None
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"header is not valid msgpack: {str(e) or type(e).__name__}") from None
     if not isinstance(header, dict):
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"header must be a map, got {type(header).__name__}")
     return header
+
+
+def peek_request_id(frame: bytes | memoryview) -> int | None:
+    """The ``id`` of a header refused unparsed (too large), read without building any other
+    value, so the refusal still reaches its client: a client drops replies whose ``id`` is
+    not its request's. None where there is none or it cannot be read."""
+    try:
+        unpacker = msgpack.Unpacker(max_buffer_size=max(memoryview(frame).nbytes, 1), raw=False, max_str_len=64,
+                                    max_bin_len=0, max_array_len=0, max_map_len=0, max_ext_len=0)
+        unpacker.feed(frame)
+        for _ in range(min(unpacker.read_map_header(), 64)):
+            if unpacker.unpack() == "id":
+                value = unpacker.unpack()
+                return value if isinstance(value, int) and not isinstance(value, bool) else None
+            unpacker.skip()
+    except Exception:  # any malformation: no id to echo
+        pass
+    return None
 
 
 def error_reply(request_id: Any, code: ErrorCode, message: str) -> dict[str, Any]:

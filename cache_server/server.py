@@ -12,6 +12,7 @@ import os
 import signal
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +27,15 @@ logger = logging.getLogger("glm_cache_server")
 
 GIB = 1 << 30
 MIB = 1 << 20
+PUT_OBJECTS_BOUND = 16  # maximum-size objects one put may carry by default (--max-message-mb)
+
+
+def default_max_message_bytes(max_object_bytes: int, l1_size_bytes: int,
+                              max_header_bytes: int = p.DEFAULT_MAX_HEADER_BYTES) -> int:
+    """Default ``--max-message-mb``: a header plus :data:`PUT_OBJECTS_BOUND` maximum-size
+    objects, but no more than the budget (a put larger than the store cannot be kept
+    whole), and never less than one maximum-size object."""
+    return max(max_object_bytes, min(PUT_OBJECTS_BOUND * max_object_bytes, l1_size_bytes)) + max_header_bytes
 
 
 @dataclass(frozen=True)
@@ -45,6 +55,18 @@ class ServerConfig:
     # Shared secret every request must carry; None: no authentication (loopback, or
     # --insecure-no-auth). Kept out of repr so it never reaches a log line.
     auth_token: str | None = field(default=None, repr=False)
+    max_message_bytes: int | None = None  # None: default_max_message_bytes(...)
+    max_header_bytes: int = p.DEFAULT_MAX_HEADER_BYTES
+    max_leases_per_client: int = 1024
+    max_leased_fraction: float = 0.5  # of l1_size_bytes that leases may pin
+    max_namespaces: int = 64
+
+    @property
+    def message_limit_bytes(self) -> int:
+        """The effective ``--max-message-mb`` in bytes."""
+        if self.max_message_bytes is not None:
+            return self.max_message_bytes
+        return default_max_message_bytes(self.max_object_bytes, self.l1_size_bytes, self.max_header_bytes)
 
 
 class CacheServer:
@@ -52,9 +74,14 @@ class CacheServer:
 
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
-        self.store = ObjectStore(config.l1_size_bytes, config.max_object_bytes, config.lease_ttl_s)
+        self.store = ObjectStore(config.l1_size_bytes, config.max_object_bytes, config.lease_ttl_s,
+                                 max_leased_bytes=max(1, int(config.l1_size_bytes * config.max_leased_fraction)),
+                                 max_leases_per_owner=config.max_leases_per_client)
         self.metrics = ServerMetrics(self.store)
-        self._chunk_by_namespace: dict[str, tuple[int, int]] = {}  # ns -> (alignment, chunk)
+        # ns -> (alignment, chunk), or None for one only put to; least recently admitted first.
+        self._chunk_by_namespace: OrderedDict[str, tuple[int, int] | None] = OrderedDict()
+        self._namespace_lock = threading.Lock()  # the HTTP thread reads the table for /status
+        self._client: bytes | None = None  # ZMQ identity of the request being handled
         if config.auth_token is not None:
             self.metrics.errors.labels(code=p.ErrorCode.UNAUTHORIZED.value)  # exported as 0 from the start
         self._refused_since_log = 0
@@ -65,6 +92,9 @@ class CacheServer:
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting client keeps its identity
+        # libzmq checks MAXMSGSIZE per frame, before buffering it: a bigger frame is dropped
+        # and its peer disconnected, unanswered. handle() checks the frames' total.
+        self._sock.setsockopt(zmq.MAXMSGSIZE, config.message_limit_bytes)
         self.port = self._bind(config.host, config.port)
         self._handlers = {
             "hello": self._hello, "lookup": self._lookup, "get": self._get, "put": self._put,
@@ -92,7 +122,7 @@ class CacheServer:
                     continue
                 frames = self._sock.recv_multipart(copy=False)
                 identity, request = frames[0], frames[1:]
-                reply = self.handle(request)
+                reply = self.handle(request, client=identity.bytes)
                 try:
                     self._sock.send_multipart([identity, *reply], copy=False)
                 except zmq.ZMQError as e:  # the peer vanished; nothing to answer
@@ -104,15 +134,21 @@ class CacheServer:
     def stop(self) -> None:
         self._stop.set()
 
-    def handle(self, frames: list[Any]) -> list[Any]:
-        """Turn one request (header frame + payload frames) into reply frames. Never raises."""
+    def handle(self, frames: list[Any], client: bytes | None = None) -> list[Any]:
+        """Turn one request (header frame + payload frames) into reply frames. Never raises.
+        ``client`` is the sender's ZMQ identity, which the per-client lease cap counts by."""
         start = time.perf_counter()
         request_id: Any = None
         op = "invalid"
+        self._client = client
         try:
             if not frames:
                 raise p.ProtocolError(p.ErrorCode.BAD_REQUEST, "empty message")
-            header = p.unpack_header(_buffer(frames[0]))
+            refusal = self._size_refusal(frames)
+            if refusal is not None:
+                request_id = p.peek_request_id(_buffer(frames[0]))
+                raise refusal
+            header = p.unpack_header(_buffer(frames[0]), self.config.max_header_bytes)
             request_id = header.get("id")
             self._authenticate(header)
             op_field = p.field(header, "op", str)
@@ -155,6 +191,40 @@ class CacheServer:
         if now - self._refusal_logged_at >= 60.0:
             logger.warning("refused %d unauthenticated request(s) (missing or wrong token)", self._refused_since_log)
             self._refused_since_log, self._refusal_logged_at = 0, now
+    def _size_refusal(self, frames: list[Any]) -> p.ProtocolError | None:
+        """The error for an oversize request, found before parsing anything in it."""
+        total = sum(_buffer(f).nbytes for f in frames)
+        if total > self.config.message_limit_bytes:
+            self.metrics.limit_refusals.labels(limit="message_bytes").inc()
+            return p.ProtocolError(p.ErrorCode.TOO_LARGE, f"request is {total} bytes; the maximum is "
+                                                          f"{self.config.message_limit_bytes} (--max-message-mb)")
+        header_bytes = _buffer(frames[0]).nbytes
+        if header_bytes > self.config.max_header_bytes:
+            self.metrics.limit_refusals.labels(limit="header_bytes").inc()
+            return p.ProtocolError(p.ErrorCode.TOO_LARGE, f"header is {header_bytes} bytes; the maximum is "
+                                                          f"{self.config.max_header_bytes} (--max-header-kb)")
+        return None
+
+    def _admit_namespace(self, ns: str) -> tuple[int, int] | None:
+        """Enter ``ns`` in the namespace table (or refresh it) and return its negotiation.
+        At ``--max-namespaces`` the least recently admitted namespace without objects is
+        forgotten; when every one holds objects the request is refused."""
+        with self._namespace_lock:
+            table = self._chunk_by_namespace
+            if ns in table:
+                table.move_to_end(ns)
+                return table[ns]
+            if len(table) >= self.config.max_namespaces:
+                idle = next((n for n in table if not self.store.namespace_objects(n)), None)
+                if idle is None:
+                    self.metrics.limit_refusals.labels(limit="namespaces").inc()
+                    raise p.ProtocolError(p.ErrorCode.TOO_MANY_NAMESPACES,
+                                          f"{len(table)} namespaces hold objects, the maximum (--max-namespaces); "
+                                          f"clear one to use {ns[:64]!r}")
+                del table[idle]
+                logger.info("forgot namespace %r (no objects) to admit %r", idle, ns)
+            table[ns] = None
+            return None
 
     # --- operations ----------------------------------------------------------------------
 
@@ -166,9 +236,10 @@ class CacheServer:
         ns = p.field(h, "ns", str)
         alignment = p.int_field(h, "alignment", minimum=1)
         chunk = p.negotiate_chunk_size(self.config.min_chunk_size, alignment)
-        known = self._chunk_by_namespace.get(ns)
+        known = self._admit_namespace(ns)
         if known is None:
-            self._chunk_by_namespace[ns] = (alignment, chunk)
+            with self._namespace_lock:
+                self._chunk_by_namespace[ns] = (alignment, chunk)
             logger.info("Negotiated chunk size to %d (configured_min=%d, required_alignment=%d)",
                         chunk, self.config.min_chunk_size, alignment)
         elif known[0] != alignment:
@@ -191,7 +262,9 @@ class CacheServer:
         world_size = p.int_field(h, "world_size", minimum=1)
         start = p.int_field(h, "start_chunk", minimum=0, default=0)
         lease = p.field(h, "lease", bool, default=True)
-        chunks, lease_id = self.store.lookup(ns, hashes, attn, state, world_size, start, lease)
+        chunks, lease_id = self.store.lookup(ns, hashes, attn, state, world_size, start, lease, owner=self._client)
+        if lease and chunks and lease_id is None:  # its objects alone are over the leased-bytes cap
+            self.metrics.limit_refusals.labels(limit="leased_bytes").inc()
         return {"chunks": chunks, "lease_id": lease_id}, []
 
     def _get(self, h: dict[str, Any], _: list[memoryview]) -> tuple[dict[str, Any], list[Any]]:
@@ -224,6 +297,7 @@ class CacheServer:
                                               for x in prevs):
             raise p.ProtocolError(p.ErrorCode.BAD_REQUEST,
                                   f"prev must list one {p.HASH_BYTES}-byte hash or nil per key")
+        self._admit_namespace(ns)
         results = [self.store.put((ns, *key), frame, prev, s).value
                    for key, frame, prev, s in zip(keys, frames, prevs, sums)]
         return {"results": results}, []
@@ -294,11 +368,17 @@ class CacheServer:
     def status(self) -> dict[str, Any]:
         """The /status document."""
         status = self.store.snapshot()
-        status["namespaces"] = {ns: {"alignment": a, "chunk_size": c} for ns, (a, c) in self._chunk_by_namespace.copy().items()}
+        with self._namespace_lock:
+            table = list(self._chunk_by_namespace.items())
+        status["namespaces"] = {ns: {"alignment": ac[0] if ac else None, "chunk_size": ac[1] if ac else None,
+                                     "objects": self.store.namespace_objects(ns)} for ns, ac in table}
         status["config"] = {
             "min_chunk_size": self.config.min_chunk_size, "l1_size_bytes": self.config.l1_size_bytes,
             "max_object_bytes": self.config.max_object_bytes, "eviction_policy": self.config.eviction_policy,
             "separate_object_groups": self.config.separate_object_groups, "lease_ttl_s": self.config.lease_ttl_s,
+            "max_message_bytes": self.config.message_limit_bytes, "max_header_bytes": self.config.max_header_bytes,
+            "max_leases_per_client": self.config.max_leases_per_client,
+            "max_leased_bytes": self.store.max_leased_bytes, "max_namespaces": self.config.max_namespaces,
         }
         return status
 

@@ -221,3 +221,207 @@ def test_leased_superseded_state_is_not_evicted():
     assert s.put((NS, h(3), ATTN, 0), b"b" * 100) is PutResult.STORED
     assert (NS, h(1), STATE, 0) in s and (NS, h(2), STATE, 0) not in s
     s.release(lease)
+
+
+# --- retention after eviction (issue 11: an evicted child kept its parent superseded) ------
+
+
+def test_parent_whose_only_child_was_evicted_is_no_longer_superseded():
+    s = store(capacity=300)
+    s.put((NS, h(1), STATE, 0), b"p" * 100)  # parent state
+    s.put((NS, h(2), STATE, 0), b"c" * 100, prev=h(1))  # its only child
+    assert s.is_superseded((NS, h(1), STATE, 0))
+    _, lease = s.lookup(NS, [h(1)], [], [STATE], 1)  # pin the parent so the child goes first
+    s.put((NS, h(3), ATTN, 0), b"x" * 100)
+    assert s.put((NS, h(4), ATTN, 0), b"y" * 100) is PutResult.STORED
+    assert (NS, h(2), STATE, 0) not in s  # the child was the oldest unleased object
+    assert not s.is_superseded((NS, h(1), STATE, 0))
+    assert s.snapshot()["superseded_objects"] == 0
+    s.release(lease)
+    s.get((NS, h(1), STATE, 0))  # the parent is now the most recently used object
+    assert s.put((NS, h(5), ATTN, 0), b"z" * 100) is PutResult.STORED
+    assert (NS, h(1), STATE, 0) in s  # kept under plain LRU; while superseded it went first
+    assert (NS, h(3), ATTN, 0) not in s
+
+
+def test_fork_point_that_loses_a_branch_becomes_superseded():
+    s = store(capacity=300)
+    s.put((NS, h(1), STATE, 0), b"p" * 100)
+    s.put((NS, h(2), STATE, 0), b"a" * 100, prev=h(1))
+    s.put((NS, h(3), STATE, 0), b"b" * 100, prev=h(1))
+    assert not s.is_superseded((NS, h(1), STATE, 0))  # a fork point
+    _, lease = s.lookup(NS, [h(1)], [], [STATE], 1)
+    s.put((NS, h(4), ATTN, 0), b"x" * 100)  # evicts branch a, the oldest unleased object
+    assert (NS, h(2), STATE, 0) not in s
+    assert s.is_superseded((NS, h(1), STATE, 0))  # branch b resumes all it could
+    s.release(lease)
+    s.get((NS, h(1), STATE, 0))
+    s.put((NS, h(5), ATTN, 0), b"y" * 100)
+    assert (NS, h(1), STATE, 0) not in s  # superseded goes first though most recently used
+    assert s.snapshot()["superseded_objects"] == 0
+
+
+def test_evicted_parent_leaves_its_child_consistent():
+    s = store(capacity=300)
+    s.put((NS, h(1), STATE, 0), b"p" * 100)
+    s.put((NS, h(2), STATE, 0), b"c" * 100, prev=h(1))
+    s.put((NS, h(3), ATTN, 0), b"x" * 200)  # evicts the superseded parent only
+    assert (NS, h(1), STATE, 0) not in s and (NS, h(2), STATE, 0) in s
+    s.put((NS, h(1), STATE, 0), b"q" * 100)  # the parent comes back, unlinked
+    assert not s.is_superseded((NS, h(1), STATE, 0))
+    s.clear()
+    assert s.snapshot()["superseded_objects"] == 0 and s.used_bytes == 0
+
+
+# --- eviction order against a scan-everything reference ----------------------------------
+
+
+class _Reference:
+    """The retention rules written the slow, obvious way: scan everything per eviction."""
+
+    def __init__(self, capacity: int, ttl: float) -> None:
+        self.capacity, self.ttl, self.tick = capacity, ttl, 0
+        self.objects: dict = {}  # key -> [nbytes, tick, leases, children, parent]
+        self.leases: dict = {}  # id -> (expires_at, key)
+
+    def _touch(self, key) -> None:
+        self.tick += 1
+        self.objects[key][1] = self.tick
+
+    def expire(self, now: float) -> None:
+        for lid in [i for i, (t, _) in self.leases.items() if t <= now]:
+            self.release(lid)
+
+    def release(self, lid) -> None:
+        _, key = self.leases.pop(lid)
+        self.objects[key][2] -= 1
+
+    def put(self, key, nbytes: int, prev) -> str:
+        if key in self.objects:
+            self._touch(key)
+            return "exists"
+        used = sum(o[0] for o in self.objects.values())
+        free = sum(o[0] for o in self.objects.values() if o[2] == 0)
+        need = used + nbytes - self.capacity
+        if need > free:
+            return "no_space"
+        while need > 0:
+            cands = [(len(o[3]) != 1, o[1], k) for k, o in self.objects.items() if o[2] == 0]
+            victim = min(cands)[2]
+            need -= self.objects[victim][0]
+            parent = self.objects.pop(victim)[4]
+            if parent is not None and (victim[0], parent, *victim[2:]) in self.objects:
+                self.objects[(victim[0], parent, *victim[2:])][3].discard(victim[1])
+        self.tick += 1
+        self.objects[key] = [nbytes, self.tick, 0, set(), None]
+        pkey = (key[0], prev, *key[2:])
+        if prev is not None and prev != key[1] and pkey in self.objects:
+            self.objects[key][4] = prev
+            self.objects[pkey][3].add(key[1])
+        return "stored"
+
+
+def test_eviction_order_matches_a_scan_everything_reference():
+    import random
+
+    rng = random.Random(11)
+    clock = FakeClock()
+    s = store(capacity=2000, max_object=400, ttl=5.0, clock=clock)
+    ref = _Reference(2000, 5.0)
+    leases: dict[int, int] = {}  # store lease id -> reference lease id
+    for step in range(4000):
+        clock.now += rng.choice([0.0, 0.0, 0.5])
+        ref.expire(clock.now)
+        for lid in [i for i in leases if ref.leases.get(leases[i]) is None]:
+            del leases[lid]
+        i, g = rng.randrange(60), rng.choice([ATTN, STATE])
+        key = (NS, h(i), g, 0)
+        op = rng.random()
+        if op < 0.55:
+            nbytes = rng.randrange(1, 400)
+            prev = h(rng.randrange(60)) if g == STATE and rng.random() < 0.7 else None
+            assert s.put(key, b"x" * nbytes, prev=prev).value == ref.put(key, nbytes, prev), step
+        elif op < 0.75:
+            assert (s.get(key) is not None) == (key in ref.objects)
+            if key in ref.objects:
+                ref._touch(key)
+        elif op < 0.9:
+            hit, lid = s.lookup(NS, [h(i)], [g], [], 1)
+            assert hit == (1 if key in ref.objects else 0)
+            if hit:
+                ref._touch(key)
+                ref.objects[key][2] += 1
+                ref.leases[step] = (clock.now + 5.0, key)
+                leases[lid] = step
+        elif leases:
+            lid = rng.choice(list(leases))
+            assert s.release(lid) is True
+            ref.release(leases.pop(lid))
+        s.expire_leases()
+        assert set(s._objects) == set(ref.objects), step
+        assert s.used_bytes == sum(o[0] for o in ref.objects.values())
+        assert s.snapshot()["superseded_objects"] == sum(len(o[3]) == 1 for o in ref.objects.values())
+    assert s.counters.evictions > 500  # the run exercised eviction, not just inserts
+
+
+# --- lease caps (issue 11: 1000 lookups pinned every object, then every put was NO_SPACE) --
+
+
+def test_leases_cannot_pin_more_than_the_cap_and_puts_keep_succeeding():
+    s = ObjectStore(1000, 100, 60.0, FakeClock(), max_leased_bytes=500)
+    for i in range(10):
+        s.put((NS, h(i), ATTN, 0), b"a" * 100)
+    leases = [s.lookup(NS, [h(i % 10)], [ATTN], [], 1)[1] for i in range(1000)]
+    assert all(lease is not None for lease in leases)
+    assert s.leased_bytes == 500 and s.snapshot()["leased_objects"] == 5
+    assert s.counters.leases_dropped_leased_bytes == 1000 - 5
+    assert s.release(leases[0]) is False and s.release(leases[-1]) is True  # the oldest went first
+    results = [s.put((NS, h(100 + i), ATTN, 0), b"b" * 100) for i in range(20)]
+    assert results == [PutResult.STORED] * 20
+
+
+def test_lookup_whose_objects_exceed_the_lease_cap_gets_no_lease_and_drops_none():
+    s = ObjectStore(900, 500, 60.0, FakeClock(), max_leased_bytes=300)
+    s.put((NS, h(0), ATTN, 0), b"a" * 100)
+    _, small = s.lookup(NS, [h(0)], [ATTN], [], 1)
+    s.put((NS, h(1), ATTN, 0), b"b" * 400)
+    assert s.lookup(NS, [h(1)], [ATTN], [], 1) == (1, None)
+    assert s.counters.leases_refused == 1
+    assert s.put((NS, h(2), ATTN, 0), b"c" * 500) is PutResult.STORED  # the unleased hit stays evictable
+    assert (NS, h(1), ATTN, 0) not in s and (NS, h(0), ATTN, 0) in s
+    assert s.release(small) is True  # the older, smaller lease was not sacrificed
+
+
+def test_per_owner_lease_cap_drops_that_owners_oldest_lease():
+    s = ObjectStore(1000, 100, 60.0, FakeClock(), max_leases_per_owner=2)
+    s.put((NS, h(0), ATTN, 0), b"a" * 10)
+    a = [s.lookup(NS, [h(0)], [ATTN], [], 1, owner=b"A")[1] for _ in range(3)]
+    b = s.lookup(NS, [h(0)], [ATTN], [], 1, owner=b"B")[1]
+    assert s.counters.leases_dropped_client_cap == 1
+    assert [s.release(x) for x in a] == [False, True, True]
+    assert s.release(b) is True
+    assert not s.is_leased((NS, h(0), ATTN, 0))
+
+
+def test_leases_expire_in_order_without_touching_live_ones():
+    clock = FakeClock()
+    s = store(capacity=1000, ttl=5.0, clock=clock)
+    s.put((NS, h(0), ATTN, 0), b"a" * 10)
+    first = s.lookup(NS, [h(0)], [ATTN], [], 1)[1]
+    clock.now = 3.0
+    second = s.lookup(NS, [h(0)], [ATTN], [], 1)[1]
+    clock.now = 5.0
+    assert s.expire_leases() == 1
+    assert s.release(first) is False and s.is_leased((NS, h(0), ATTN, 0))
+    clock.now = 8.0
+    assert s.expire_leases() == 1 and s.release(second) is False
+    assert s.leased_bytes == 0
+
+
+def test_group_and_namespace_tables_shrink_when_emptied():
+    s = store()
+    for g in range(50):
+        s.put((f"ns{g}", h(0), g, 0), b"x")
+    assert s.namespace_objects("ns7") == 1
+    s.clear()
+    assert not s._bytes_by_group and not s._objects_by_group and s.namespace_objects("ns7") == 0
