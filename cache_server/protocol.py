@@ -20,11 +20,14 @@ Operations and their header fields (``ns`` is the namespace: a fingerprint of th
 geometry; objects never cross namespaces):
 
 ``hello``    ``v`` protocol version, ``ns``, ``alignment`` (tokens the chunk size must be a
-             multiple of) -> ``v``, ``chunk_size``, ``min_chunk_size``,
+             multiple of), optional ``world_size`` and ``replicated_groups`` (the engine's
+             layout, for /status) -> ``v``, ``chunk_size``, ``min_chunk_size``,
              ``separate_object_groups``, ``max_object_bytes``
 ``lookup``   ``ns``, ``hashes`` (list of 32-byte chunk hashes of a strict prefix),
              ``attn_groups``, ``state_groups`` (lists of group ids), ``world_size``,
-             optional ``start_chunk`` (default 0) -> ``chunks`` (hit depth), ``lease_id``
+             optional ``start_chunk`` (default 0), optional ``replicated_groups`` (groups
+             identical on every tensor-parallel rank, stored once under rank 0: only that
+             copy is needed) -> ``chunks`` (hit depth), ``lease_id``
 ``get``      ``ns``, ``keys`` (list of [hash, group, rank]) -> ``found`` (list of bool),
              ``sums`` (the stored checksum of each found object, in order), one payload
              frame per found key, in order

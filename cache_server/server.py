@@ -81,6 +81,8 @@ class CacheServer:
         # ns -> (alignment, chunk), or None for one only put to; least recently admitted first.
         self._chunk_by_namespace: OrderedDict[str, tuple[int, int] | None] = OrderedDict()
         self._namespace_lock = threading.Lock()  # the HTTP thread reads the table for /status
+        # ns -> (world size, groups stored once for every TP rank), as the engine said at hello
+        self._layout_by_namespace: dict[str, tuple[int, tuple[int, ...]]] = {}
         self._client: bytes | None = None  # ZMQ identity of the request being handled
         if config.auth_token is not None:
             self.metrics.errors.labels(code=p.ErrorCode.UNAUTHORIZED.value)  # exported as 0 from the start
@@ -237,6 +239,10 @@ class CacheServer:
         alignment = p.int_field(h, "alignment", minimum=1)
         chunk = p.negotiate_chunk_size(self.config.min_chunk_size, alignment)
         known = self._admit_namespace(ns)
+        world_size = p.int_field(h, "world_size", minimum=1, default=1)
+        replicated = p.group_list(h, "replicated_groups") if "replicated_groups" in h else []
+        with self._namespace_lock:
+            self._layout_by_namespace[ns] = (world_size, tuple(replicated))
         if known is None:
             with self._namespace_lock:
                 self._chunk_by_namespace[ns] = (alignment, chunk)
@@ -262,7 +268,11 @@ class CacheServer:
         world_size = p.int_field(h, "world_size", minimum=1)
         start = p.int_field(h, "start_chunk", minimum=0, default=0)
         lease = p.field(h, "lease", bool, default=True)
-        chunks, lease_id = self.store.lookup(ns, hashes, attn, state, world_size, start, lease, owner=self._client)
+        replicated = p.group_list(h, "replicated_groups") if "replicated_groups" in h else []
+        if not set(replicated) <= {*attn, *state}:
+            raise p.ProtocolError(p.ErrorCode.BAD_REQUEST, "replicated_groups must be among attn_groups and state_groups")
+        chunks, lease_id = self.store.lookup(ns, hashes, attn, state, world_size, start, lease, owner=self._client,
+                                             replicated_groups=replicated)
         if lease and chunks and lease_id is None:  # its objects alone are over the leased-bytes cap
             self.metrics.limit_refusals.labels(limit="leased_bytes").inc()
         return {"chunks": chunks, "lease_id": lease_id}, []
@@ -365,13 +375,25 @@ class CacheServer:
                                   "group ids other than 0 need the server started with --separate-object-groups "
                                   "(required for hybrid KDA/Mamba models)")
 
+    def _replication_status(self, ns: str, layout: tuple[int, tuple[int, ...]] | None) -> dict[str, Any]:
+        """What storing the TP-replicated groups once saves in ``ns``: per-rank storage
+        would hold ``world_size`` copies of each of their objects."""
+        world_size, replicated = layout or (1, ())
+        resident = sum(self.store.namespace_group_bytes(ns, g) for g in replicated)
+        return {"world_size": world_size, "replicated_groups": list(replicated), "replicated_bytes": resident,
+                "bytes_saved_by_storing_once": resident * (world_size - 1)}
+
     def status(self) -> dict[str, Any]:
         """The /status document."""
         status = self.store.snapshot()
         with self._namespace_lock:
             table = list(self._chunk_by_namespace.items())
+            layouts = dict(self._layout_by_namespace)
         status["namespaces"] = {ns: {"alignment": ac[0] if ac else None, "chunk_size": ac[1] if ac else None,
-                                     "objects": self.store.namespace_objects(ns)} for ns, ac in table}
+                                     "objects": self.store.namespace_objects(ns),
+                                     **self._replication_status(ns, layouts.get(ns))} for ns, ac in table}
+        status["bytes_saved_by_storing_replicated_groups_once"] = sum(
+            n["bytes_saved_by_storing_once"] for n in status["namespaces"].values())
         status["config"] = {
             "min_chunk_size": self.config.min_chunk_size, "l1_size_bytes": self.config.l1_size_bytes,
             "max_object_bytes": self.config.max_object_bytes, "eviction_policy": self.config.eviction_policy,

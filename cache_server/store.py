@@ -130,6 +130,7 @@ class ObjectStore:
         self._bytes_by_group: dict[int, int] = defaultdict(int)
         self._objects_by_group: dict[int, int] = defaultdict(int)
         self._objects_by_namespace: dict[str, int] = defaultdict(int)
+        self._bytes_by_namespace_group: dict[tuple[str, int], int] = defaultdict(int)
         self.counters = StoreCounters()
 
     # --- writes --------------------------------------------------------------------------
@@ -166,6 +167,7 @@ class ObjectStore:
             self._bytes_by_group[key[2]] += nbytes
             self._objects_by_group[key[2]] += 1
             self._objects_by_namespace[key[0]] += 1
+            self._bytes_by_namespace_group[key[0], key[2]] += nbytes
             self._queue_locked(key, entry)
             if prev is not None and prev != key[1]:
                 parent_key = (key[0], prev, key[2], key[3])
@@ -225,7 +227,8 @@ class ObjectStore:
         self._used_bytes -= entry.nbytes
         for counts, label, amount in ((self._bytes_by_group, key[2], entry.nbytes),
                                       (self._objects_by_group, key[2], 1),
-                                      (self._objects_by_namespace, key[0], 1)):
+                                      (self._objects_by_namespace, key[0], 1),
+                                      (self._bytes_by_namespace_group, (key[0], key[2]), entry.nbytes)):
             counts[label] -= amount
             if not counts[label]:  # a table per label ever seen would grow without bound
                 del counts[label]
@@ -284,13 +287,15 @@ class ObjectStore:
 
     def lookup(self, namespace: str, hashes: Sequence[bytes], attn_groups: Sequence[int],
                state_groups: Sequence[int], world_size: int, start_chunk: int = 0,
-               lease: bool = True, owner: bytes | None = None) -> tuple[int, int | None]:
+               lease: bool = True, owner: bytes | None = None,
+               replicated_groups: Sequence[int] = ()) -> tuple[int, int | None]:
         """Deepest resume point of a prefix, in chunks.
 
         Returns ``(j, lease_id)``: the largest ``j`` with ``start_chunk < j <= len(hashes)``
         such that every attention group has objects for chunks ``start_chunk .. j-1`` and
-        every state group an object at chunk ``j-1``, for every rank below ``world_size``;
-        ``(0, None)`` if there is none. The objects that resume needs are leased (not
+        every state group an object at chunk ``j-1``, for every rank below ``world_size``
+        (rank 0 only for ``replicated_groups``: groups identical on every tensor-parallel
+        rank are stored once); ``(0, None)`` if there is none. The objects that resume needs are leased (not
         evictable) until :meth:`release` or the lease TTL, within the lease caps (``owner``
         is who the per-owner cap counts against); a hit whose objects alone exceed the
         leased-bytes cap comes with ``lease_id`` None.
@@ -299,13 +304,17 @@ class ObjectStore:
             raise ValueError("world_size must be >= 1 and start_chunk >= 0")
         if not attn_groups and not state_groups:
             raise ValueError("a lookup needs at least one group")
-        ranks = range(world_size)
+        replicated = frozenset(replicated_groups)
+
+        def ranks_of(g: int) -> range:
+            return range(1) if g in replicated else range(world_size)
+
         with self._lock:
             self._expire_leases_locked()
             self.counters.lookups += 1
 
             def has(i: int, groups: Sequence[int]) -> bool:
-                return all((namespace, hashes[i], g, r) in self._objects for g in groups for r in ranks)
+                return all((namespace, hashes[i], g, r) in self._objects for g in groups for r in ranks_of(g))
 
             attn_depth = start_chunk  # chunks start_chunk..attn_depth-1 all present
             while attn_depth < len(hashes) and has(attn_depth, attn_groups):
@@ -319,8 +328,9 @@ class ObjectStore:
                 return 0, None
             self.counters.lookup_hits += 1
             self.counters.lookup_hit_chunks += hit - start_chunk
-            keys = [(namespace, hashes[i], g, r) for i in range(start_chunk, hit) for g in attn_groups for r in ranks]
-            keys += [(namespace, hashes[hit - 1], g, r) for g in state_groups for r in ranks]
+            keys = [(namespace, hashes[i], g, r) for i in range(start_chunk, hit) for g in attn_groups
+                    for r in ranks_of(g)]
+            keys += [(namespace, hashes[hit - 1], g, r) for g in state_groups for r in ranks_of(g)]
             for key in keys:
                 if lease:  # about to be pinned: no heap item until the lease ends
                     self._tick += 1
@@ -427,6 +437,10 @@ class ObjectStore:
     def is_superseded(self, key: StoreKey) -> bool:
         entry = self._objects.get(key)
         return entry is not None and entry.superseded
+
+    def namespace_group_bytes(self, namespace: str, group: int) -> int:
+        """Resident bytes of one group in one namespace."""
+        return self._bytes_by_namespace_group.get((namespace, group), 0)
 
     def namespace_objects(self, namespace: str) -> int:
         """Objects resident in one namespace."""

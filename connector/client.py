@@ -115,19 +115,23 @@ class CacheClient:
 
     # --- operations ----------------------------------------------------------------------
 
-    def hello(self, namespace: str, alignment: int) -> dict[str, Any]:
+    def hello(self, namespace: str, alignment: int, world_size: int = 1,
+              replicated_groups: Sequence[int] = ()) -> dict[str, Any]:
         """Handshake: returns chunk_size, min_chunk_size, separate_object_groups, max_object_bytes, v."""
-        reply, _ = self.request({"op": "hello", "v": p.PROTOCOL_VERSION, "ns": namespace, "alignment": alignment})
+        reply, _ = self.request({"op": "hello", "v": p.PROTOCOL_VERSION, "ns": namespace, "alignment": alignment,
+                                 "world_size": world_size, "replicated_groups": list(replicated_groups)})
         return {k: reply[k] for k in ("v", "chunk_size", "min_chunk_size", "separate_object_groups",
                                       "max_object_bytes")}
 
     def lookup(self, namespace: str, hashes: Sequence[bytes], attn_groups: Sequence[int],
                state_groups: Sequence[int], world_size: int = 1, start_chunk: int = 0,
-               lease: bool = True) -> tuple[int, int | None]:
-        """Deepest resumable chunk count of the prefix ``hashes`` and the lease on it."""
+               lease: bool = True, replicated_groups: Sequence[int] = ()) -> tuple[int, int | None]:
+        """Deepest resumable chunk count of the prefix ``hashes`` and the lease on it;
+        ``replicated_groups`` need their rank-0 copy only."""
         reply, _ = self.request({"op": "lookup", "ns": namespace, "hashes": list(hashes),
                                  "attn_groups": list(attn_groups), "state_groups": list(state_groups),
-                                 "world_size": world_size, "start_chunk": start_chunk, "lease": lease})
+                                 "world_size": world_size, "start_chunk": start_chunk, "lease": lease,
+                                 "replicated_groups": list(replicated_groups)})
         return reply["chunks"], reply["lease_id"]
 
     def put(self, namespace: str, items: Sequence[tuple[bytes, int, int, Payload]],

@@ -32,6 +32,9 @@ class CacheGroup:
     block_size: int  # tokens one block of this group spans
     layer_names: tuple[str, ...]
     page_bytes: int  # content bytes of one block of one layer (padding excluded)
+    # Identical on every tensor-parallel rank (an MLA latent / indexer cache): stored once,
+    # under the first rank of the TP group, and loaded from that copy by every rank.
+    replicated_across_tp: bool = False
 
     @property
     def object_bytes_per_block(self) -> int:
@@ -82,6 +85,18 @@ def strict_prefix_chunks(num_tokens: int, chunk_size: int) -> int:
     if num_tokens <= 0:
         return 0
     return (num_tokens - 1) // chunk_size
+
+
+def _is_replicated_across_tp(spec: Any) -> bool:
+    """Attention caches that every TP rank holds in full: MLA latents (vLLM's
+    ``MLAAttentionSpec``: one latent row per token, never sharded by head) and any
+    latent-only row cache (one KV "head" without a V part, as an MLA-style model plugin
+    declares it). K/V caches of sharded heads have a V part and differ per rank."""
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    if isinstance(spec, MLAAttentionSpec):
+        return True
+    return getattr(spec, "num_kv_heads", None) == 1 and getattr(spec, "head_size_v", None) == 0
 
 
 def _is_state_spec(spec: Any) -> bool:
@@ -148,6 +163,7 @@ def resolve_geometry(
                 block_size=span,
                 layer_names=tuple(group.layer_names),
                 page_bytes=_page_bytes(spec),
+                replicated_across_tp=not _is_state_spec(spec) and _is_replicated_across_tp(spec),
             )
         )
     if not groups:

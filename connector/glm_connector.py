@@ -321,7 +321,8 @@ class GlmCacheConnector(KVConnectorBase_V1, SupportsHMA):
         geo = self._geometry
         namespace = engine_fingerprint(self._vllm_config, self._kv_cache_config, geo)
         try:
-            hello = self._link.client.hello(namespace, geo.scheduler_block_size)
+            hello = self._link.client.hello(namespace, geo.scheduler_block_size, self._world_size,
+                                            self._replicated_groups())
             self._geometry = geo.with_chunk_size(int(hello["chunk_size"]))
         except (*_CLIENT_ERRORS, GeometryError, KeyError) as e:
             self._link.failed("handshake", e)
@@ -340,6 +341,10 @@ class GlmCacheConnector(KVConnectorBase_V1, SupportsHMA):
             [g.group_id for g in self._geometry.attn_groups],
         )
         return True
+
+    def _replicated_groups(self) -> list[int]:
+        """Groups stored once for the whole TP group (see ``CacheGroup.replicated_across_tp``)."""
+        return [g.group_id for g in self._geometry.groups if g.replicated_across_tp]
 
     def _warn_if_chunk_exceeds_block(self) -> None:
         """A chunk longer than vLLM's block needs state snapshots vLLM does not keep by
@@ -453,6 +458,7 @@ class GlmCacheConnector(KVConnectorBase_V1, SupportsHMA):
                 self._world_size,
                 start_chunk if want_load else 0,
                 lease=want_load,
+                replicated_groups=self._replicated_groups(),
             )
         except _CLIENT_ERRORS as e:
             self._link.failed("lookup", e)
@@ -699,11 +705,15 @@ class GlmCacheConnector(KVConnectorBase_V1, SupportsHMA):
         from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
 
         # One object per (chunk, group, rank): the rank is the worker's place in TP x PP.
+        # Groups identical on every TP rank are one object per (chunk, group) instead, kept
+        # under the TP group's first rank: TP rank 0 saves it, every rank loads it.
         try:
             tp = self._vllm_config.parallel_config.tensor_parallel_size
-            self._rank = get_pp_group().rank_in_group * tp + get_tensor_model_parallel_rank()
+            self._tp_rank = get_tensor_model_parallel_rank()
+            self._rank = get_pp_group().rank_in_group * tp + self._tp_rank
         except (AssertionError, RuntimeError):
-            self._rank = 0
+            self._rank = self._tp_rank = 0
+        self._replicated = {g.group_id for g in self._geometry.groups if g.replicated_across_tp}
         self._pages = None
         self._load_client = CacheClient(
             self._url, timeout_s=self._timeout_s, auth_token=self._auth_token
@@ -744,7 +754,7 @@ class GlmCacheConnector(KVConnectorBase_V1, SupportsHMA):
             assert self._pages is not None
             if self._auth_broken:
                 raise RuntimeError("no usable auth_token_file")
-            keys = [(m.chunk_hash, m.group_id, self._rank) for m in job.objects]
+            keys = [(m.chunk_hash, m.group_id, self._key_rank(m.group_id)) for m in job.objects]
             payloads = self._load_client.get(namespace, keys)
             missing = [k for k, p in zip(keys, payloads) if p is None]
             if missing:
@@ -763,6 +773,10 @@ class GlmCacheConnector(KVConnectorBase_V1, SupportsHMA):
             self._loads_done.add(job.req_id)
             if not ok:
                 self._loads_failed.add(job.req_id)
+
+    def _key_rank(self, group_id: int) -> int:
+        """The rank an object of ``group_id`` is stored under (see ``_init_worker``)."""
+        return self._rank - self._tp_rank if group_id in self._replicated else self._rank
 
     def _check_size(self, move: ObjectMove, payload: Any) -> None:
         assert self._pages is not None
@@ -816,8 +830,10 @@ class GlmCacheConnector(KVConnectorBase_V1, SupportsHMA):
             ids = [b for b in move.block_ids if b is not None]
             if len(ids) != len(move.block_ids):
                 continue
+            if move.group_id in self._replicated and self._tp_rank != 0:
+                continue  # the TP group's first rank stores the one copy
             data = self._pages.read(move.group_id, ids)
-            items.append((move.chunk_hash, move.group_id, self._rank, data))
+            items.append((move.chunk_hash, move.group_id, self._key_rank(move.group_id), data))
             prevs.append(move.prev)
             nbytes += len(data)
         with self._lock:

@@ -116,3 +116,13 @@ def test_namespace_fingerprints_model_tp_and_geometry():
     assert ns(model="/ckpt/other") != base
     assert ns(groups=[_state(), _attn(), _attn()]) != base
     assert ns(groups=[_state(2304), _attn(2304)]) != base
+
+
+def test_latent_caches_are_replicated_across_tp_and_kv_heads_and_states_are_not():
+    mla = vkv.MLAAttentionSpec(block_size=1152, num_kv_heads=1, head_size=512, dtype=torch.bfloat16)
+    plugin_rows = vkv.FullAttentionSpec(block_size=1152, num_kv_heads=1, head_size=768, head_size_v=0,
+                                        dtype=torch.bfloat16)
+    gqa = vkv.FullAttentionSpec(block_size=1152, num_kv_heads=1, head_size=128, dtype=torch.bfloat16)
+    vllm, kv = _config([_state(), mla, plugin_rows, gqa])
+    geo = resolve_geometry(vllm, kv)
+    assert [g.replicated_across_tp for g in geo.groups] == [False, True, True, False]

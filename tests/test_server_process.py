@@ -290,3 +290,23 @@ def test_client_and_keys_do_not_import_vllm_or_torch():
             "bad = [m for m in ('vllm', 'torch') if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_replicated_groups_are_stored_once_and_status_shows_the_saving(server, client):
+    """A TP-4 engine: the latent group (2) is one object per chunk, the state group (1) one
+    per rank; a lookup needs one latent copy, and /status reports the bytes a per-rank
+    layout would have stored in addition."""
+    ns = "tp4-replicated"
+    client.hello(ns, 16, world_size=4, replicated_groups=[2])
+    hashes = [bytes([7, i]) * 16 for i in range(3)]
+    latent = [(hsh, 2, 0, b"L" * 1000) for hsh in hashes]
+    states = [(hashes[-1], 1, r, b"S" * 100) for r in range(4)]
+    assert set(client.put(ns, latent + states)) == {"stored"}
+    assert client.lookup(ns, hashes, [2], [1], world_size=4, replicated_groups=[2], lease=False)[0] == 3
+    assert client.lookup(ns, hashes, [2], [1], world_size=4, lease=False)[0] == 0
+    _, status = http_json(server.http_url + "/status")
+    entry = status["namespaces"][ns]
+    assert entry["world_size"] == 4 and entry["replicated_groups"] == [2]
+    assert entry["replicated_bytes"] == 3000
+    assert entry["bytes_saved_by_storing_once"] == 9000
+    assert status["bytes_saved_by_storing_replicated_groups_once"] >= 9000

@@ -425,3 +425,17 @@ def test_group_and_namespace_tables_shrink_when_emptied():
     assert s.namespace_objects("ns7") == 1
     s.clear()
     assert not s._bytes_by_group and not s._objects_by_group and s.namespace_objects("ns7") == 0
+
+
+def test_replicated_groups_need_only_the_rank_0_copy():
+    """Groups identical on every TP rank are stored once (rank 0); sharded ones per rank."""
+    s = store()
+    _fill(s, range(3), [ATTN], ranks=(0,))  # latent: one copy
+    _fill(s, [2], [STATE], ranks=(0, 1, 2, 3))  # KDA state: every rank's shard
+    hashes = [h(i) for i in range(3)]
+    assert s.lookup(NS, hashes, [ATTN], [STATE], world_size=4, replicated_groups=[ATTN])[0] == 3
+    # without the replicated flag every rank's latent copy would be required
+    assert s.lookup(NS, hashes, [ATTN], [STATE], world_size=4)[0] == 0
+    # a sharded group stays per rank even when another group is replicated
+    s.delete((NS, h(2), STATE, 3))
+    assert s.lookup(NS, hashes, [ATTN], [STATE], world_size=4, replicated_groups=[ATTN])[0] == 0
