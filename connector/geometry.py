@@ -23,6 +23,31 @@ class GeometryError(ValueError):
     """The engine is configured in a way the external cache cannot serve."""
 
 
+class UnsupportedLayout(GeometryError):
+    """vLLM handed us a cache layout we do not understand.
+
+    Unlike :class:`GeometryError` proper (prefix caching off, no align-mode snapshots:
+    one flag fixes it), the operator cannot change this one, so the connector serves
+    without the external cache instead of refusing to start (fail closed, never guess)."""
+
+
+@dataclass(frozen=True)
+class LayerPage:
+    """One layer's page in one block, as vLLM's own spec for that layer sizes it.
+
+    A group can hold layers with different pages (vLLM's ``UniformTypeKVCacheSpecs``
+    packs the MLA latent and the kpool indexer into one block table), so every layer
+    carries its own size: reading one layer's size for all of them saves the wrong
+    bytes and overwrites neighbouring pages on load."""
+
+    name: str
+    page_bytes: int  # content bytes of this layer's page in one block (padding excluded)
+    dtype: str  # element type(s) of the page, for logs and the namespace fingerprint
+    tokens_per_page: int  # tokens one block of this layer spans
+    states_per_page: int  # stored rows per block: tokens / tokens_per_state; 1 for state
+    spec: str  # vLLM spec class name
+
+
 @dataclass(frozen=True)
 class CacheGroup:
     """One prefix-cacheable vLLM KV cache group as the cache sees it."""
@@ -30,15 +55,27 @@ class CacheGroup:
     group_id: int  # index into kv_cache_config.kv_cache_groups
     is_state: bool  # recurrent state (Mamba/GDN/KDA): one snapshot per block position
     block_size: int  # tokens one block of this group spans
-    layer_names: tuple[str, ...]
-    page_bytes: int  # content bytes of one block of one layer (padding excluded)
-    # Identical on every tensor-parallel rank (an MLA latent / indexer cache): stored once,
-    # under the first rank of the TP group, and loaded from that copy by every rank.
+    layers: tuple[LayerPage, ...]  # vLLM's layer order in the group
+    # Identical bytes on every TP rank (MLA latent / indexer): such objects need not be
+    # stored once per rank. Informational here; keys are the connector's business.
     replicated_across_tp: bool = False
 
     @property
+    def layer_names(self) -> tuple[str, ...]:
+        return tuple(p.name for p in self.layers)
+
+    @property
+    def page_bytes(self) -> tuple[int, ...]:
+        """Each layer's page, in layer order."""
+        return tuple(p.page_bytes for p in self.layers)
+
+    @property
     def object_bytes_per_block(self) -> int:
-        return self.page_bytes * len(self.layer_names)
+        return sum(p.page_bytes for p in self.layers)
+
+    def object_bytes(self, num_blocks: int) -> int:
+        """Bytes of a cache object covering ``num_blocks`` blocks of this group."""
+        return self.object_bytes_per_block * num_blocks
 
 
 @dataclass(frozen=True)
@@ -58,6 +95,17 @@ class Geometry:
     def state_groups(self) -> tuple[CacheGroup, ...]:
         return tuple(g for g in self.groups if g.is_state)
 
+    @property
+    def enabled(self) -> bool:
+        """False for the empty geometry of an engine served without the external cache."""
+        return bool(self.groups)
+
+    def group(self, group_id: int) -> CacheGroup:
+        for g in self.groups:
+            if g.group_id == group_id:
+                return g
+        raise KeyError(f"KV cache group {group_id} is not cached")
+
     def with_chunk_size(self, chunk_size: int) -> Geometry:
         if chunk_size <= 0 or chunk_size % self.scheduler_block_size:
             raise GeometryError(
@@ -69,10 +117,20 @@ class Geometry:
         )
 
     def log_line(self) -> str:
+        pages = {
+            g.group_id: sorted({p.page_bytes for p in g.layers}) for g in self.groups
+        }
         return (
             f"Resolved geometry: group_tokens_per_block={list(self.group_tokens_per_block)}, "
-            f"scheduler_block_size={self.scheduler_block_size}, chunk_size={self.chunk_size}"
+            f"scheduler_block_size={self.scheduler_block_size}, chunk_size={self.chunk_size}, "
+            f"page_bytes_per_group={pages}"
         )
+
+
+def disabled_geometry(kv_cache_config: KVCacheConfig) -> Geometry:
+    """The geometry of an engine served without the external cache: nothing cached."""
+    n = len(kv_cache_config.kv_cache_groups)
+    return Geometry((), (0,) * n, 1, 1)
 
 
 def strict_prefix_chunks(num_tokens: int, chunk_size: int) -> int:
@@ -87,40 +145,112 @@ def strict_prefix_chunks(num_tokens: int, chunk_size: int) -> int:
     return (num_tokens - 1) // chunk_size
 
 
-def _is_replicated_across_tp(spec: Any) -> bool:
-    """Attention caches that every TP rank holds in full: MLA latents (vLLM's
-    ``MLAAttentionSpec``: one latent row per token, never sharded by head) and any
-    latent-only row cache (one KV "head" without a V part, as an MLA-style model plugin
-    declares it). K/V caches of sharded heads have a V part and differ per rank."""
-    from vllm.v1.kv_cache_interface import MLAAttentionSpec
-
-    if isinstance(spec, MLAAttentionSpec):
-        return True
-    return getattr(spec, "num_kv_heads", None) == 1 and getattr(spec, "head_size_v", None) == 0
+def _layer_specs(group: Any) -> list[tuple[str, Any]]:
+    """(layer name, that layer's own spec) for every layer of a vLLM group."""
+    inner = getattr(group.kv_cache_spec, "kv_cache_specs", None)
+    if isinstance(inner, dict):
+        return [(name, inner[name]) for name in group.layer_names]
+    return [(name, group.kv_cache_spec) for name in group.layer_names]
 
 
-def _is_state_spec(spec: Any) -> bool:
+def _refuse(gid: int, spec: Any, reason: str) -> UnsupportedLayout:
+    return UnsupportedLayout(
+        f"KV cache group {gid} ({type(spec).__name__}) is not cacheable: {reason}"
+    )
+
+
+def _layer_reason(spec: Any) -> str | None:
+    """Why the connector cannot hold this layer's pages as opaque bytes per block, or
+    None when it can. An allow-list: a spec kind we have not reasoned about is refused.
+
+    Understood: full attention (one page per block, every token of the block in it,
+    incl. MLA and compressed ``tokens_per_state`` caches such as the kpool indexer) and
+    align-mode recurrent state (one snapshot per block position). Everything else
+    recycles or skips blocks (sliding window, chunked local, sinks, R-SWA), lives outside
+    the block pool (HiSparse), or is not per-token context (encoder/cross/hidden states).
+    """
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        HiddenStateCacheSpec,
+        MambaSpec,
+        MLAAttentionSpec,
+        RSWASpec,
+        SinkFullAttentionSpec,
+    )
+
+    if isinstance(spec, MambaSpec):
+        if type(spec) is not MambaSpec:
+            return f"unknown recurrent-state spec subclass {type(spec).__name__}"
+        return None
+    if isinstance(spec, (HiddenStateCacheSpec, SinkFullAttentionSpec, RSWASpec)):
+        return "its blocks do not hold plain per-token context"
+    if not isinstance(spec, FullAttentionSpec):
+        return "only full-attention and recurrent-state groups have a stable block layout"
+    if type(spec) not in (FullAttentionSpec, MLAAttentionSpec):
+        return f"unknown attention spec subclass {type(spec).__name__}"
+    if spec.sliding_window is not None or spec.attention_chunk_size is not None:
+        return "local attention layers whose early blocks vLLM may drop"
+    tps = spec.tokens_per_state
+    if tps != int(tps) or int(tps) < 1 or spec.block_size % int(tps):
+        return f"tokens_per_state={tps} does not divide the block of {spec.block_size} tokens"
+    if spec.real_page_size_bytes <= 0:
+        return "empty page"
+    return None
+
+
+def _dtype_name(spec: Any) -> str:
+    dtypes = getattr(spec, "dtypes", None)
+    if dtypes is not None:
+        return ",".join(str(d).removeprefix("torch.") for d in dtypes)
+    return str(spec.dtype).removeprefix("torch.")
+
+
+def _layer_page(name: str, spec: Any, span: int) -> LayerPage:
     from vllm.v1.kv_cache_interface import MambaSpec
 
-    return isinstance(spec, MambaSpec)
+    is_state = isinstance(spec, MambaSpec)
+    # Pages are padded (state pages up to the attention page, MLA pages to an alignment);
+    # the content is the unpadded prefix of the page and only the content is cached.
+    return LayerPage(
+        name=name,
+        page_bytes=int(spec.real_page_size_bytes),
+        dtype=_dtype_name(spec),
+        tokens_per_page=span,
+        states_per_page=1 if is_state else int(spec.num_states),
+        spec=type(spec).__name__,
+    )
 
 
-def _page_bytes(spec: Any) -> int:
-    # Mamba pages are padded up to the attention page; only the state content matters.
-    real = getattr(spec, "real_page_size_bytes", None)
-    return int(real if real is not None else spec.page_size_bytes)
+def _replicated_across_tp(spec: Any, tp_size: int) -> bool:
+    """Whether every TP rank holds identical bytes for this layer.
 
+    vLLM says so itself for MLA (``MLAAttentionSpec``: one latent row per token, built
+    from replicated projections; ``max_tp_shards=1``) and for replicated recurrent state
+    (``MambaSpec.tp_replicated``). The plugin's sparse MLA reports a plain
+    ``FullAttentionSpec`` (no ``max_tp_shards``), recognised by its shape instead: one
+    head and no V half (``head_size_v == 0``). A sharded K/V cache always has a V half,
+    and a K-only single-row cache is an MLA-style latent, the same on every rank; we
+    recognise the shape rather than import the plugin, so the connector stays
+    model-agnostic.
+    """
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, MLAAttentionSpec
 
-def _unwrap_uniform(spec: Any) -> Any:
-    """A UniformTypeKVCacheSpecs group: take one member spec (all share the type)."""
-    inner = getattr(spec, "kv_cache_specs", None)
-    if isinstance(inner, dict) and inner:
-        return next(iter(inner.values()))
-    return spec
+    del tp_size  # a property of the layer kind, the same flag at every TP size
+    if isinstance(spec, MambaSpec):
+        return bool(spec.tp_replicated)
+    if isinstance(spec, MLAAttentionSpec):
+        return True
+    max_shards = getattr(spec, "max_tp_shards", None)
+    if max_shards is not None:
+        return max_shards == 1
+    return isinstance(spec, FullAttentionSpec) and spec.num_kv_heads == 1 and spec.head_size_v == 0
 
 
 def check_engine_config(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> None:
-    """Refuse configurations whose prefixes could not be resumed correctly."""
+    """Refuse configurations whose prefixes could not be resumed correctly.
+
+    These raise plain :class:`GeometryError` and stop vLLM at start-up on purpose: the
+    operator asked for the external cache, and one flag makes it work."""
     cache_config = vllm_config.cache_config
     if not cache_config.enable_prefix_caching:
         raise GeometryError(
@@ -128,48 +258,87 @@ def check_engine_config(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig)
             "--enable-prefix-caching (it also selects the align-mode state snapshots "
             "that recurrent layers need)."
         )
+    from vllm.v1.kv_cache_interface import MambaSpec
+
     for gid, group in enumerate(kv_cache_config.kv_cache_groups):
-        spec = _unwrap_uniform(group.kv_cache_spec)
-        if _is_state_spec(spec) and getattr(spec, "mamba_cache_mode", "none") != "align":
-            raise GeometryError(
-                f"KV cache group {gid} holds recurrent state without per-block "
-                f"snapshots (mamba_cache_mode={spec.mamba_cache_mode!r}); start vLLM "
-                "with --enable-prefix-caching --mamba-cache-mode align."
-            )
+        for _, spec in _layer_specs(group):
+            if isinstance(spec, MambaSpec) and spec.mamba_cache_mode != "align":
+                raise GeometryError(
+                    f"KV cache group {gid} holds recurrent state without per-block "
+                    f"snapshots (mamba_cache_mode={spec.mamba_cache_mode!r}); start vLLM "
+                    "with --enable-prefix-caching --mamba-cache-mode align."
+                )
+
+
+def _resolve_group(gid: int, group: Any, dcp: int, tp: int) -> CacheGroup:
+    """One prefix-cacheable group, or :class:`UnsupportedLayout` naming why not.
+
+    Recurrent state: vLLM (align mode) keeps the snapshot after position ``p`` (a multiple
+    of the block) in block ``p // block - 1`` of the state group, and a resumed request
+    reads its initial state from there (``preprocess_mamba``,
+    vllm/v1/worker/mamba_utils.py:1495). Native KDA's prefill checkpoint blocks
+    (``num_prefill_checkpoint_blocks``) land in the same place for block-aligned
+    positions: the checkpoint column is ``cdiv(end, block) - 2``
+    (vllm/model_executor/layers/mamba/checkpoint.py:57,
+    vllm/v1/core/single_type_kv_cache_manager.py:1749), which is ``p // block - 1``
+    whenever the checkpoint position ``p`` is block aligned; non-aligned checkpoints are
+    cached as partial blocks, never on our chunk grid. So those layouts are accepted.
+    """
+    from vllm.v1.core.kv_cache_utils import resolve_dcp_kv_block_size
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    layer_specs = _layer_specs(group)
+    if not layer_specs:
+        raise _refuse(gid, group.kv_cache_spec, "no layers on this rank")
+    span = int(resolve_dcp_kv_block_size(group.kv_cache_spec, dcp))
+    pages: list[LayerPage] = []
+    kinds: set[bool] = set()
+    for name, spec in layer_specs:
+        reason = _layer_reason(spec)
+        if reason is not None:
+            raise _refuse(gid, spec, f"layer {name}: {reason}")
+        if int(resolve_dcp_kv_block_size(spec, dcp)) != span:
+            raise _refuse(gid, spec, f"layer {name} spans a different block than its group")
+        kinds.add(isinstance(spec, MambaSpec))
+        pages.append(_layer_page(name, spec, span))
+    if len(kinds) > 1:
+        raise _refuse(gid, group.kv_cache_spec, "it mixes recurrent state and attention layers")
+    return CacheGroup(
+        group_id=gid,
+        is_state=kinds.pop(),
+        block_size=span,
+        layers=tuple(pages),
+        replicated_across_tp=all(_replicated_across_tp(s, tp) for _, s in layer_specs),
+    )
 
 
 def resolve_geometry(
     vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, chunk_size: int | None = None
 ) -> Geometry:
-    """Read vLLM's cache groups. ``chunk_size`` None: the scheduler block, until negotiated."""
-    from vllm.v1.core.kv_cache_utils import resolve_dcp_kv_block_size
+    """Read vLLM's cache groups. ``chunk_size`` None: the scheduler block, until negotiated.
 
+    Raises :class:`GeometryError` for fixable misconfigurations and its subclass
+    :class:`UnsupportedLayout` for layouts the connector does not understand. Groups
+    that are not prefix-cacheable (scratch such as the kpool tail ring) are skipped.
+    """
     check_engine_config(vllm_config, kv_cache_config)
-    dcp = vllm_config.parallel_config.decode_context_parallel_size
+    parallel = vllm_config.parallel_config
+    dcp = parallel.decode_context_parallel_size
+    tp = parallel.tensor_parallel_size
     cacheable = set(kv_cache_config.prefix_cacheable_group_ids)
     groups: list[CacheGroup] = []
     tokens_per_block: list[int] = []
     for gid, group in enumerate(kv_cache_config.kv_cache_groups):
-        spec = _unwrap_uniform(group.kv_cache_spec)
         if gid not in cacheable:
             tokens_per_block.append(0)
             continue
-        span = int(resolve_dcp_kv_block_size(group.kv_cache_spec, dcp))
-        tokens_per_block.append(span)
-        groups.append(
-            CacheGroup(
-                group_id=gid,
-                is_state=_is_state_spec(spec),
-                block_size=span,
-                layer_names=tuple(group.layer_names),
-                page_bytes=_page_bytes(spec),
-                replicated_across_tp=not _is_state_spec(spec) and _is_replicated_across_tp(spec),
-            )
-        )
+        g = _resolve_group(gid, group, dcp, tp)
+        tokens_per_block.append(g.block_size)
+        groups.append(g)
     if not groups:
-        raise GeometryError("no prefix-cacheable KV cache group: nothing to cache")
+        raise UnsupportedLayout("no prefix-cacheable KV cache group: nothing to cache")
     if not any(not g.is_state for g in groups):
-        raise GeometryError("no attention group among the prefix-cacheable groups")
+        raise UnsupportedLayout("no attention group among the prefix-cacheable groups")
     block = math.lcm(*(g.block_size for g in groups))
     return Geometry(tuple(groups), tuple(tokens_per_block), block, chunk_size or block)
 
@@ -195,7 +364,12 @@ def engine_fingerprint(
         "pp": parallel.pipeline_parallel_size,
         "dcp": parallel.decode_context_parallel_size,
         "groups": [
-            [g.group_id, g.is_state, g.block_size, g.page_bytes, list(g.layer_names)]
+            [
+                g.group_id,
+                g.is_state,
+                g.block_size,
+                [[p.name, p.page_bytes, p.dtype, p.states_per_page] for p in g.layers],
+            ]
             for g in geometry.groups
         ],
         "group_tokens_per_block": list(geometry.group_tokens_per_block),

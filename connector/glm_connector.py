@@ -65,6 +65,8 @@ from connector.client import CacheClient, CacheServerError, CacheServerUnavailab
 from connector.geometry import (
     Geometry,
     GeometryError,
+    UnsupportedLayout,
+    disabled_geometry,
     engine_fingerprint,
     resolve_geometry,
     strict_prefix_chunks,
@@ -118,6 +120,21 @@ def auth_token_from_config(get: Any) -> str | None:
 
 def _unauthorized(err: BaseException) -> bool:
     return isinstance(err, CacheServerError) and err.code == ErrorCode.UNAUTHORIZED.value
+
+
+def resolve_or_disable(
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig
+) -> tuple[Geometry, str | None]:
+    """The engine's cache geometry, or an empty one and the reason when vLLM handed us
+    a layout we do not understand (fail closed: serve without the external cache, never
+    guess a layout). Logged once here. Fixable misconfigurations (prefix caching off,
+    recurrent state without align-mode snapshots) still raise :class:`GeometryError`
+    and stop vLLM at start-up: the operator asked for the cache and one flag fixes it."""
+    try:
+        return resolve_geometry(vllm_config, kv_cache_config), None
+    except UnsupportedLayout as e:
+        logger.error("GlmCacheConnector: %s; serving without the external cache", e)
+        return disabled_geometry(kv_cache_config), str(e)
 
 
 def _flag(value: Any) -> bool:
@@ -262,8 +279,10 @@ class GlmCacheConnector(KVConnectorBase_V1, SupportsHMA):
                 "GlmCacheConnector: %s; serving without the external cache (fix "
                 "auth_token_file and restart)", e,
             )
-        # Raises GeometryError (prefix caching off, non-align state groups) at start-up.
-        self._geometry: Geometry = resolve_geometry(vllm_config, kv_cache_config)
+        # Raises GeometryError (prefix caching off, non-align state groups) at start-up;
+        # a layout we do not understand disables the external cache instead.
+        self._geometry: Geometry
+        self._geometry, self._refused_layout = resolve_or_disable(vllm_config, kv_cache_config)
         parallel = vllm_config.parallel_config
         self._world_size = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
 
@@ -289,7 +308,8 @@ class GlmCacheConnector(KVConnectorBase_V1, SupportsHMA):
             logger.info("GlmCacheConnector sets kv_load_failure_policy='recompute'")
             cfg.kv_load_failure_policy = "recompute"
         self._link = _ServerLink(
-            self._url, self._timeout_s, self._retry_after_s, self._auth_token, self._auth_broken
+            self._url, self._timeout_s, self._retry_after_s, self._auth_token,
+            self._auth_broken or self._refused_layout is not None,
         )
         self._logged_geometry: Geometry | None = None
         self._namespace = ""
@@ -754,6 +774,8 @@ class GlmCacheConnector(KVConnectorBase_V1, SupportsHMA):
             assert self._pages is not None
             if self._auth_broken:
                 raise RuntimeError("no usable auth_token_file")
+            if self._refused_layout is not None:
+                raise RuntimeError(f"external cache disabled: {self._refused_layout}")
             keys = [(m.chunk_hash, m.group_id, self._key_rank(m.group_id)) for m in job.objects]
             payloads = self._load_client.get(namespace, keys)
             missing = [k for k, p in zip(keys, payloads) if p is None]
@@ -788,20 +810,8 @@ class GlmCacheConnector(KVConnectorBase_V1, SupportsHMA):
 
     def _write(self, move: ObjectMove, payload: Any) -> None:
         assert self._pages is not None
-        if all(b is not None for b in move.block_ids):
-            self._pages.write(move.group_id, move.block_ids, payload)  # type: ignore[arg-type]
-            return
-        # Some blocks are held locally already: write only the others. The object is
-        # layer-major, so pick each layer's page for each kept block.
-        g = self._geometry.groups[[x.group_id for x in self._geometry.groups].index(move.group_id)]
-        mv = memoryview(payload)
-        n_blocks = len(move.block_ids)
-        for j, b in enumerate(move.block_ids):
-            if b is None:
-                continue
-            for layer_idx, name in enumerate(g.layer_names):
-                off = (layer_idx * n_blocks + j) * g.page_bytes
-                self._pages.write_layer_page(name, move.group_id, b, mv[off : off + g.page_bytes])
+        # None blocks are held locally already: the pages skip them (each layer its own size).
+        self._pages.write(move.group_id, move.block_ids, payload)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads complete before the request is scheduled (async, whole request)
@@ -819,7 +829,7 @@ class GlmCacheConnector(KVConnectorBase_V1, SupportsHMA):
         meta = self._connector_metadata
         if not isinstance(meta, GlmConnectorMetadata) or not meta.saves or self._pages is None:
             return
-        if self._auth_broken:
+        if self._auth_broken or self._refused_layout is not None:
             return
         # Copy the pages now (they are valid after this step's forward and may be reused
         # later); the network send happens in the background.

@@ -4,7 +4,9 @@ vLLM allocates one flat backing buffer; ``KVCacheTensor`` says where block ``b``
 ``l`` starts (``offset + l * layer_stride + b * block_stride``). A cache object is the
 concatenation, layer by layer, of a group's pages for a list of blocks: the attention
 object of a chunk covers that chunk's blocks; a state object is one block (the state
-snapshot at the chunk's end). Pages are opaque bytes: the connector never interprets them.
+snapshot at the chunk's end). Each layer's page has its own size (one group may pack
+pages of different sizes, e.g. the MLA latent and the kpool indexer). Pages are opaque
+bytes: the connector never interprets them.
 """
 
 from __future__ import annotations
@@ -25,6 +27,13 @@ if TYPE_CHECKING:
 class _LayerPages:
     base: int  # byte offset of block 0 in the backing buffer
     block_stride: int
+    page_bytes: int  # content bytes of this layer's page
+
+
+def _as_uint8(payload: bytes | memoryview) -> torch.Tensor:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # read-only buffer: we only read from it
+        return torch.frombuffer(payload, dtype=torch.uint8)
 
 
 class PagedKVCache:
@@ -36,20 +45,50 @@ class PagedKVCache:
         kv_cache_config: KVCacheConfig,
         groups: tuple[CacheGroup, ...],
     ) -> None:
+        self._groups = {g.group_id: g for g in groups}
+        self._layers: dict[str, _LayerPages] = {}
+        if not groups:  # served without the external cache: nothing to read or write
+            self._raw = torch.empty(0, dtype=torch.uint8)
+            return
         any_cache = next(iter(kv_caches.values()))
         tensor = any_cache if isinstance(any_cache, torch.Tensor) else any_cache[0]
         storage = tensor.untyped_storage()
         # One uint8 view over the whole backing allocation (shared by every layer).
         self._raw = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage)
-        self._groups = {g.group_id: g for g in groups}
-        self._layers: dict[str, _LayerPages] = {}
+        placements: dict[str, tuple[int, int, int]] = {}
         for t in kv_cache_config.kv_cache_tensors:
             for idx, name in enumerate(t.layers):
-                self._layers[name] = _LayerPages(t.offset + idx * t.layer_stride, t.block_stride)
-        missing = [n for g in groups for n in g.layer_names if n not in self._layers]
+                placements[name] = (t.offset + idx * t.layer_stride, t.block_stride, t.size)
+        missing = [n for g in groups for n in g.layer_names if n not in placements]
         if missing:
             raise ValueError(f"no KV cache tensor placement for layers {missing}")
+        for g in groups:
+            for p in g.layers:
+                base, block_stride, _ = placements[p.name]
+                self._layers[p.name] = _LayerPages(base, block_stride, p.page_bytes)
+            self._check_disjoint(g, kv_cache_config.num_blocks, placements)
         self._check_views(kv_caches, groups)
+
+    def _check_disjoint(self, g: CacheGroup, num_blocks: int,
+                        placements: dict[str, tuple[int, int, int]]) -> None:
+        """Refuse page sizes that would reach into a neighbour: within one block the
+        group's layers' pages must not overlap, a page must end before the layer's next
+        block starts, and the last block must end inside the allocation. (Different
+        groups may alias the same bytes: a block id belongs to one group at a time.)"""
+        spans = []
+        for p in g.layers:
+            base, block_stride, size = placements[p.name]
+            if num_blocks > 1 and p.page_bytes > block_stride:
+                raise ValueError(
+                    f"layer {p.name}: page of {p.page_bytes} bytes exceeds its block stride {block_stride}"
+                )
+            if base + (num_blocks - 1) * block_stride + p.page_bytes > size:
+                raise ValueError(f"layer {p.name}: pages run past the KV allocation of {size} bytes")
+            spans.append((base, base + p.page_bytes, p.name))
+        spans.sort()
+        for (_, end, name), (start, _, nxt) in zip(spans, spans[1:]):
+            if end > start:
+                raise ValueError(f"group {g.group_id}: pages of {name} and {nxt} overlap")
 
     def _check_views(self, kv_caches: dict[str, Any], groups: tuple[CacheGroup, ...]) -> None:
         """Verify the placement arithmetic against the views vLLM bound to the layers."""
@@ -69,51 +108,54 @@ class PagedKVCache:
                     )
 
     def object_bytes(self, group_id: int, num_blocks: int) -> int:
-        g = self._groups[group_id]
-        return g.page_bytes * len(g.layer_names) * num_blocks
+        return self._groups[group_id].object_bytes(num_blocks)
+
+    def _span(self, name: str, block_id: int) -> tuple[int, int]:
+        lp = self._layers[name]
+        start = lp.base + block_id * lp.block_stride
+        return start, start + lp.page_bytes
 
     def read(self, group_id: int, block_ids: list[int]) -> bytes:
         """The object for ``block_ids`` of one group: layer-major, then block order."""
         g = self._groups[group_id]
         parts = []
         for name in g.layer_names:
-            lp = self._layers[name]
             for b in block_ids:
-                start = lp.base + b * lp.block_stride
-                parts.append(self._raw[start : start + g.page_bytes])
+                start, end = self._span(name, b)
+                parts.append(self._raw[start:end])
         data = torch.cat(parts)
         if data.device.type != "cpu":
             data = data.cpu()
         return data.numpy().tobytes()
 
-    def write(self, group_id: int, block_ids: list[int], payload: bytes | memoryview) -> None:
-        """Scatter an object read by :meth:`read` back into ``block_ids``."""
+    def write(self, group_id: int, block_ids: list[int | None], payload: bytes | memoryview) -> None:
+        """Scatter an object read by :meth:`read` back into ``block_ids``.
+
+        ``None`` entries are blocks vLLM already holds (a local prefix hit inside the
+        chunk): their pages in the object are skipped, the others land where they belong.
+        """
         g = self._groups[group_id]
-        expected = self.object_bytes(group_id, len(block_ids))
+        expected = g.object_bytes(len(block_ids))
         if len(payload) != expected:
             raise ValueError(f"group {group_id}: object of {len(payload)} bytes, expected {expected}")
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # read-only buffer: we only read from it
-            src = torch.frombuffer(payload, dtype=torch.uint8)
+        src = _as_uint8(payload)
         if self._raw.device.type != "cpu":
             src = src.to(self._raw.device)
         pos = 0
-        for name in g.layer_names:
-            lp = self._layers[name]
+        for layer in g.layers:
             for b in block_ids:
-                start = lp.base + b * lp.block_stride
-                self._raw[start : start + g.page_bytes].copy_(src[pos : pos + g.page_bytes])
-                pos += g.page_bytes
+                if b is not None:
+                    start, end = self._span(layer.name, b)
+                    self._raw[start:end].copy_(src[pos : pos + layer.page_bytes])
+                pos += layer.page_bytes
 
     def write_layer_page(self, layer_name: str, group_id: int, block_id: int,
                          page: bytes | memoryview) -> None:
-        """Write one layer's page of one block (loads that skip locally held blocks)."""
-        g = self._groups[group_id]
-        if len(page) != g.page_bytes:
-            raise ValueError(f"page of {len(page)} bytes, expected {g.page_bytes}")
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            src = torch.frombuffer(page, dtype=torch.uint8)
+        """Write one layer's page of one block."""
+        if layer_name not in self._groups[group_id].layer_names:
+            raise ValueError(f"layer {layer_name} is not in group {group_id}")
         lp = self._layers[layer_name]
-        start = lp.base + block_id * lp.block_stride
-        self._raw[start : start + g.page_bytes].copy_(src.to(self._raw.device))
+        if len(page) != lp.page_bytes:
+            raise ValueError(f"page of {len(page)} bytes, expected {lp.page_bytes}")
+        start, end = self._span(layer_name, block_id)
+        self._raw[start:end].copy_(_as_uint8(page).to(self._raw.device))

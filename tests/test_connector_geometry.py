@@ -10,6 +10,7 @@ import torch
 
 from connector.geometry import (
     GeometryError,
+    UnsupportedLayout,
     engine_fingerprint,
     resolve_geometry,
     strict_prefix_chunks,
@@ -77,7 +78,7 @@ def test_geometry_skips_scratch_group_and_takes_lcm():
     assert [g.group_id for g in geo.state_groups] == [0, 1]
     assert [g.group_id for g in geo.attn_groups] == [2]
     # State pages count their content, not the padding vLLM adds to match attention.
-    assert geo.state_groups[0].page_bytes == 3 * 512 * 2 + 2 * 128 * 128 * 4
+    assert geo.state_groups[0].page_bytes == (3 * 512 * 2 + 2 * 128 * 128 * 4,)
     assert geo.with_chunk_size(2304).chunk_size == 2304
     assert "group_tokens_per_block=[1152, 1152, 1152, 0], scheduler_block_size=1152" in (
         geo.with_chunk_size(1152).log_line()
@@ -118,11 +119,40 @@ def test_namespace_fingerprints_model_tp_and_geometry():
     assert ns(groups=[_state(2304), _attn(2304)]) != base
 
 
-def test_latent_caches_are_replicated_across_tp_and_kv_heads_and_states_are_not():
+def test_unknown_spec_kind_is_refused_naming_group_and_class():
+    local = vkv.ChunkedLocalAttentionSpec(
+        block_size=1152, num_kv_heads=1, head_size=64, dtype=torch.bfloat16, attention_chunk_size=8192
+    )
+    vllm, kv = _config([_state(), _attn(), local])
+    with pytest.raises(UnsupportedLayout, match=r"KV cache group 2 \(ChunkedLocalAttentionSpec\)"):
+        resolve_geometry(vllm, kv)
+
+
+def test_connector_serves_without_cache_on_unknown_layout(monkeypatch):
+    from connector import glm_connector
+
+    logged: list[str] = []
+    monkeypatch.setattr(glm_connector.logger, "error", lambda msg, *a: logged.append(msg % a))
+    sw = vkv.SlidingWindowSpec(block_size=1152, num_kv_heads=1, head_size=64, dtype=torch.bfloat16,
+                               sliding_window=4096)
+    vllm, kv = _config([_state(), _attn(), sw])
+    geo, reason = glm_connector.resolve_or_disable(vllm, kv)
+    assert not geo.enabled and geo.groups == () and geo.group_tokens_per_block == (0, 0, 0)
+    assert reason is not None and "group 2 (SlidingWindowSpec)" in reason
+    assert len(logged) == 1 and "serving without the external cache" in logged[0]
+    # A fixable misconfiguration still stops vLLM at start-up.
+    vllm, kv = _config([_state(), _attn()], prefix_caching=False)
+    with pytest.raises(GeometryError, match="--enable-prefix-caching"):
+        glm_connector.resolve_or_disable(vllm, kv)
+    # A known layout resolves as before.
+    geo, reason = glm_connector.resolve_or_disable(*_config([_state(), _attn()]))
+    assert geo.enabled and reason is None
+
+
+def test_mla_style_groups_are_replicated_across_tp_and_state_is_not():
     mla = vkv.MLAAttentionSpec(block_size=1152, num_kv_heads=1, head_size=512, dtype=torch.bfloat16)
-    plugin_rows = vkv.FullAttentionSpec(block_size=1152, num_kv_heads=1, head_size=768, head_size_v=0,
-                                        dtype=torch.bfloat16)
-    gqa = vkv.FullAttentionSpec(block_size=1152, num_kv_heads=1, head_size=128, dtype=torch.bfloat16)
-    vllm, kv = _config([_state(), mla, plugin_rows, gqa])
+    row = vkv.FullAttentionSpec(block_size=1152, num_kv_heads=1, head_size=768, head_size_v=0,
+                                dtype=torch.bfloat16)  # the plugin's one-row sparse-MLA spec
+    vllm, kv = _config([_state(), mla, row, _attn()])
     geo = resolve_geometry(vllm, kv)
     assert [g.replicated_across_tp for g in geo.groups] == [False, True, True, False]

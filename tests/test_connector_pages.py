@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from connector.geometry import CacheGroup
+from connector.geometry import CacheGroup, LayerPage
 from connector.kv_pages import PagedKVCache
 
 vkv = pytest.importorskip("vllm.v1.kv_cache_interface")
@@ -27,8 +27,8 @@ def _cache():
         name: torch.as_strided(buf, (NUM_BLOCKS, PAGE), (STRIDE, 1), 32 + i * NUM_BLOCKS * STRIDE)
         for i, name in enumerate(tensor.layers)
     }
-    group = CacheGroup(group_id=1, is_state=False, block_size=16, layer_names=("a.0", "a.1"),
-                       page_bytes=PAGE)
+    group = CacheGroup(group_id=1, is_state=False, block_size=16,
+                       layers=tuple(LayerPage(n, PAGE, "int8", 16, 16, "FullAttentionSpec") for n in ("a.0", "a.1")))
     return PagedKVCache(views, config, (group,)), views, buf
 
 
