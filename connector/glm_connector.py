@@ -37,7 +37,8 @@ Which recurrent states exist: vLLM (align mode) snapshots the state where a pref
 ends on its block grid and keeps the snapshots its retention policy names (by default the
 prompt's replay boundary ``N * floor((len-1)/N)``); the scheduler hands each kept one to
 us as a boundary offload, and we save those on chunk boundaries. With C == N (production:
-1152 at TP 4) the replay boundary is the strict-prefix boundary. With C > N, run vLLM with
+N is vLLM's unified block, e.g. 1536 at TP 4 with vLLM 0.32's native model) the replay
+boundary is the strict-prefix boundary. With C > N, run vLLM with
 ``--max-num-batched-tokens`` a multiple of C and ``--prefix-cache-retention-interval C``
 (one state per chunk) or give the server ``--chunk-size N``; the connector warns otherwise.
 """
