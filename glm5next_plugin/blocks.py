@@ -2,6 +2,12 @@
 
 Parameter names are the checkpoint's (as transformers names them), so a tensor in the
 safetensors file maps to a parameter here by name alone.
+
+Tensor parallel (``tp``): MLPs and experts are cut along their intermediate dimension
+(gate/up column-parallel, down row-parallel, as vLLM shards its MLPs); their outputs are
+then partial sums that the decoder layer all-reduces. Norms, the router and mHC are
+replicated. ``tp_shards`` names the sharded parameters for the loader
+(:mod:`glm5next_plugin.tp`).
 """
 
 from __future__ import annotations
@@ -9,6 +15,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .tp import TP1, Shard, TPInfo
 
 
 class RMSNorm(nn.Module):
@@ -33,10 +41,16 @@ def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.
 
 
 class MLP(nn.Module):
-    """Dense SwiGLU MLP (also the shared expert of an MoE layer)."""
+    """Dense SwiGLU MLP (also the shared expert of an MoE layer). Under TP each rank holds
+    ``intermediate / size`` channels; the clamped SwiGLU is per channel, so the rank outputs
+    sum to the full MLP's output."""
 
-    def __init__(self, hidden: int, intermediate: int, swiglu_limit: float) -> None:
+    tp_shards = {"gate_proj.weight": Shard(0), "up_proj.weight": Shard(0), "down_proj.weight": Shard(1)}
+
+    def __init__(self, hidden: int, intermediate: int, swiglu_limit: float, tp: TPInfo = TP1) -> None:
         super().__init__()
+        self.tp = tp
+        intermediate = tp.split(intermediate, "MLP intermediate size")
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
@@ -81,11 +95,16 @@ class Router(nn.Module):
 
 class Experts(nn.Module):
     """Routed experts as the checkpoint stores them: fused ``gate_up_proj`` ``[E, 2I, H]``
-    and ``down_proj`` ``[E, H, I]``."""
+    and ``down_proj`` ``[E, H, I]``. Under TP every rank holds every expert with
+    ``I / size`` intermediate channels (gate and up cut alike, so they stay paired)."""
 
-    def __init__(self, config) -> None:
+    tp_shards = {"gate_up_proj": Shard(1, parts=2), "down_proj": Shard(2)}
+
+    def __init__(self, config, tp: TPInfo = TP1) -> None:
         super().__init__()
-        e, h, i = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
+        self.tp = tp
+        e, h = config.n_routed_experts, config.hidden_size
+        i = tp.split(config.moe_intermediate_size, "moe_intermediate_size")
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
         self.down_proj = nn.Parameter(torch.empty(e, h, i))
         self.swiglu_limit = config.swiglu_limit
@@ -101,14 +120,15 @@ class Experts(nn.Module):
 
 
 class MoE(nn.Module):
-    """Routed experts plus the always-on shared expert(s)."""
+    """Routed experts plus the always-on shared expert(s). The router is replicated, so
+    every rank picks the same experts; under TP the output is a partial sum."""
 
-    def __init__(self, config) -> None:
+    def __init__(self, config, tp: TPInfo = TP1) -> None:
         super().__init__()
         self.gate = Router(config)
-        self.experts = Experts(config)
+        self.experts = Experts(config, tp)
         self.shared_experts = MLP(
-            config.hidden_size, config.moe_intermediate_size * config.n_shared_experts, config.swiglu_limit
+            config.hidden_size, config.moe_intermediate_size * config.n_shared_experts, config.swiglu_limit, tp
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

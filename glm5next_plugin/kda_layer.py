@@ -10,6 +10,14 @@ state, run the math in :mod:`glm5next_plugin.kda`, and write it back in place.
 State layout, per slot (the same as vLLM's native GLM5-Next KDA layer):
 conv ``(W - 1, 3 * H * D)`` in the model dtype ("SD" layout), recurrent ``(H, D, D)``
 stored ``[H, V, K]`` in fp32 (``mamba_ssm_cache_dtype`` may make it bf16).
+
+Tensor parallel: heads are split across ranks (``H / size`` per rank, rank ``r`` holding
+heads ``[r * H / size, (r + 1) * H / size)``). Every per-head tensor is cut accordingly:
+q/k/v, ``f_b_proj``, ``g_b_proj``, ``b_proj`` (column-parallel, by output rows), the conv
+channels of each of q|k|v, ``dt_bias`` and ``A_log``; ``o_proj`` is row-parallel (its output
+is a partial sum, all-reduced by the decoder layer). The low-rank ``f_a_proj`` /
+``g_a_proj`` and the per-head-dim ``o_norm`` are replicated. The state slots hold this
+rank's heads only; vLLM's calculator sizes them so (``kda_state_shape``).
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ from torch import nn
 
 from . import kda
 from .blocks import RMSNorm
+from .tp import TP1, Shard, TPInfo, tp_info
 
 
 class ForgetGate(nn.Module):
@@ -47,11 +56,27 @@ class GatedRMSNorm(nn.Module):
 
 
 class KDAProjections(nn.Module):
-    """The KDA layer's weights and its per-sequence math, free of vLLM."""
+    """The KDA layer's weights and its per-sequence math, free of vLLM (this rank's heads;
+    under TP, :meth:`forward_sequence` returns this rank's partial sum of the output)."""
 
-    def __init__(self, config) -> None:
+    tp_shards = {
+        "q_proj.weight": Shard(0),
+        "k_proj.weight": Shard(0),
+        "v_proj.weight": Shard(0),
+        "conv1d.weight": Shard(0, parts=3),  # channels q|k|v, each by heads
+        "forget_gate.f_b_proj.weight": Shard(0),
+        "forget_gate.dt_bias": Shard(0),
+        "forget_gate.A_log": Shard(0),
+        "b_proj.weight": Shard(0),
+        "g_b_proj.weight": Shard(0),
+        "o_proj.weight": Shard(1),
+    }
+
+    def __init__(self, config, tp: TPInfo = TP1) -> None:
         super().__init__()
-        h, d, hidden = config.linear_num_heads, config.linear_head_dim, config.hidden_size
+        self.tp = tp
+        h = tp.split(config.linear_num_heads, "linear_num_heads")
+        d, hidden = config.linear_head_dim, config.hidden_size
         self.num_heads, self.head_dim = h, d
         self.conv_dim = 3 * h * d
         self.lower_bound = config.linear_lower_bound
@@ -133,7 +158,7 @@ class KDAStateLayer(KDAProjections, _vllm_state_layer_base()):
     """KDA with its state in vLLM's cache (registered in the static forward context)."""
 
     def __init__(self, config, vllm_config, prefix: str) -> None:
-        super().__init__(config)
+        super().__init__(config, tp_info(vllm_config))
         self.prefix = prefix
         self.config = config
         self.vllm_config = vllm_config

@@ -9,6 +9,14 @@ its block table, so prefix-cached blocks (or blocks a connector loaded) are used
 they are. The cache group is an ordinary full-attention group: every block-aligned
 prefix is self-contained (see :mod:`glm5next_plugin.sparse_mla` for why no tail buffer
 is needed).
+
+Tensor parallel: attention heads are split across ranks (``q_b_proj`` and ``kv_b_proj``
+column-parallel by heads, ``o_proj`` row-parallel; its bias, if any, is added on rank 0
+only, so the all-reduced sum holds it once). The latent path (``q_a_proj``,
+``kv_a_proj_with_mqa`` and their norms) and the whole indexer are replicated: every rank
+computes the same cache rows from the same (all-reduced) input with the same weights, so
+the rows are the same bytes on every rank and pool selection is the same everywhere. An
+external cache can therefore store the MLA group once for all ranks.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ from torch import nn
 
 from . import sparse_mla
 from .blocks import RMSNorm
+from .tp import TP1, Shard, TPInfo, tp_info
 
 
 class Indexer(nn.Module):
@@ -38,16 +47,19 @@ class Indexer(nn.Module):
 
 
 class SparseMLAProjections(nn.Module):
-    """The sparse-MLA layer's weights and per-sequence math, free of vLLM."""
+    """The sparse-MLA layer's weights and per-sequence math, free of vLLM (this rank's heads)."""
 
-    def __init__(self, config) -> None:
+    tp_shards = {"q_b_proj.weight": Shard(0), "kv_b_proj.weight": Shard(0), "o_proj.weight": Shard(1)}
+
+    def __init__(self, config, tp: TPInfo = TP1) -> None:
         super().__init__()
+        self.tp = tp
         if config.qk_rope_head_dim:
             raise NotImplementedError("GLM-5.3-Flash MLA is NoPE; qk_rope_head_dim must be 0")
         if not config.index_kpool_always_select_tail:
             raise NotImplementedError("index_kpool_always_select_tail=False is not supported")
         hidden = config.hidden_size
-        self.num_heads = config.num_attention_heads
+        self.num_heads = tp.split(config.num_attention_heads, "num_attention_heads")
         self.kv_lora_rank = config.kv_lora_rank
         self.qk_head_dim = config.qk_nope_head_dim
         self.v_head_dim = config.v_head_dim
@@ -91,7 +103,12 @@ class SparseMLAProjections(nn.Module):
         pooled = sparse_mla.pool_keys(keys, gates, ix.index_kpool_compress_ape)
         mask = sparse_mla.select_tokens(index_q, head_w, pooled, positions, s, self.kpool, self.index_topk)
         out = sparse_mla.masked_attention(q, k, v, mask, self.qk_head_dim**-0.5)
-        return self.o_proj(out.reshape(t, -1))
+        return self.project_out(out.reshape(t, -1))
+
+    def project_out(self, out: torch.Tensor) -> torch.Tensor:
+        """Row-parallel ``o_proj``: this rank's share of the output (the bias on rank 0 only)."""
+        bias = self.o_proj.bias if self.tp.rank == 0 else None
+        return torch.nn.functional.linear(out, self.o_proj.weight, bias)
 
     def forward_sequence(self, x: torch.Tensor) -> torch.Tensor:
         """A whole fresh sequence (standalone use and tests)."""
@@ -198,7 +215,7 @@ class SparseMLALayer(SparseMLAProjections, _attention_layer_base()):
     """Sparse MLA with its rows in vLLM's paged cache (registered in the forward context)."""
 
     def __init__(self, config, vllm_config, prefix: str) -> None:
-        super().__init__(config)
+        super().__init__(config, tp_info(vllm_config))
         self.prefix = prefix
         self.vllm_config = vllm_config
         self.kv_cache = torch.tensor([])

@@ -5,9 +5,17 @@ Module names mirror transformers' model, so checkpoint tensors load by name:
 Layers follow ``layer_types`` (``linear_attention`` -> KDA state layer,
 ``indexed_attention`` -> sparse MLA) and ``mlp_layer_types`` (``dense`` / ``sparse``).
 
+Tensor parallel (``--tensor-parallel-size N``): KDA heads, MLA attention heads and the
+MLP/expert intermediate dimension are split across the N ranks; the MLA latent, the
+indexer (so the MLA cache rows, identical on every rank), norms, router, mHC, embeddings
+and ``lm_head`` are replicated. Each decoder block all-reduces its attention output and its
+MLP output once. Rank shards are cut from the full checkpoint tensors on load, so one
+checkpoint serves every TP size (:mod:`glm5next_plugin.tp`).
+
 Not supported yet, and refused with a message rather than ignored: image/video inputs
 (the vision tower's tensors are skipped; the model registers as text-only), MTP heads,
-FP8/NVFP4 checkpoints, tensor/pipeline parallelism, ``"shared"`` indexer layers.
+FP8/NVFP4 checkpoints, pipeline parallelism, ``"shared"`` indexer layers, TP sizes that do
+not divide the head counts and intermediate sizes.
 ``Glm5NextForCausalLM`` (flat text-only checkpoints) maps names and runs the same modules;
 ``tie_word_embeddings=True`` shares ``lm_head`` with the embeddings, as transformers does.
 """
@@ -25,6 +33,7 @@ from .blocks import MLP, HyperConnection, MoE, RMSNorm
 from .checkpoint_names import canonical_names
 from .kda_layer import KDAProjections, KDAStateLayer, kda_state_dtype, kda_state_shape
 from .mla_layer import SparseMLALayer, SparseMLAProjections
+from .tp import TP1, Shard, TPInfo, shard_tensor, tp_info
 
 logger = logging.getLogger("vllm.glm5next_plugin.model")
 
@@ -57,37 +66,55 @@ def check_supported(hf_config, vllm_config=None) -> None:
         if vllm_config.speculative_config is not None:
             raise NotImplementedError("glm5next plugin: MTP / speculative decoding is not supported yet")
         par = vllm_config.parallel_config
-        if par.tensor_parallel_size != 1 or par.pipeline_parallel_size != 1:
+        if par.pipeline_parallel_size != 1:
             raise NotImplementedError(
-                "glm5next plugin: tensor/pipeline parallelism is not supported; "
-                "run with --tensor-parallel-size 1 or use GLM5NEXT_IMPL=native on CUDA"
+                "glm5next plugin: pipeline parallelism is not supported; "
+                "run with --pipeline-parallel-size 1 (tensor parallelism is) or use GLM5NEXT_IMPL=native on CUDA"
             )
+        check_tp_divides(text, par.tensor_parallel_size)
+
+
+def check_tp_divides(text, tp_size: int) -> None:
+    """Every dimension the plugin splits across ranks must divide by the TP size."""
+    split = {
+        "linear_num_heads": text.linear_num_heads,
+        "num_attention_heads": text.num_attention_heads,
+        "intermediate_size": text.intermediate_size,
+        "moe_intermediate_size": text.moe_intermediate_size,
+    }
+    bad = {k: v for k, v in split.items() if v % tp_size}
+    if bad:
+        raise NotImplementedError(
+            f"glm5next plugin: tensor parallel size {tp_size} does not divide {bad}; "
+            "these are split across ranks"
+        )
 
 
 class DecoderLayer(nn.Module):
     """One layer: mHC around (attention or KDA), mHC around (dense MLP or MoE)."""
 
-    def __init__(self, config, idx: int, vllm_config, prefix: str) -> None:
+    def __init__(self, config, idx: int, vllm_config, prefix: str, tp: TPInfo = TP1) -> None:
         super().__init__()
+        self.tp = tp
         self.kind = config.layer_types[idx]
         if self.kind == "linear_attention":
             self.self_attn = (
                 KDAStateLayer(config, vllm_config, f"{prefix}.self_attn")
                 if vllm_config is not None
-                else KDAProjections(config)
+                else KDAProjections(config, tp)
             )
         elif self.kind == "indexed_attention":
             self.self_attn = (
                 SparseMLALayer(config, vllm_config, f"{prefix}.self_attn")
                 if vllm_config is not None
-                else SparseMLAProjections(config)
+                else SparseMLAProjections(config, tp)
             )
         else:
             raise NotImplementedError(f"glm5next plugin: layer type {self.kind!r} (layer {idx}) is not supported")
         if config.mlp_layer_types[idx] == "sparse":
-            self.mlp = MoE(config)
+            self.mlp = MoE(config, tp)
         else:
-            self.mlp = MLP(config.hidden_size, config.intermediate_size, config.swiglu_limit)
+            self.mlp = MLP(config.hidden_size, config.intermediate_size, config.swiglu_limit, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.attn_hc = HyperConnection(config)
@@ -95,22 +122,26 @@ class DecoderLayer(nn.Module):
 
     def forward(self, streams: torch.Tensor) -> torch.Tensor:
         post, comb, h = self.attn_hc(streams)
-        h = self.self_attn(self.input_layernorm(h))
+        # under TP both blocks return this rank's partial sum (row-parallel outputs)
+        h = self.tp.all_reduce(self.self_attn(self.input_layernorm(h)))
         streams = HyperConnection.merge(post, comb, h, streams)
         post, comb, h = self.ffn_hc(streams)
-        h = self.mlp(self.post_attention_layernorm(h))
+        h = self.tp.all_reduce(self.mlp(self.post_attention_layernorm(h)))
         return HyperConnection.merge(post, comb, h, streams)
 
 
 class TextModel(nn.Module):
     """Embeddings, the layer stack on ``hc_mult`` streams, stream mean, final norm."""
 
-    def __init__(self, config, vllm_config=None, prefix: str = "model.language_model") -> None:
+    def __init__(
+        self, config, vllm_config=None, prefix: str = "model.language_model", tp: TPInfo | None = None
+    ) -> None:
         super().__init__()
         self.config = config
+        tp = tp_info(vllm_config) if tp is None else tp
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, vllm_config, f"{prefix}.layers.{i}") for i in range(config.num_hidden_layers)
+            DecoderLayer(config, i, vllm_config, f"{prefix}.layers.{i}", tp) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -123,11 +154,13 @@ class TextModel(nn.Module):
 
 
 class Glm5NextModel(nn.Module):
-    """Container matching the checkpoint's ``model.`` prefix (vision tower not built)."""
+    """Container matching the checkpoint's ``model.`` prefix (vision tower not built).
+    ``tp`` builds one rank's shard without vLLM (tests); with ``vllm_config`` the rank
+    comes from vLLM's TP group."""
 
-    def __init__(self, config, vllm_config=None) -> None:
+    def __init__(self, config, vllm_config=None, tp: TPInfo | None = None) -> None:
         super().__init__()
-        self.language_model = TextModel(config, vllm_config)
+        self.language_model = TextModel(config, vllm_config, tp=tp)
 
 
 # Kept in fp32 whatever the model dtype, as transformers does (_keep_in_fp32_modules_strict).
@@ -159,11 +192,15 @@ def load_by_name(
     mismatch, or a parameter left without a tensor raises with the names involved. With
     ``tied_lm_head`` the module's ``lm_head`` is the embedding matrix: an ``lm_head.weight``
     in the checkpoint is ignored, as transformers ignores it for tied models.
+
+    Checkpoint tensors are always the full (unsharded) ones; parameters a module lists in
+    ``tp_shards`` receive this rank's piece (:func:`glm5next_plugin.tp.shard_tensor`).
     """
     if num_experts:
         weights = canonical_names(weights, num_experts)
     params = dict(module.named_parameters())
     params.update(dict(module.named_buffers()))
+    shards = tp_shards_of(module)
     loaded: set[str] = set()
     unexpected: list[str] = []
     skipped = {"vision": 0, "mtp": 0}
@@ -181,6 +218,8 @@ def load_by_name(
         if target is None:
             unexpected.append(name)
             continue
+        if name in shards:
+            tensor = shard_tensor(tensor, *shards[name])
         if tuple(target.shape) != tuple(tensor.shape):
             raise ValueError(f"glm5next plugin: {name}: checkpoint shape {tuple(tensor.shape)} != {tuple(target.shape)}")
         with torch.no_grad():
@@ -198,6 +237,19 @@ def load_by_name(
             skipped["mtp"],
         )
     return loaded
+
+
+def tp_shards_of(module: nn.Module) -> dict[str, tuple[Shard, TPInfo]]:
+    """``{full parameter name: (how it is cut, this module's rank)}`` for every sharded
+    parameter under ``module`` (from the modules' ``tp_shards`` tables)."""
+    out: dict[str, tuple[Shard, TPInfo]] = {}
+    for mod_name, mod in module.named_modules():
+        table = getattr(mod, "tp_shards", None)
+        if not table:
+            continue
+        for param, shard in table.items():
+            out[f"{mod_name}.{param}" if mod_name else param] = (shard, mod.tp)
+    return out
 
 
 def _vllm_interfaces():
@@ -219,6 +271,7 @@ class Glm5NextForConditionalGeneration(nn.Module, *_vllm_interfaces()):
         check_supported(hf_config, vllm_config)
         self.config = text_config_of(hf_config)
         self.vllm_config = vllm_config
+        self.tp = tp_info(vllm_config)
         dtype = vllm_config.model_config.dtype
         self.model = Glm5NextModel(self.config, vllm_config)
         self.lm_head = nn.Linear(self.config.hidden_size, self.config.vocab_size, bias=False)
@@ -229,12 +282,14 @@ class Glm5NextForConditionalGeneration(nn.Module, *_vllm_interfaces()):
         conv_dtype, rec_dtype = kda_state_dtype(vllm_config)
         logger.info(
             "glm5next plugin: running the plugin's PyTorch implementation (%s); KDA state dtypes conv=%s "
-            "recurrent=%s (mamba_ssm_cache_dtype=%s); tie_word_embeddings=%s",
+            "recurrent=%s (mamba_ssm_cache_dtype=%s); tie_word_embeddings=%s; tensor parallel rank %d of %d",
             type(self).__name__,
             conv_dtype,
             rec_dtype,
             vllm_config.cache_config.mamba_ssm_cache_dtype,
             self.tie_word_embeddings,
+            self.tp.rank,
+            self.tp.size,
         )
 
     # --- vLLM model API -----------------------------------------------------------------

@@ -140,8 +140,14 @@ def test_mtp_parallelism_and_shared_indexers_are_refused_by_name(tmp_path):
     with pytest.raises(NotImplementedError, match="MTP"):
         check_supported(cfg, SimpleNamespace(speculative_config=object(), parallel_config=single))
     tp2 = SimpleNamespace(tensor_parallel_size=2, pipeline_parallel_size=1)
-    with pytest.raises(NotImplementedError, match="tensor/pipeline"):
-        check_supported(cfg, SimpleNamespace(speculative_config=None, parallel_config=tp2))
+    check_supported(cfg, SimpleNamespace(speculative_config=None, parallel_config=tp2))  # TP 2 runs
+    pp2 = SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=2)
+    with pytest.raises(NotImplementedError, match="pipeline parallelism is not supported"):
+        check_supported(cfg, SimpleNamespace(speculative_config=None, parallel_config=pp2))
+    # tiny checkpoint: 2 KDA heads, 4 MLA heads; TP 4 cannot split the KDA heads
+    tp4 = SimpleNamespace(tensor_parallel_size=4, pipeline_parallel_size=1)
+    with pytest.raises(NotImplementedError, match=r"size 4 does not divide \{'linear_num_heads': 2\}"):
+        check_supported(cfg, SimpleNamespace(speculative_config=None, parallel_config=tp4))
     cfg.text_config.indexer_types = ["full", "full", "full", "full", "shared"]
     with pytest.raises(NotImplementedError, match=r"'shared' indexer layers \[4\]"):
         check_supported(cfg)
