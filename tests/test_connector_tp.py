@@ -1,0 +1,111 @@
+"""GlmCacheConnector at tensor parallel 2: the plugin (KDA heads sharded, MLA latent rows
+replicated) in a real vLLM CPU engine with two workers, and a real glm-cache-server.
+
+What TP adds: every worker saves and loads its own KDA state shard (one object per rank),
+while the sparse-MLA rows are the same on both ranks and are stored once (TP rank 0 saves
+them under rank 0; both ranks load that copy). Reloaded prompts at chunk boundaries must
+equal cold ones, and the server must hold half the attention bytes a per-rank layout would.
+
+Thread binding: as in tests/test_plugin_tp.py, the TP 2 engine is started the way vLLM's
+CPU docs tell users to on a machine with one NUMA node: one core set per TP rank in
+``VLLM_CPU_OMP_THREADS_BIND``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+import urllib.request
+
+import pytest
+
+from cache_server.process import ServerProcess
+from connector.client import CacheClient
+from engines import connector_engine
+from glm5next_plugin import tiny_checkpoint
+
+pytestmark = pytest.mark.engine
+
+C = 128  # the server's minimum chunk == the tiny checkpoint's unified block
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(16, 512) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def server():
+    with ServerProcess("--separate-object-groups", "--chunk-size", str(C), "--l1-size-gb", "1") as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory, server):
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip(f"TP 2 needs 2 cores, {len(cores)} allowed")
+    ckpt = tmp_path_factory.mktemp("tiny_tp_connector")
+    tiny_checkpoint.main([str(ckpt), "--seed", "3", "--linear-num-heads", "4"])
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_CPU_OMP_THREADS_BIND", f"{cores[0]}|{cores[1]}")
+        engine = connector_engine(ckpt, server.url, dtype="float32", tensor_parallel_size=2,
+                                  max_num_batched_tokens=C, seed=0)
+    yield engine
+    engine.llm_engine.engine_core.shutdown()
+
+
+def _run(llm, prompt, salt, max_tokens=32):
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=0, ignore_eos=True)
+    (o,) = llm.generate([TokensPrompt(prompt_token_ids=prompt, cache_salt=salt)], params, use_tqdm=False)
+    c = o.outputs[0]
+    return list(c.token_ids), [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)], o.num_cached_tokens or 0
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_tp2_boundary_lengths_reloaded_equal_cold(llm, k):
+    for i, n in enumerate([k * C - 1, k * C, k * C + 1]):
+        prompt = _prompt(n, seed=70 * k + i)
+        salt = f"tp2-sweep-{n}"
+        cold = _run(llm, prompt, salt)
+        llm.reset_prefix_cache()
+        reloaded = _run(llm, prompt, salt)
+        assert cold[2] == 0
+        assert reloaded[2] == C * ((n - 1) // C), f"length {n}"
+        assert reloaded[0] == cold[0], f"length {n}: continuation differs from cold"
+        assert reloaded[1] == cold[1], f"length {n}"
+
+
+def test_tp2_stores_the_replicated_latent_once_and_states_per_rank(llm, server):
+    prompt = _prompt(5 * C + 10, seed=99)
+    salt = "tp2-bytes"
+    client = CacheClient(server.url, timeout_s=5)
+    before = client.stats()
+    _run(llm, prompt, salt, max_tokens=4)
+    time.sleep(1.0)  # saves leave from background threads
+    after = client.stats()
+    (ns,) = [n for n, v in after["namespaces"].items() if v.get("world_size") == 2]
+    entry = after["namespaces"][ns]
+    (latent,) = entry["replicated_groups"]
+    groups = set(after["objects_by_group"]) | set(before["objects_by_group"])
+    new = {g: after["objects_by_group"].get(g, 0) - before["objects_by_group"].get(g, 0) for g in groups}
+    states = [g for g in new if int(g) != latent]
+    assert new[str(latent)] == 5  # one object per chunk, not one per rank
+    assert states and all(new[g] >= 2 and new[g] % 2 == 0 for g in states)  # every state: one per rank
+    # the keys: latent under rank 0 only, each state under ranks 0 and 1
+    from connector.keys import chunk_hashes
+
+    hashes = chunk_hashes(prompt, C, salt)
+    found = client.request({"op": "get", "ns": ns, "keys": [[hashes[0], latent, 1], [hashes[0], latent, 0]]})[0]
+    assert found["found"] == [False, True]
+    with urllib.request.urlopen(server.http_url + "/status", timeout=5) as r:
+        status = json.loads(r.read())
+    # attention on the server is half of what two per-rank copies would be
+    saved = status["namespaces"][ns]["bytes_saved_by_storing_once"]
+    assert saved == status["namespaces"][ns]["replicated_bytes"] > 0
+    client.close()
