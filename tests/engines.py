@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 
@@ -28,3 +29,20 @@ def connector_engine(model: str | Path, server_url: str, *, dtype: str = "bfloat
         },
         **engine_args,
     )
+
+
+def assert_boundary_reloads_equal_cold(llm: Any, run: Callable[..., tuple], prompt: Callable[[int, int], list[int]],
+                                       chunk: int, k: int, seed: int, salt: str) -> None:
+    """The paper's boundary sweep at one k: prompts of k*C-1, k*C and k*C+1 tokens, each
+    computed cold (a fresh salt), then, after vLLM's local cache is reset, reloaded from
+    the server at the strict prefix ``C * floor((n-1)/C)``, with the same continuation.
+    ``run(llm, prompt, salt)`` returns (tokens, log-prob(s), cached tokens)."""
+    for i, n in enumerate([k * chunk - 1, k * chunk, k * chunk + 1]):
+        ids = prompt(n, seed + i)
+        cold = run(llm, ids, f"{salt}-{n}")
+        llm.reset_prefix_cache()
+        reloaded = run(llm, ids, f"{salt}-{n}")
+        assert cold[2] == 0
+        assert reloaded[2] == chunk * ((n - 1) // chunk), f"length {n}"
+        assert reloaded[0] == cold[0], f"length {n}: continuation differs from cold"
+        assert reloaded[1] == cold[1], f"length {n}"

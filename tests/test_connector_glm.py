@@ -15,7 +15,7 @@ import random
 
 import pytest
 
-from engines import connector_engine
+from engines import assert_boundary_reloads_equal_cold, connector_engine
 
 pytestmark = pytest.mark.engine
 
@@ -53,16 +53,7 @@ def _run(llm, prompt, salt, max_tokens=CONTINUATION):
 
 @pytest.mark.parametrize("k", [1, 2, 3])
 def test_glm_boundary_sweep_reloaded_equals_cold(llm, k):
-    for i, n in enumerate([k * C - 1, k * C, k * C + 1]):
-        prompt = _prompt(n, seed=40 * k + i)
-        salt = f"glm-sweep-{n}"
-        cold = _run(llm, prompt, salt)
-        llm.reset_prefix_cache()
-        reloaded = _run(llm, prompt, salt)
-        assert cold[2] == 0
-        assert reloaded[2] == C * ((n - 1) // C), f"length {n}"
-        assert reloaded[0] == cold[0], f"length {n}: continuation differs from cold"
-        assert reloaded[1] == cold[1], f"length {n}"
+    assert_boundary_reloads_equal_cold(llm, _run, _prompt, C, k, seed=40 * k, salt="glm-sweep")
 
 
 def test_glm_reload_of_a_longer_prompt_mid_chunk(llm):

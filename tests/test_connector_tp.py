@@ -23,7 +23,7 @@ import pytest
 
 from cache_server.process import ServerProcess
 from connector.client import CacheClient
-from engines import connector_engine
+from engines import assert_boundary_reloads_equal_cold, connector_engine
 from glm5next_plugin import tiny_checkpoint
 
 pytestmark = pytest.mark.engine
@@ -69,16 +69,7 @@ def _run(llm, prompt, salt, max_tokens=32):
 
 @pytest.mark.parametrize("k", [1, 3])
 def test_tp2_boundary_lengths_reloaded_equal_cold(llm, k):
-    for i, n in enumerate([k * C - 1, k * C, k * C + 1]):
-        prompt = _prompt(n, seed=70 * k + i)
-        salt = f"tp2-sweep-{n}"
-        cold = _run(llm, prompt, salt)
-        llm.reset_prefix_cache()
-        reloaded = _run(llm, prompt, salt)
-        assert cold[2] == 0
-        assert reloaded[2] == C * ((n - 1) // C), f"length {n}"
-        assert reloaded[0] == cold[0], f"length {n}: continuation differs from cold"
-        assert reloaded[1] == cold[1], f"length {n}"
+    assert_boundary_reloads_equal_cold(llm, _run, _prompt, C, k, seed=70 * k, salt="tp2-sweep")
 
 
 def test_tp2_stores_the_replicated_latent_once_and_states_per_rank(llm, server):
