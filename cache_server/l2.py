@@ -241,7 +241,8 @@ class L2Tier:
 
         c = self.config
         common: dict[str, Any] = dict(password=c.password, username=c.username, socket_timeout=c.timeout_s,
-                                      socket_connect_timeout=c.timeout_s, retry=Retry(NoBackoff(), 0))
+                                      socket_connect_timeout=c.timeout_s, retry=Retry(NoBackoff(), 0),
+                                      socket_read_size=1 << 20)  # multi-MB values: fewer, larger reads
         if c.cluster:
             from redis.cluster import ClusterNode, RedisCluster
 
@@ -380,16 +381,23 @@ class L2Tier:
         else:
             scanners = [lambda: client]
         removed = 0
+
+        def unlink(node: Any, batch: list[bytes]) -> int:
+            pipe = node.pipeline(transaction=False)  # one key a command: a cluster refuses cross-slot UNLINK
+            for k in batch:
+                pipe.unlink(k)
+            return sum(pipe.execute())
+
         for get in scanners:
             node = get()
-            batch: list[str] = []
+            batch: list[bytes] = []
             for k in node.scan_iter(match=pattern, count=1000):
                 batch.append(k)
                 if len(batch) >= 500:
-                    removed += node.unlink(*batch)
+                    removed += unlink(node, batch)
                     batch = []
             if batch:
-                removed += node.unlink(*batch)
+                removed += unlink(node, batch)
         self._observe("clear", time.perf_counter() - t0)
         logger.info("L2: cleared %d keys matching %s", removed, pattern)
 

@@ -29,6 +29,10 @@ def store_binaries() -> tuple[str, str] | None:
     return None
 
 
+class _PortTaken(RuntimeError):
+    """redis-server exited at start-up (another process took the port since it was free)."""
+
+
 class RedisNodes:
     """``n`` redis-server processes; with ``cluster`` they form one cluster (no replicas:
     each primary owns a third of the slots, so killing one loses its keys, which is what
@@ -68,15 +72,17 @@ class RedisNodes:
         log = open(node_dir / "redis.log", "ab")
         self.procs[i] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         log.close()
-        self._wait_ping(port)
+        self._wait_ping(port, self.procs[i])
 
     def _cli(self, *args: str, timeout_s: float = 30.0) -> str:
         return subprocess.run([self.cli_bin, *args], capture_output=True, text=True, timeout=timeout_s,
                               check=True).stdout
 
-    def _wait_ping(self, port: int, timeout_s: float = 10.0) -> None:
+    def _wait_ping(self, port: int, proc: subprocess.Popen[bytes], timeout_s: float = 10.0) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise _PortTaken(port)
             try:
                 if self._cli("-p", str(port), "ping", timeout_s=2).strip() == "PONG":
                     return
@@ -88,7 +94,14 @@ class RedisNodes:
     def start(self) -> RedisNodes:
         atexit.register(self.stop)
         for i in range(self.n):
-            self._start_node(i)
+            for attempt in range(5):  # free_port() races with other processes on a shared machine
+                try:
+                    self._start_node(i)
+                    break
+                except _PortTaken:
+                    if attempt == 4:
+                        raise RuntimeError(f"redis-server exited at start-up 5 times; see {self.dir}") from None
+                    self.ports[i] = free_port()
         if self.cluster:
             self._cli("--cluster", "create", *(f"127.0.0.1:{p}" for p in self.ports), "--cluster-replicas", "0",
                       "--cluster-yes")
