@@ -89,6 +89,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-namespaces", type=_positive_int, default=64,
                     help="namespaces known at once; a new one replaces the least recently used empty one, "
                          "else it is refused (default 64)")
+    ap.add_argument("--l2", metavar="URL", default=None,
+                    help="second tier on a Redis/Valkey store shared by many servers: redis://host:port or "
+                         "redis+cluster://host:port,host:port,... (query: timeout_s, retry_after_s, queue_mb, "
+                         "prefix, ttl_s); every stored object is written through asynchronously, a lookup "
+                         "promotes what L2 adds (default: none)")
     ap.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                     type=str.upper, help="log level (default INFO)")
     return ap
@@ -105,7 +110,7 @@ def config_from_args(args: argparse.Namespace, auth_token: str | None = None) ->
         auth_token=auth_token,
         max_message_bytes=int(args.max_message_mb * MIB) if args.max_message_mb is not None else None,
         max_header_bytes=args.max_header_kb << 10, max_leases_per_client=args.max_leases_per_client,
-        max_leased_fraction=args.max_leased_fraction, max_namespaces=args.max_namespaces)
+        max_leased_fraction=args.max_leased_fraction, max_namespaces=args.max_namespaces, l2_url=args.l2)
 
 
 def _return_freed_payloads_to_the_os() -> None:
@@ -147,6 +152,13 @@ def main(argv: list[str] | None = None) -> int:
     if config.message_limit_bytes < config.max_object_bytes:
         ap.error(f"--max-message-mb ({args.max_message_mb}) is below the maximum object size "
                  f"({config.max_object_bytes} bytes): a put of one such object could never arrive")
+    if config.l2_url is not None:
+        from cache_server.l2 import L2Config, L2ConfigError
+
+        try:
+            L2Config.from_url(config.l2_url, allow_debug=config.debug_fault_hooks)
+        except L2ConfigError as e:
+            ap.error(str(e))
     try:
         server = CacheServer(config)
     except zmq.ZMQError as e:
@@ -181,6 +193,9 @@ def main(argv: list[str] | None = None) -> int:
     logger.info("limits: message %d bytes, header %d bytes, %d leases per client, %d leased bytes, %d namespaces",
                 config.message_limit_bytes, config.max_header_bytes, config.max_leases_per_client,
                 server.store.max_leased_bytes, config.max_namespaces)
+    if server.l2 is not None:
+        logger.info("L2 on %s: write-through (asynchronous, %d MiB queue), promotion at lookup within %.1fs",
+                    server.l2.config.redacted(), server.l2.config.queue_bytes >> 20, server.l2.config.timeout_s)
     server.serve_forever()
     if httpd:
         httpd.shutdown()

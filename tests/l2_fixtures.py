@@ -1,0 +1,37 @@
+"""A real Redis cluster for the L2 tests (three primaries on free loopback ports)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+
+from cache_server.l2_process import RedisNodes, store_binaries
+
+NO_STORE_REASON = ("L2 tests need redis-server and redis-cli (or valkey-*): scripts/setup.sh installs "
+                   "redis-server with apt as root; this machine has neither apt access nor the binaries")
+
+
+def require_store() -> None:
+    """Skip, saying why, where no Redis/Valkey server can be run."""
+    if store_binaries() is None:
+        pytest.skip(NO_STORE_REASON)
+
+
+def start_cluster() -> RedisNodes:
+    require_store()
+    return RedisNodes(3, cluster=True, maxmemory_mb=256).start()
+
+
+def wait_written(status: Any, objects: int, timeout_s: float = 10.0) -> dict[str, Any]:
+    """Poll ``status()`` (a server's /status document) until its L2 writer has written at
+    least ``objects`` objects and its queue is empty."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        l2 = status()["l2"]
+        if l2["written_objects"] >= objects and l2["queue_items"] == 0:
+            return l2
+        if time.monotonic() > deadline:
+            raise AssertionError(f"L2 writes did not complete: {l2}")
+        time.sleep(0.05)

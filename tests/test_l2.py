@@ -1,0 +1,258 @@
+"""The L2 tier (``glm-cache-server --l2``) against a real three-node Redis cluster and real
+server processes: two servers are two hosts with separate L1s sharing one L2."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+import urllib.request
+
+import pytest
+import redis
+from redis.cluster import ClusterNode, RedisCluster
+
+from cache_server import protocol as p
+from cache_server.l2 import HEADER_BYTES, L2Config, L2ConfigError, decode_value, encode_value, namespace_tag
+from cache_server.process import ServerProcess
+from connector.client import CacheClient
+from l2_fixtures import start_cluster, wait_written
+
+NS = "model-a"
+ATTN, STATE = 0, 1
+
+
+def _hashes(n: int, seed: int) -> list[bytes]:
+    return [bytes([seed, i]) * 16 for i in range(n)]
+
+
+def _objects(hashes: list[bytes], size: int = 50_000) -> list[tuple[bytes, int, int, bytes]]:
+    """Attention for every chunk, a state at the last (one rank)."""
+    items = [(h, ATTN, 0, os.urandom(size)) for h in hashes]
+    return items + [(hashes[-1], STATE, 0, os.urandom(size))]
+
+
+def _server(cluster, *extra: str, port: int | None = None, query: str = "") -> ServerProcess:
+    return ServerProcess("--separate-object-groups", "--chunk-size", "16", "--l2", cluster.url + query, *extra,
+                         port=port).start()
+
+
+def _client(server: ServerProcess) -> CacheClient:
+    c = CacheClient(server.url, timeout_s=10)
+    c.hello(NS, 16)
+    return c
+
+
+def _store_through(server: ServerProcess, items, ns: str = NS) -> None:
+    c = _client(server)
+    assert set(c.put(ns, items)) == {"stored"}
+    wait_written(c.stats, len(items))
+    c.close()
+
+
+def _redis(cluster) -> RedisCluster:
+    return RedisCluster(startup_nodes=[ClusterNode("127.0.0.1", port) for port in cluster.ports])
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    nodes = start_cluster()
+    yield nodes
+    nodes.stop()
+
+
+@pytest.fixture(autouse=True)
+def _empty_l2(request):
+    if "cluster" in request.fixturenames:
+        c = request.getfixturevalue("cluster")
+        if all(proc is not None and proc.poll() is None for proc in c.procs):
+            _redis(c).flushall(target_nodes=RedisCluster.PRIMARIES)
+
+
+def test_url_parsing_and_value_format():
+    cfg = L2Config.from_url("redis+cluster://:s3cret@10.0.0.1:7000,10.0.0.2:7001?timeout_s=0.5&prefix=kv&ttl_s=60")
+    assert cfg.nodes == (("10.0.0.1", 7000), ("10.0.0.2", 7001)) and cfg.cluster
+    assert (cfg.password, cfg.timeout_s, cfg.prefix, cfg.ttl_s) == ("s3cret", 0.5, "kv", 60)
+    assert "s3cret" not in cfg.redacted() and "s3cret" not in repr(cfg)
+    assert not L2Config.from_url("valkey://h:1").cluster
+    for bad in ("http://h:1", "redis://h:1,h:2", "redis://h", "redis://h:1?timeout=1", "redis://h:1?timeout_s=0",
+                "redis://h:1?debug_promote_delay_s=1"):
+        with pytest.raises(L2ConfigError):
+            L2Config.from_url(bad)
+    key = (NS, b"\1" * 32, 0, 3)
+    payload = os.urandom(1000)
+    value = encode_value(key, payload, p.checksum(payload), b"\2" * 32)
+    assert len(value) == HEADER_BYTES + 1000
+    got = decode_value(key, value)
+    assert bytes(got[0]) == payload and got[1] == p.checksum(payload) and got[2] == b"\2" * 32
+    flipped = bytearray(value)
+    flipped[-1] ^= 1
+    assert decode_value(key, bytes(flipped)) == "checksum"
+    assert decode_value((NS, b"\1" * 32, 0, 2), value) == "format"  # the same bytes under another key
+    assert decode_value(("model-b", b"\1" * 32, 0, 3), value) == "format"
+    assert namespace_tag(NS) != namespace_tag("model-b")
+
+
+def test_conversation_stored_through_a_resumes_through_b(cluster):
+    """Two hosts: A's stores reach L2 in the background; B, with its own empty L1, answers a
+    lookup with the whole prefix by promoting it, and serves the same bytes."""
+    hashes = _hashes(4, seed=1)
+    items = _objects(hashes)
+    with _server(cluster) as a, _server(cluster) as b:
+        _store_through(a, items)
+        cb = _client(b)
+        assert cb.stats()["objects"] == 0
+        chunks, lease = cb.lookup(NS, hashes, [ATTN], [STATE])
+        assert chunks == 4 and lease is not None
+        got = cb.get(NS, [(h, g, r) for h, g, r, _ in items])
+        assert [bytes(x) for x in got] == [x[3] for x in items]
+        l2 = cb.stats()["l2"]
+        assert (l2["lookups"], l2["hits"], l2["promoted_objects"]) == (1, 1, 5)
+        assert l2["promoted_bytes"] == sum(len(x[3]) for x in items)
+        metrics = urllib.request.urlopen(b.http_url + "/metrics", timeout=5).read().decode()
+        assert "glm_cache_l2_hits_total 1.0" in metrics and "glm_cache_l2_promoted_objects_total 5.0" in metrics
+        assert 'glm_cache_l2_request_seconds_count{op="get"}' in metrics
+        # A second lookup is answered by B's L1 alone.
+        assert cb.lookup(NS, hashes, [ATTN], [STATE])[0] == 4
+        assert cb.stats()["l2"]["lookups"] == 1
+
+
+def test_keys_carry_the_namespace(cluster):
+    """The same chunk hash under two namespaces: two keys in L2, each promoted to its own."""
+    hashes = _hashes(2, seed=2)
+    a_items, b_items = _objects(hashes), _objects(hashes)
+    with _server(cluster) as a, _server(cluster) as b:
+        c = _client(a)
+        c.hello("model-b", 16)
+        assert set(c.put(NS, a_items)) == {"stored"} and set(c.put("model-b", b_items)) == {"stored"}
+        wait_written(c.stats, 2 * len(a_items))
+        keys = sorted(k.decode() for k in _redis(cluster).keys("glmkv:*", target_nodes=RedisCluster.PRIMARIES))
+        assert len(keys) == 6
+        assert {k.split(":")[1] for k in keys} == {namespace_tag(NS), namespace_tag("model-b")}
+        cb = _client(b)
+        cb.hello("model-b", 16)
+        for ns, items in ((NS, a_items), ("model-b", b_items)):
+            assert cb.lookup(ns, hashes, [ATTN], [STATE])[0] == 2
+            assert [bytes(x) for x in cb.get(ns, [i[:3] for i in items])] == [i[3] for i in items]
+        # Clearing one namespace removes its keys from L2, not the other's.
+        cb.clear("model-b")
+        assert cb.stats()["l2"]  # the clear is queued behind the writes
+        deadline = time.monotonic() + 10
+        while len(_redis(cluster).keys("glmkv:*", target_nodes=RedisCluster.PRIMARIES)) != 3:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert all(namespace_tag(NS) in k.decode()
+                   for k in _redis(cluster).keys("glmkv:*", target_nodes=RedisCluster.PRIMARIES))
+
+
+def test_killed_server_loses_nothing_that_reached_l2_and_restarted_serves_from_it(cluster):
+    hashes = _hashes(3, seed=3)
+    items = _objects(hashes)
+    a = _server(cluster)
+    _store_through(a, items)
+    a.kill()  # SIGKILL: L1 is gone
+    restarted = _server(cluster, port=a.port)
+    try:
+        c = _client(restarted)
+        assert c.stats()["objects"] == 0
+        assert c.lookup(NS, hashes, [ATTN], [STATE])[0] == 3
+        assert [bytes(x) for x in c.get(NS, [i[:3] for i in items])] == [i[3] for i in items]
+    finally:
+        restarted.stop()
+
+
+def test_l1_evictions_are_served_again_from_l2(cluster):
+    """An L1 of 1 MiB holds 2 prefixes of 5 x 100 kB; storing 6 evicts the first ones,
+    which a lookup then gets back from L2 (written through when they were stored)."""
+    prefixes = [_hashes(4, seed=10 + k) for k in range(6)]
+    with _server(cluster, "--l1-size-gb", str(1 / 1024)) as a:
+        c = _client(a)
+        stored = {}
+        for hashes in prefixes:
+            items = _objects(hashes, size=100_000)
+            stored[hashes[0]] = items
+            assert set(c.put(NS, items)) == {"stored"}
+        wait_written(c.stats, 30)
+        stats = c.stats()
+        assert stats["evictions"] >= 15
+        first = prefixes[0]
+        assert c.get(NS, [(first[0], ATTN, 0)]) == [None]  # gone from L1
+        assert c.lookup(NS, first, [ATTN], [STATE])[0] == 4
+        assert [bytes(x) for x in c.get(NS, [i[:3] for i in stored[first[0]]])] == [i[3] for i in stored[first[0]]]
+        assert c.stats()["l2"]["hits"] == 1
+
+
+def test_corrupt_value_in_l2_is_refused_at_promotion(cluster):
+    """A flipped byte in L2: promotion recomputes the checksum, refuses the object (the
+    lookup gets what the rest allows: here nothing, as the state is the flipped one),
+    deletes the value and counts it."""
+    hashes = _hashes(3, seed=4)
+    items = _objects(hashes)
+    with _server(cluster) as a, _server(cluster) as b:
+        _store_through(a, items)
+        r = _redis(cluster)
+        from cache_server.l2 import L2Tier
+
+        state_key = L2Tier(L2Config.from_url(cluster.url)).redis_key((NS, hashes[-1], STATE, 0))
+        value = bytearray(r.get(state_key))
+        value[-7] ^= 0x10
+        r.set(state_key, bytes(value))
+        cb = _client(b)
+        assert cb.lookup(NS, hashes, [ATTN], [STATE])[0] == 0
+        l2 = cb.stats()["l2"]
+        assert l2["errors"] == {"checksum": 1} and l2["misses"] == 1
+        assert r.get(state_key) is None
+        assert cb.get(NS, [(hashes[-1], STATE, 0)]) == [None]  # the corrupt bytes never reached L1
+
+
+def test_store_killed_mid_promotion_is_a_miss_within_the_deadline():
+    """SIGKILL every L2 node while B is between EXISTS and GET (a debug delay widens the
+    window): the lookup answers a miss within the deadline, B keeps serving, and later
+    lookups skip L2 (no new wait) until retry_after_s has passed."""
+    hashes = _hashes(4, seed=5)
+    items = _objects(hashes)
+    cluster = start_cluster()  # its own: this test kills it
+    with _server(cluster) as a:
+        _store_through(a, items)
+    with _server(cluster, "--debug-fault-hooks", query="?timeout_s=1.0&retry_after_s=30&debug_promote_delay_s=0.6") as b:
+        cb = _client(b)
+        killer = threading.Timer(0.3, cluster.kill)
+        t0 = time.monotonic()
+        killer.start()
+        chunks, _ = cb.lookup(NS, hashes, [ATTN], [STATE])
+        elapsed = time.monotonic() - t0
+        killer.join()
+        assert chunks == 0
+        assert elapsed < 1.5, f"a dead store held the lookup for {elapsed:.2f}s"
+        t0 = time.monotonic()
+        assert cb.lookup(NS, hashes, [ATTN], [STATE])[0] == 0
+        assert time.monotonic() - t0 < 0.3  # skipped: L2 is marked down
+        l2 = cb.stats()["l2"]
+        assert l2["promoted_objects"] == 0 and l2["misses"] == 1 and l2["skipped"] == 1
+        assert sum(l2["errors"].values()) >= 1 and not l2["up"]
+        cb.ping()
+    cluster.stop()
+
+
+def test_stalled_store_costs_at_most_the_timeout(cluster):
+    """SIGSTOPped nodes accept connections but never answer: the lookup waits the deadline
+    and not longer, and is answered from L1."""
+    hashes = _hashes(2, seed=6)
+    items = _objects(hashes)
+    with _server(cluster, query="?timeout_s=0.5&retry_after_s=30") as a:
+        _store_through(a, items)
+        c = _client(a)
+        longer = [*hashes, *_hashes(2, seed=7)]
+        for proc in cluster.procs:
+            os.kill(proc.pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            assert c.lookup(NS, longer, [ATTN], [STATE])[0] == 2  # L1's answer
+            elapsed = time.monotonic() - t0
+            assert set(c.put(NS, _objects(_hashes(2, seed=8)))) == {"stored"}  # stores never wait on L2
+        finally:
+            for proc in cluster.procs:
+                os.kill(proc.pid, signal.SIGCONT)
+        assert 0.4 < elapsed < 1.2, elapsed
+        assert c.stats()["l2"]["timeouts"] == 1

@@ -1,0 +1,150 @@
+"""Two hosts on one L2, end to end: a real vLLM engine (tiny Qwen3-Next, C == N == 256), a
+three-node Redis cluster, and glm-cache-server processes that take turns on one port.
+
+An engine's server URL is fixed, so "host A" and "host B" are two server processes (two
+separate L1s) that listen on the engine's port one after the other: what B serves right
+after it starts (empty L1) can only come from L2. One engine for the module.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+import uuid
+
+import pytest
+
+from cache_server.process import ServerProcess, free_port
+from connector.client import CacheClient
+from engines import connector_engine
+from l2_fixtures import start_cluster, wait_written
+from tiny_qwen3_next import make_tiny_qwen3_next
+
+pytestmark = pytest.mark.engine
+
+C = 256
+PORT, HTTP_PORT = free_port(), free_port()
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1, 2048) for _ in range(n)]
+
+
+def _run(llm, prompt, salt, max_tokens=16):
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=1, ignore_eos=True)
+    (out,) = llm.generate([TokensPrompt(prompt_token_ids=prompt, cache_salt=salt)], params, use_tqdm=False)
+    c = out.outputs[0]
+    return list(c.token_ids), c.logprobs[0][c.token_ids[0]].logprob, out.num_cached_tokens or 0
+
+
+def _host(cluster, *extra: str, query: str = "") -> ServerProcess:
+    srv = ServerProcess("--separate-object-groups", "--chunk-size", str(C), "--l2", cluster.url + query, *extra,
+                        port=PORT, http_port=HTTP_PORT).start()
+    time.sleep(0.5)  # the engine's socket reconnects to the new process
+    return srv
+
+
+def _stats(srv: ServerProcess) -> dict:
+    with CacheClient(srv.url, timeout_s=5) as c:
+        return c.stats()
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    nodes = start_cluster()
+    yield nodes
+    nodes.stop()
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory, cluster):
+    model = make_tiny_qwen3_next(tmp_path_factory.mktemp("tiny_qwen3_next"))
+    first = _host(cluster)  # the connector says hello at start-up
+    engine = connector_engine(model, f"tcp://127.0.0.1:{PORT}", connector={"timeout_s": 3.0, "retry_after_s": 1.0},
+                              seed=0)
+    first.stop()
+    yield engine
+    del engine
+
+
+def test_resume_through_another_host_after_a_kill_and_a_restart(llm, cluster):
+    """Stored through A; A SIGKILLed; B (empty L1) resumes it from L2; A restarted resumes it
+    from L2 again; a small L1 on A evicts it and A resumes it from L2 once more. Every
+    reloaded output equals the cold one."""
+    prompt = _prompt(1000, seed=1)
+    salt = f"l2-{uuid.uuid4().hex}"
+    hit = C * ((len(prompt) - 1) // C)
+
+    a = _host(cluster)
+    cold = _run(llm, prompt, salt)
+    assert cold[2] == 0
+    time.sleep(1.0)  # the connector's saves leave from a background thread
+    written = wait_written(lambda: _stats(a), 1)["written_objects"]
+    assert written >= 4  # 3 attention chunks and at least one state
+    a.kill()
+
+    llm.reset_prefix_cache()
+    b = _host(cluster)
+    try:
+        assert _stats(b)["objects"] == 0
+        on_b = _run(llm, prompt, salt)
+        l2 = _stats(b)["l2"]
+    finally:
+        b.stop()
+    assert on_b[2] == hit and on_b[0] == cold[0] and on_b[1] == cold[1]
+    assert l2["hits"] >= 1 and l2["promoted_objects"] >= 4
+
+    llm.reset_prefix_cache()
+    a = _host(cluster, "--l1-size-gb", "0.0025")  # restarted, with room for about two such prompts
+    try:
+        again = _run(llm, prompt, salt)
+        assert again[2] == hit and again[0] == cold[0]
+        for k in range(3):  # other conversations push the first one out of A's L1
+            _run(llm, _prompt(1000, seed=10 + k), f"{salt}-other-{k}", max_tokens=2)
+        time.sleep(1.0)
+        status = _stats(a)
+        assert status["evictions"] > 0
+        hits_before = status["l2"]["hits"]
+        llm.reset_prefix_cache()
+        evicted = _run(llm, prompt, salt)
+        status = _stats(a)
+    finally:
+        a.stop()
+    assert evicted[2] == hit and evicted[0] == cold[0] and evicted[1] == cold[1]
+    assert status["l2"]["hits"] == hits_before + 1
+
+
+def test_store_killed_mid_promotion_computes_cold(llm, cluster):
+    """Every L2 node SIGKILLed while a host promotes (a debug delay holds the promotion
+    between EXISTS and GET): the lookup answers a miss within the L2 deadline, the request
+    computes cold, and its output equals cold."""
+    import threading
+
+    prompt = _prompt(900, seed=2)
+    salt = f"l2-fault-{uuid.uuid4().hex}"
+    a = _host(cluster)
+    try:
+        cold = _run(llm, prompt, salt)
+        time.sleep(1.0)
+        wait_written(lambda: _stats(a), 1)
+    finally:
+        a.stop()
+    llm.reset_prefix_cache()
+    b = _host(cluster, "--debug-fault-hooks", query="?timeout_s=1.0&retry_after_s=30&debug_promote_delay_s=0.8")
+    try:
+        killer = threading.Timer(0.4, cluster.kill)
+        t0 = time.monotonic()
+        killer.start()
+        after = _run(llm, prompt, salt)
+        elapsed = time.monotonic() - t0
+        killer.join()
+        l2 = _stats(b)["l2"]
+    finally:
+        b.stop()
+    assert after[2] == 0 and after[0] == cold[0] and after[1] == cold[1]
+    assert l2["lookups"] >= 1 and l2["promoted_objects"] == 0 and sum(l2["errors"].values()) >= 1
+    assert elapsed < 10, elapsed
