@@ -287,7 +287,8 @@ def _plot(rows: list, path: str) -> None:
                                        for lab in labels])
     ax.set_ylabel("resumable tokens per GB")
     ax.set_title("GLM-5.3-Flash, native TP 4 sizes: what a cache budget can resume")
-    ax.legend(fontsize=7)
+    ax.set_ylim(0, max(r[3] for r in rows) * 1.35)
+    ax.legend(fontsize=7, loc="upper left")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
