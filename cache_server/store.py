@@ -48,8 +48,8 @@ Eviction classes, in order, each a heap of ``(last use, key)`` as above:
    as worthless would make every new conversation's first chunks the first victims.
 1. superseded states (see above).
 2. everything else, least recently used first.
-A separate byte share for states was measured and not added (validation/bench_capacity.py,
-README): with the classes above the budget already goes to resumable prefixes.
+No separate byte share for states: not measured yet (validation/bench_capacity.py is where
+it would be); the measured ratios already sit at the one-state-per-conversation byte bound.
 """
 
 from __future__ import annotations
