@@ -68,6 +68,22 @@ class _StoreCollector(Collector):
         yield GaugeMetricFamily(f"{PREFIX}_superseded_objects",
                                 "State objects with a newer state on their path (evicted first)",
                                 value=s["superseded_objects"])
+        # Usable prefixes (issue 12): what the cache can resume, not only what it holds.
+        usable = {ns: u for ns in self._store.tracked_namespaces()
+                  if (u := self._store.usable_prefixes(ns)) is not None}
+        for key, kind, doc in (
+                ("resumable_tokens", GaugeMetricFamily, "Tokens of prefixes with attention for every chunk and "
+                                                        "a state at the end (distinct chunks times chunk size)"),
+                ("resumable_states", GaugeMetricFamily, "Chunks where a lookup can resume (attention on the whole "
+                                                        "path and every state object)"),
+                ("states_held", GaugeMetricFamily, "Chunks with every state object resident"),
+                ("worthless_objects", GaugeMetricFamily, "Objects on no resumable path any more (evicted first)"),
+                ("states_evicted_newest", CounterMetricFamily, "States evicted while still the newest of their "
+                                                               "conversation path")):
+            family = kind(f"{PREFIX}_{key}", doc, labels=["namespace"])
+            for ns, u in usable.items():
+                family.add_metric([ns], u[key])
+            yield family
         for key, name, doc in _COUNTERS:
             yield CounterMetricFamily(f"{PREFIX}_{name}", doc, value=s[key])
 

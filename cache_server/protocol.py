@@ -21,7 +21,9 @@ geometry; objects never cross namespaces):
 
 ``hello``    ``v`` protocol version, ``ns``, ``alignment`` (tokens the chunk size must be a
              multiple of), optional ``world_size`` and ``replicated_groups`` (the engine's
-             layout, for /status) -> ``v``, ``chunk_size``, ``min_chunk_size``,
+             layout, for /status), optional ``attn_groups`` and ``state_groups`` (with
+             them the server tracks usable prefixes and evicts worthless objects first)
+             -> ``v``, ``chunk_size``, ``min_chunk_size``,
              ``separate_object_groups``, ``max_object_bytes``
 ``lookup``   ``ns``, ``hashes`` (list of 32-byte chunk hashes of a strict prefix),
              ``attn_groups``, ``state_groups`` (lists of group ids), ``world_size``,
@@ -33,7 +35,9 @@ geometry; objects never cross namespaces):
              frame per found key, in order
 ``put``      ``ns``, ``keys``, ``sums`` (one :data:`CHECKSUM_BYTES`-byte checksum per key,
              :func:`checksum` of its payload), optional ``prev`` (one hash or nil per
-             key: the previous state of the same path, for snapshot-aware retention);
+             key: the previous state of the same path, for snapshot-aware retention),
+             optional ``parent`` (one entry per key: the hash of the chunk before the
+             object's chunk, nil for the first chunk, empty bytes for unknown);
              one payload frame per key -> ``results`` (list of :class:`PutResult` values)
 ``delete``   ``ns``, ``keys``, optional ``reason`` (``checksum``: the loader found the
              bytes do not match their checksum) -> ``removed`` (objects)

@@ -21,7 +21,7 @@ import zmq
 from cache_server import protocol as p
 from cache_server.auth import AUTH_FIELD, token_matches
 from cache_server.metrics import ServerMetrics
-from cache_server.store import ObjectStore
+from cache_server.store import UNKNOWN_PARENT, Layout, ObjectStore
 
 logger = logging.getLogger("glm_cache_server")
 
@@ -255,6 +255,14 @@ class CacheServer:
         elif known[0] != alignment:
             raise p.ProtocolError(p.ErrorCode.CONFLICT,
                                   f"namespace {ns!r} negotiated alignment {known[0]} before, now {alignment}")
+        if "state_groups" in h:  # the engine says which groups are which: track usable prefixes
+            attn, state = p.group_list(h, "attn_groups"), p.group_list(h, "state_groups")
+            if set(attn) & set(state) or not set(replicated) <= {*attn, *state}:
+                raise p.ProtocolError(p.ErrorCode.BAD_REQUEST, "attn_groups and state_groups must be disjoint "
+                                                               "and hold the replicated_groups")
+            self._check_groups([*attn, *state])
+            self.store.set_layout(ns, Layout(frozenset(attn), frozenset(state), world_size, frozenset(replicated),
+                                             known[1] if known is not None else chunk))
         return {"v": p.PROTOCOL_VERSION, "chunk_size": chunk, "min_chunk_size": self.config.min_chunk_size,
                 "separate_object_groups": self.config.separate_object_groups,
                 "max_object_bytes": self.config.max_object_bytes}, []
@@ -315,9 +323,14 @@ class CacheServer:
                                               for x in prevs):
             raise p.ProtocolError(p.ErrorCode.BAD_REQUEST,
                                   f"prev must list one {p.HASH_BYTES}-byte hash or nil per key")
+        parents = p.field(h, "parent", list, default=[UNKNOWN_PARENT] * len(keys))
+        if len(parents) != len(keys) or not all(
+                x is None or (isinstance(x, bytes) and len(x) in (0, p.HASH_BYTES)) for x in parents):
+            raise p.ProtocolError(p.ErrorCode.BAD_REQUEST,
+                                  f"parent must list one {p.HASH_BYTES}-byte hash, nil or empty bytes per key")
         self._admit_namespace(ns)
-        results = [self.store.put((ns, *key), frame, prev, s).value
-                   for key, frame, prev, s in zip(keys, frames, prevs, sums)]
+        results = [self.store.put((ns, *key), frame, prev, s, parent).value
+                   for key, frame, prev, s, parent in zip(keys, frames, prevs, sums, parents)]
         if self.l2 is not None:  # write-through, asynchronous (cache_server.l2 says why)
             for key, frame, prev, s, result in zip(keys, frames, prevs, sums, results):
                 if result == p.PutResult.STORED.value:
@@ -405,7 +418,8 @@ class CacheServer:
             layouts = dict(self._layout_by_namespace)
         status["namespaces"] = {ns: {"alignment": ac[0] if ac else None, "chunk_size": ac[1] if ac else None,
                                      "objects": self.store.namespace_objects(ns),
-                                     **self._replication_status(ns, layouts.get(ns))} for ns, ac in table}
+                                     **self._replication_status(ns, layouts.get(ns)),
+                                     "usable_prefixes": self.store.usable_prefixes(ns)} for ns, ac in table}
         status["bytes_saved_by_storing_replicated_groups_once"] = sum(
             n["bytes_saved_by_storing_once"] for n in status["namespaces"].values())
         status["config"] = {

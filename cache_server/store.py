@@ -26,6 +26,30 @@ per owner (the server passes the client's ZMQ identity). Going over either drops
 oldest lease (of that owner, or of anyone), never refuses the newest: the newest lookup is
 the one whose load is about to run, the oldest the most likely to be finished or leaked.
 A lookup whose own objects exceed the byte cap gets its hit without a lease.
+
+Usable prefixes (issue 12, seed 000: the cache report counted bytes while every session
+had lost the snapshot it needed). A namespace whose engine declared its layout
+(:meth:`set_layout`: attention and state groups, TP world size, replicated groups, chunk
+tokens) gets a chunk tree: one node per chunk hash, linked to the previous chunk by the
+``parent`` its objects were put with. A node is *resumable* when it and every ancestor
+hold all their attention objects and it holds every state object (what :meth:`lookup`
+needs to stop there); ``covered`` counts the resumable nodes at or below each node, kept
+incrementally (a walk up the path when a state completes or breaks, a walk down the
+subtree only when a path's attention breaks or heals). From it, per namespace and O(1)
+to read: resumable tokens (chunks on some resumable path, times the chunk size),
+resumable states, states held, and states evicted while still the newest of their path.
+
+Eviction classes, in order, each a heap of ``(last use, key)`` as above:
+0. worthless: objects of a node that was once on a resumable path and no longer is (its
+   states were all evicted, or an attention chunk above it went). Nothing can resume
+   through them, so they go before anything that still can. A node that was never on a
+   resumable path is *pending* (a prompt whose state has not been saved yet, or a TP
+   rank's state that arrived before rank 0's attention) and stays in class 2: evicting it
+   as worthless would make every new conversation's first chunks the first victims.
+1. superseded states (see above).
+2. everything else, least recently used first.
+No separate byte share for states: not measured yet (validation/bench_capacity.py is where
+it would be); the measured ratios already sit at the one-state-per-conversation byte bound.
 """
 
 from __future__ import annotations
@@ -35,7 +59,7 @@ import threading
 import time
 from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from cache_server.protocol import PutResult
@@ -43,6 +67,8 @@ from cache_server.protocol import PutResult
 Payload = bytes | memoryview
 StoreKey = tuple[str, bytes, int, int]  # (namespace, chunk hash, group, rank)
 _HeapItem = tuple[int, StoreKey]  # (tick of last use, key)
+UNKNOWN_PARENT = b""  # ``parent`` of an object whose writer did not say which chunk precedes it
+_WORTHLESS, _SUPERSEDED, _PLAIN = 0, 1, 2  # eviction classes, evicted in this order
 
 
 @dataclass(slots=True)
@@ -65,6 +91,48 @@ class _Lease:
     expires_at: float
     keys: list[StoreKey]
     owner: bytes | None
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """What an engine declared about a namespace at hello: which groups are attention
+    (needed for every chunk) and which are state (needed at the resume point), on how
+    many ranks, which are stored once, and the chunk size in tokens."""
+
+    attn_groups: frozenset[int]
+    state_groups: frozenset[int]
+    world_size: int
+    replicated_groups: frozenset[int]
+    chunk_tokens: int
+
+    def copies(self, groups: frozenset[int]) -> int:
+        return sum(1 if g in self.replicated_groups else self.world_size for g in groups)
+
+
+@dataclass(slots=True)
+class _Node:
+    """One chunk of a tracked namespace's chunk tree (see the module docstring)."""
+
+    parent: bytes | None = None  # previous chunk's hash; None: the first chunk
+    parent_known: bool = False
+    children: set[bytes] = field(default_factory=set)  # nodes whose parent is this one
+    attn: int = 0  # resident attention objects
+    state: int = 0  # resident state objects
+    chain_ok: bool = False  # this node and every ancestor hold all their attention
+    covered: int = 0  # resumable nodes at or below this one
+    claimed: bool = False  # was covered once: losing that makes its objects worthless
+    resumable: bool = False
+
+
+@dataclass
+class _NamespaceUsage:
+    """Incremental usable-prefix figures of one tracked namespace."""
+
+    covered_nodes: int = 0  # chunks on at least one resumable path
+    resumable_states: int = 0  # nodes a lookup can stop at
+    states_held: int = 0  # nodes with every state object
+    states_evicted_newest: int = 0  # complete states evicted with no newer state on their path
+    worthless_objects: int = 0  # objects of claimed, uncovered nodes (class 0)
 
 
 @dataclass
@@ -117,8 +185,11 @@ class ObjectStore:
         self._clock = clock
         self._lock = threading.Lock()
         self._objects: dict[StoreKey, _Entry] = {}
-        # Eviction candidates, one heap per class: [plain LRU, superseded]. Lazy deletion.
-        self._heaps: tuple[list[_HeapItem], list[_HeapItem]] = ([], [])
+        # Eviction candidates, one heap per class (worthless, superseded, plain). Lazy deletion.
+        self._heaps: tuple[list[_HeapItem], ...] = ([], [], [])
+        self._layouts: dict[str, Layout] = {}
+        self._nodes: dict[str, dict[bytes, _Node]] = {}  # tracked namespaces' chunk trees
+        self._usage: dict[str, _NamespaceUsage] = {}
         self._tick = 0
         self._leases: OrderedDict[int, _Lease] = OrderedDict()  # grant order == expiry order
         self._leases_by_owner: dict[bytes, OrderedDict[int, None]] = {}
@@ -135,12 +206,27 @@ class ObjectStore:
 
     # --- writes --------------------------------------------------------------------------
 
+    def set_layout(self, namespace: str, layout: Layout) -> None:
+        """Declare a namespace's layout (the server does, from the engine's hello), which
+        turns on its chunk tree, usable-prefix figures and worthless-first eviction. A
+        namespace's layout is fixed by its fingerprint; a different one is only taken while
+        the namespace holds no objects (its tree was built with the old counts)."""
+        with self._lock:
+            old = self._layouts.get(namespace)
+            if old == layout or (old is not None and self._objects_by_namespace.get(namespace)):
+                return
+            self._layouts[namespace] = layout
+            self._nodes[namespace] = {}
+            self._usage[namespace] = _NamespaceUsage()
+
     def put(self, key: StoreKey, payload: Payload, prev: bytes | None = None,
-            checksum: bytes = b"") -> PutResult:
-        """Store one object. Makes room by evicting whole unleased objects (superseded states
-        first, then least recently used); if that cannot make room, evicts nothing and
-        answers ``NO_SPACE``. ``prev`` links a state object to the previous state of the
-        same path (same namespace, group and rank)."""
+            checksum: bytes = b"", parent: bytes | None = UNKNOWN_PARENT) -> PutResult:
+        """Store one object. Makes room by evicting whole unleased objects (worthless ones
+        first, then superseded states, then least recently used); if that cannot make room,
+        evicts nothing and answers ``NO_SPACE``. ``prev`` links a state object to the
+        previous state of the same path (same namespace, group and rank). ``parent`` is the
+        hash of the chunk before this one (None: the first chunk; :data:`UNKNOWN_PARENT`:
+        not said), which places the object in its namespace's chunk tree."""
         nbytes = memoryview(payload).nbytes
         if nbytes > self.max_object_bytes or nbytes > self.capacity_bytes:
             return PutResult.TOO_LARGE
@@ -156,7 +242,7 @@ class ObjectStore:
                 self.counters.puts_no_space += 1
                 return PutResult.NO_SPACE
             while need > 0:
-                freed = self._remove_locked(self._pop_victim_locked())
+                freed = self._remove_locked(self._pop_victim_locked(), evicted=True)
                 need -= freed
                 self.counters.evicted_bytes += freed
                 self.counters.evictions += 1
@@ -169,6 +255,8 @@ class ObjectStore:
             self._objects_by_namespace[key[0]] += 1
             self._bytes_by_namespace_group[key[0], key[2]] += nbytes
             self._queue_locked(key, entry)
+            if key[0] in self._layouts:
+                self._tree_add_locked(key, parent)
             if prev is not None and prev != key[1]:
                 parent_key = (key[0], prev, key[2], key[3])
                 parent = self._objects.get(parent_key)
@@ -180,31 +268,40 @@ class ObjectStore:
             return PutResult.STORED
 
     def _pop_victim_locked(self) -> StoreKey:
-        """The next object to evict: the least recently used unleased superseded state, else
-        the least recently used unleased object. Stale heap items are discarded on the way."""
-        for superseded in (True, False):
-            heap = self._heaps[superseded]
+        """The next object to evict: the least recently used unleased object of the first
+        non-empty class (worthless, superseded, plain). Stale heap items (touched, leased,
+        or moved to another class since) are discarded on the way."""
+        for cls, heap in enumerate(self._heaps):
             while heap:
                 tick, key = heapq.heappop(heap)
                 entry = self._objects.get(key)
-                if entry is not None and entry.tick == tick and entry.leases == 0 and entry.superseded == superseded:
+                if entry is not None and entry.tick == tick and entry.leases == 0 \
+                        and self._class_locked(key, entry) == cls:
                     return key
         raise RuntimeError("store invariant broken: unleased bytes exist but no eviction candidate")
+
+    def _class_locked(self, key: StoreKey, entry: _Entry) -> int:
+        nodes = self._nodes.get(key[0])
+        if nodes is not None:
+            node = nodes.get(key[1])
+            if node is not None and node.claimed and not node.covered:
+                return _WORTHLESS
+        return _SUPERSEDED if entry.superseded else _PLAIN
 
     def _queue_locked(self, key: StoreKey, entry: _Entry) -> None:
         """Make an unleased object an eviction candidate at its last-use position."""
         if entry.leases:
             return
-        heapq.heappush(self._heaps[entry.superseded], (entry.tick, key))
-        if len(self._heaps[0]) + len(self._heaps[1]) > 2 * len(self._objects) + 1024:
+        heapq.heappush(self._heaps[self._class_locked(key, entry)], (entry.tick, key))
+        if sum(len(heap) for heap in self._heaps) > 2 * len(self._objects) + 1024:
             self._rebuild_heaps_locked()
 
     def _rebuild_heaps_locked(self) -> None:
         """Drop stale items: O(n), once per at least n pushes."""
-        heaps: tuple[list[_HeapItem], list[_HeapItem]] = ([], [])
+        heaps: tuple[list[_HeapItem], ...] = ([], [], [])
         for key, entry in self._objects.items():
             if not entry.leases:
-                heaps[entry.superseded].append((entry.tick, key))
+                heaps[self._class_locked(key, entry)].append((entry.tick, key))
         for heap in heaps:
             heapq.heapify(heap)
         self._heaps = heaps
@@ -222,7 +319,7 @@ class ObjectStore:
             self._superseded_objects += 1 if entry.superseded else -1
             self._queue_locked(key, entry)  # same last use, new class
 
-    def _remove_locked(self, key: StoreKey) -> int:
+    def _remove_locked(self, key: StoreKey, evicted: bool = False) -> int:
         entry = self._objects.pop(key)
         self._used_bytes -= entry.nbytes
         for counts, label, amount in ((self._bytes_by_group, key[2], entry.nbytes),
@@ -237,12 +334,179 @@ class ObjectStore:
             self._leased_objects -= 1
         if entry.superseded:
             self._superseded_objects -= 1
+        if key[0] in self._layouts:
+            self._tree_remove_locked(key, entry, evicted)
         if entry.parent is not None:  # a parent must not count an evicted state as its successor
             parent_key = (key[0], entry.parent, key[2], key[3])
             parent = self._objects.get(parent_key)
             if parent is not None and parent.children and key[1] in parent.children:
                 self._set_children_locked(parent_key, parent, parent.children - {key[1]})
         return entry.nbytes
+
+    # --- chunk tree of tracked namespaces (usable prefixes, worthless-first eviction) ------
+
+    def _tree_add_locked(self, key: StoreKey, parent: bytes | None) -> None:
+        ns, digest, group = key[0], key[1], key[2]
+        layout, nodes = self._layouts[ns], self._nodes[ns]
+        if group not in layout.attn_groups and group not in layout.state_groups:
+            return  # a group the engine did not declare: plain LRU, outside the tree
+        node = nodes.get(digest)
+        if node is None:
+            node = nodes[digest] = _Node()
+        if not node.parent_known and parent != UNKNOWN_PARENT and parent != digest:
+            node.parent, node.parent_known = parent, True
+            if parent is not None:
+                parent_node = nodes.get(parent)
+                if parent_node is None:
+                    parent_node = nodes[parent] = _Node()  # structure only, until its objects come
+                parent_node.children.add(digest)
+        if group in layout.attn_groups:
+            node.attn += 1
+        else:
+            node.state += 1
+            if node.state == layout.copies(layout.state_groups):
+                self._usage[ns].states_held += 1
+        if self._class_locked(key, self._objects[key]) == _WORTHLESS:
+            self._usage[ns].worthless_objects += 1
+        self._refresh_node_locked(ns, digest, node)
+
+    def _tree_remove_locked(self, key: StoreKey, entry: _Entry, evicted: bool) -> None:
+        ns, digest, group = key[0], key[1], key[2]
+        layout, nodes = self._layouts[ns], self._nodes[ns]
+        node = nodes.get(digest)
+        if node is None:
+            return
+        usage = self._usage[ns]
+        if group in layout.attn_groups:
+            node.attn -= 1
+        elif group in layout.state_groups:
+            if node.state == layout.copies(layout.state_groups):
+                usage.states_held -= 1
+                if evicted and not entry.children:
+                    usage.states_evicted_newest += 1
+            node.state -= 1
+        else:
+            return
+        if node.claimed and not node.covered:
+            usage.worthless_objects -= 1
+        self._refresh_node_locked(ns, digest, node)
+        self._prune_locked(nodes, digest)
+
+    def _prune_locked(self, nodes: dict[bytes, _Node], digest: bytes) -> None:
+        """Forget nodes with no objects and no children, up the path."""
+        while True:
+            node = nodes.get(digest)
+            if node is None or node.attn or node.state or node.children:
+                return
+            del nodes[digest]
+            if not node.parent_known or node.parent is None or node.parent not in nodes:
+                return
+            nodes[node.parent].children.discard(digest)
+            digest = node.parent
+
+    def _chain_ok_locked(self, ns: str, node: _Node) -> bool:
+        layout = self._layouts[ns]
+        if not node.parent_known or node.attn < layout.copies(layout.attn_groups):
+            return False
+        if node.parent is None:
+            return True
+        parent = self._nodes[ns].get(node.parent)
+        return parent is not None and parent.chain_ok
+
+    def _refresh_node_locked(self, ns: str, digest: bytes, node: _Node) -> None:
+        """Bring ``node`` (whose object counts just changed) and the nodes it affects up to date."""
+        chain_ok = self._chain_ok_locked(ns, node)
+        if chain_ok and not node.chain_ok:
+            self._reroot_locked(ns, digest, node)
+        elif node.chain_ok and not chain_ok:
+            self._unroot_locked(ns, digest, node)
+        elif chain_ok:
+            layout = self._layouts[ns]
+            resumable = node.state == layout.copies(layout.state_groups)
+            if resumable != node.resumable:
+                node.resumable = resumable
+                self._usage[ns].resumable_states += 1 if resumable else -1
+                self._add_cover_locked(ns, digest, 1 if resumable else -1)
+
+    def _set_cover_locked(self, ns: str, digest: bytes, node: _Node, covered: int) -> None:
+        """Change a node's cover, keeping the namespace figures and its objects' classes right."""
+        was_worthless = node.claimed and not node.covered
+        if bool(covered) != bool(node.covered):
+            self._usage[ns].covered_nodes += 1 if covered else -1
+        node.covered = covered
+        if covered:
+            node.claimed = True
+        worthless = node.claimed and not node.covered
+        if worthless != was_worthless:
+            n = self._requeue_node_locked(ns, digest)
+            self._usage[ns].worthless_objects += n if worthless else -n
+
+    def _add_cover_locked(self, ns: str, digest: bytes | None, delta: int) -> None:
+        """Add ``delta`` resumable nodes to ``digest`` and every ancestor: O(depth)."""
+        nodes = self._nodes[ns]
+        while digest is not None:
+            node = nodes.get(digest)
+            if node is None:
+                return
+            self._set_cover_locked(ns, digest, node, node.covered + delta)
+            if not node.parent_known:
+                return
+            digest = node.parent
+
+    def _requeue_node_locked(self, ns: str, digest: bytes) -> int:
+        """Push a node's unleased objects into their (new) class heaps; returns its object count."""
+        layout = self._layouts[ns]
+        n = 0
+        for group in (*layout.attn_groups, *layout.state_groups):
+            ranks = 1 if group in layout.replicated_groups else layout.world_size
+            for rank in range(ranks):
+                key = (ns, digest, group, rank)
+                entry = self._objects.get(key)
+                if entry is not None:
+                    n += 1
+                    self._queue_locked(key, entry)
+        return n
+
+    def _unroot_locked(self, ns: str, digest: bytes, node: _Node) -> None:
+        """``node`` lost attention (its own or an ancestor's): nothing at or below it can be
+        resumed. O(depth + the part of its subtree that was resumable-rooted)."""
+        if node.covered and node.parent_known and node.parent is not None:
+            self._add_cover_locked(ns, node.parent, -node.covered)
+        nodes, usage = self._nodes[ns], self._usage[ns]
+        stack = [(digest, node)]
+        while stack:
+            d, n = stack.pop()
+            n.chain_ok = False
+            if n.resumable:
+                n.resumable = False
+                usage.resumable_states -= 1
+            self._set_cover_locked(ns, d, n, 0)
+            stack.extend((c, nodes[c]) for c in n.children if c in nodes and nodes[c].chain_ok)
+
+    def _reroot_locked(self, ns: str, digest: bytes, node: _Node) -> None:
+        """``node``'s path to the first chunk is whole again (a missing attention object was
+        put back): recount its subtree's resumable nodes bottom-up and add them above it."""
+        layout, nodes, usage = self._layouts[ns], self._nodes[ns], self._usage[ns]
+        full_state = layout.copies(layout.state_groups)
+        order: list[tuple[bytes, _Node]] = []
+        stack = [(digest, node)]
+        node.chain_ok = True
+        while stack:
+            d, n = stack.pop()
+            order.append((d, n))
+            for c in n.children:
+                child = nodes.get(c)
+                if child is not None and not child.chain_ok and child.parent_known \
+                        and child.attn >= layout.copies(layout.attn_groups):
+                    child.chain_ok = True
+                    stack.append((c, child))
+        for d, n in reversed(order):  # children before parents
+            n.resumable = n.state == full_state
+            usage.resumable_states += n.resumable
+            below = sum(nodes[c].covered for c in n.children if c in nodes and nodes[c].chain_ok)
+            self._set_cover_locked(ns, d, n, below + n.resumable)
+        if node.covered and node.parent is not None:
+            self._add_cover_locked(ns, node.parent, node.covered)
 
     def delete(self, key: StoreKey) -> bool:
         """Remove one object now, leased or not (a loader found it corrupt)."""
@@ -257,13 +521,16 @@ class ObjectStore:
         the leases on them. Returns the number of objects removed."""
         with self._lock:
             keys = [k for k in self._objects if namespace is None or k[0] == namespace]
+            for ns in [n for n in self._layouts if namespace is None or n == namespace]:
+                self._nodes[ns] = {}  # emptied wholesale: no walks per removed object
+                self._usage[ns] = _NamespaceUsage(states_evicted_newest=self._usage[ns].states_evicted_newest)
             for key in keys:
                 self._remove_locked(key)
             gone = set(keys)
             for lease_id in [i for i, lease in self._leases.items() if any(k in gone for k in lease.keys)]:
                 self._drop_lease_locked(lease_id)
             if not self._objects:
-                self._heaps = ([], [])
+                self._heaps = ([], [], [])
             return len(keys)
 
     # --- reads ---------------------------------------------------------------------------
@@ -441,6 +708,23 @@ class ObjectStore:
     def namespace_group_bytes(self, namespace: str, group: int) -> int:
         """Resident bytes of one group in one namespace."""
         return self._bytes_by_namespace_group.get((namespace, group), 0)
+
+    def usable_prefixes(self, namespace: str) -> dict[str, int] | None:
+        """The usable-prefix figures of a namespace with a declared layout (None otherwise):
+        O(1), maintained as objects come and go."""
+        with self._lock:
+            usage, layout = self._usage.get(namespace), self._layouts.get(namespace)
+            if usage is None or layout is None:
+                return None
+            return {"resumable_tokens": usage.covered_nodes * layout.chunk_tokens,
+                    "resumable_chunks": usage.covered_nodes, "resumable_states": usage.resumable_states,
+                    "states_held": usage.states_held, "states_evicted_newest": usage.states_evicted_newest,
+                    "worthless_objects": usage.worthless_objects}
+
+    def tracked_namespaces(self) -> list[str]:
+        """Namespaces with a declared layout (whose usable prefixes are tracked)."""
+        with self._lock:
+            return list(self._layouts)
 
     def namespace_objects(self, namespace: str) -> int:
         """Objects resident in one namespace."""

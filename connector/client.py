@@ -116,10 +116,17 @@ class CacheClient:
     # --- operations ----------------------------------------------------------------------
 
     def hello(self, namespace: str, alignment: int, world_size: int = 1,
-              replicated_groups: Sequence[int] = ()) -> dict[str, Any]:
-        """Handshake: returns chunk_size, min_chunk_size, separate_object_groups, max_object_bytes, v."""
-        reply, _ = self.request({"op": "hello", "v": p.PROTOCOL_VERSION, "ns": namespace, "alignment": alignment,
-                                 "world_size": world_size, "replicated_groups": list(replicated_groups)})
+              replicated_groups: Sequence[int] = (), attn_groups: Sequence[int] | None = None,
+              state_groups: Sequence[int] | None = None) -> dict[str, Any]:
+        """Handshake: returns chunk_size, min_chunk_size, separate_object_groups, max_object_bytes, v.
+        With ``attn_groups`` and ``state_groups`` the server tracks which prefixes are
+        resumable and evicts objects nothing can resume through first."""
+        header: dict[str, Any] = {"op": "hello", "v": p.PROTOCOL_VERSION, "ns": namespace, "alignment": alignment,
+                                  "world_size": world_size, "replicated_groups": list(replicated_groups)}
+        if state_groups is not None:
+            header["attn_groups"] = list(attn_groups or ())
+            header["state_groups"] = list(state_groups)
+        reply, _ = self.request(header)
         return {k: reply[k] for k in ("v", "chunk_size", "min_chunk_size", "separate_object_groups",
                                       "max_object_bytes")}
 
@@ -135,15 +142,20 @@ class CacheClient:
         return reply["chunks"], reply["lease_id"]
 
     def put(self, namespace: str, items: Sequence[tuple[bytes, int, int, Payload]],
-            prev: Sequence[bytes | None] | None = None) -> list[str]:
+            prev: Sequence[bytes | None] | None = None,
+            parent: Sequence[bytes | None] | None = None) -> list[str]:
         """Store objects ``(hash, group, rank, payload)``; one :class:`~cache_server.protocol.PutResult`
         value per item. ``prev`` gives, per item, the hash of the previous state stored on the
         same conversation path (state objects only), so the server evicts superseded
-        snapshots first. Payloads must not change until this returns."""
+        snapshots first. ``parent`` gives, per item, the hash of the chunk before its chunk
+        (None: the first chunk; ``b""``: unknown), which places it in the server's chunk
+        tree. Payloads must not change until this returns."""
         header: dict[str, Any] = {"op": "put", "ns": namespace, "keys": [[h, g, r] for h, g, r, _ in items],
                                   "sums": [p.checksum(item[3]) for item in items]}
         if prev is not None:
             header["prev"] = list(prev)
+        if parent is not None:
+            header["parent"] = list(parent)
         reply, _ = self.request(header, [item[3] for item in items])
         return reply["results"]
 

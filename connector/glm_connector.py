@@ -138,6 +138,11 @@ def resolve_or_disable(
         return disabled_geometry(kv_cache_config), str(e)
 
 
+def _parent_of(hashes: list[bytes], k: int) -> bytes | None:
+    """The chunk hash before chunk ``k`` of a chain (None for the first chunk)."""
+    return hashes[k - 1] if k > 0 else None
+
+
 def _flag(value: Any) -> bool:
     """A boolean setting from JSON or a CLI string ("false" is False)."""
     if isinstance(value, str):
@@ -161,6 +166,9 @@ class ObjectMove:
     # State saves only: the hash of the previous state on this request's path, so the
     # server can evict the superseded one first (snapshot-aware retention).
     prev: bytes | None = None
+    # Saves only: the hash of the chunk before this one (None: the first chunk; b"": not
+    # known), so the server knows which prefixes are resumable and what nothing can resume.
+    parent: bytes | None = b""
 
 
 @dataclass
@@ -343,7 +351,9 @@ class GlmCacheConnector(KVConnectorBase_V1, SupportsHMA):
         namespace = engine_fingerprint(self._vllm_config, self._kv_cache_config, geo)
         try:
             hello = self._link.client.hello(namespace, geo.scheduler_block_size, self._world_size,
-                                            self._replicated_groups())
+                                            self._replicated_groups(),
+                                            attn_groups=[g.group_id for g in geo.attn_groups],
+                                            state_groups=[g.group_id for g in geo.state_groups])
             self._geometry = geo.with_chunk_size(int(hello["chunk_size"]))
         except (*_CLIENT_ERRORS, GeometryError, KeyError) as e:
             self._link.failed("handshake", e)
@@ -544,7 +554,8 @@ class GlmCacheConnector(KVConnectorBase_V1, SupportsHMA):
         for g in self._geometry.state_groups:
             blk = blocks.blocks[g.group_id][local // g.block_size - 1]
             if not blk.is_null:
-                self._pending_saves.append(ObjectMove(hashes[-1], g.group_id, [blk.block_id]))
+                self._pending_saves.append(ObjectMove(hashes[-1], g.group_id, [blk.block_id],
+                                                      parent=_parent_of(hashes, len(hashes) - 1)))
 
     def _load_moves(self, request: Request, blocks: KVCacheBlocks, hit: _Hit) -> list[ObjectMove]:
         C = self._geometry.chunk_size
@@ -637,7 +648,8 @@ class GlmCacheConnector(KVConnectorBase_V1, SupportsHMA):
                 chunk_ids = ids[k * per_chunk : (k + 1) * per_chunk]
                 if len(chunk_ids) != per_chunk or null_id in chunk_ids:
                     break  # not allocated, or dropped (e.g. out of a sliding window)
-                moves.append(ObjectMove(tracked.hashes[k], g.group_id, list(chunk_ids)))
+                moves.append(ObjectMove(tracked.hashes[k], g.group_id, list(chunk_ids),
+                                        parent=_parent_of(tracked.hashes, k)))
         tracked.saved_chunks = n
         return moves
 
@@ -660,7 +672,8 @@ class GlmCacheConnector(KVConnectorBase_V1, SupportsHMA):
             if k > tracked.state_chunk:  # a newer state on this path: the previous one is superseded
                 prev_chunk, tracked.state_chunk = tracked.state_chunk, k
             prev = tracked.hashes[prev_chunk - 1] if 0 < prev_chunk < k else None
-            moves.append(ObjectMove(tracked.hashes[k - 1], group_id, [block_id], prev))
+            moves.append(ObjectMove(tracked.hashes[k - 1], group_id, [block_id], prev,
+                                    _parent_of(tracked.hashes, k - 1)))
         return moves
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
@@ -836,6 +849,7 @@ class GlmCacheConnector(KVConnectorBase_V1, SupportsHMA):
         # later); the network send happens in the background.
         items = []
         prevs: list[bytes | None] = []
+        parents: list[bytes | None] = []
         nbytes = 0
         for move in meta.saves:
             ids = [b for b in move.block_ids if b is not None]
@@ -846,6 +860,7 @@ class GlmCacheConnector(KVConnectorBase_V1, SupportsHMA):
             data = self._pages.read(move.group_id, ids)
             items.append((move.chunk_hash, move.group_id, self._key_rank(move.group_id), data))
             prevs.append(move.prev)
+            parents.append(move.parent)
             nbytes += len(data)
         with self._lock:
             if self._pending_save_bytes + nbytes > self._max_pending_save_bytes:
@@ -855,11 +870,12 @@ class GlmCacheConnector(KVConnectorBase_V1, SupportsHMA):
                 )
                 return
             self._pending_save_bytes += nbytes
-        self._saver.submit(self._run_save, meta.namespace, items, prevs, nbytes)
+        self._saver.submit(self._run_save, meta.namespace, items, prevs, parents, nbytes)
 
-    def _run_save(self, namespace: str, items: list, prevs: list[bytes | None], nbytes: int) -> None:
+    def _run_save(self, namespace: str, items: list, prevs: list[bytes | None],
+                  parents: list[bytes | None], nbytes: int) -> None:
         try:
-            results = self._save_client.put(namespace, items, prev=prevs)
+            results = self._save_client.put(namespace, items, prev=prevs, parent=parents)
             self.stats["saved_objects"] += sum(r == "stored" for r in results)
             bad = [r for r in results if r not in ("stored", "exists")]
             if bad:

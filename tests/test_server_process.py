@@ -310,3 +310,32 @@ def test_replicated_groups_are_stored_once_and_status_shows_the_saving(server, c
     assert entry["replicated_bytes"] == 3000
     assert entry["bytes_saved_by_storing_once"] == 9000
     assert status["bytes_saved_by_storing_replicated_groups_once"] >= 9000
+
+
+def test_status_and_metrics_report_usable_prefixes(server, client):
+    """Issue 12: /status and /metrics say how much the cache can resume, not only what it
+    holds: resumable tokens (chunks on a path with attention throughout and a state at its
+    end, times the chunk size), states held, and newest states lost (seed 000's question)."""
+    ns = "usable-prefixes"
+    chunk = client.hello(ns, 256, world_size=2, replicated_groups=[2], attn_groups=[2],
+                         state_groups=[1])["chunk_size"]
+    hashes = chunk_hashes(list(range(3 * chunk)), chunk)
+    parents = [None, hashes[0], hashes[1]]
+    attn = [(hsh, 2, 0, b"L" * 100) for hsh in hashes]
+    states = [(hashes[1], 1, r, b"S" * 100) for r in range(2)]  # resumable after chunk 2 of 3
+    assert set(client.put(ns, attn + states, parent=parents + [hashes[0]] * 2)) == {"stored"}
+    client.put(ns, [(bytes(32), 1, 0, b"T" * 100)], parent=[None])  # one rank's state: held by nobody
+    _, status = http_json(server.http_url + "/status")
+    usable = status["namespaces"][ns]["usable_prefixes"]
+    assert usable["resumable_tokens"] == 2 * chunk and usable["resumable_states"] == 1
+    assert usable["states_held"] == 1 and usable["states_evicted_newest"] == 0
+    client.delete(ns, [(hashes[0], 2, 0)])  # a hole at the first chunk: nothing resumes
+    with urllib.request.urlopen(server.http_url + "/metrics", timeout=5) as r:
+        text = r.read().decode()
+    assert f'glm_cache_resumable_tokens{{namespace="{ns}"}} 0.0' in text
+    assert f'glm_cache_states_held{{namespace="{ns}"}} 1.0' in text
+    # chunk 2's attention and state shards; chunk 3 was never on a resumable path (pending)
+    assert f'glm_cache_worthless_objects{{namespace="{ns}"}} 3.0' in text
+    assert f'glm_cache_states_evicted_newest_total{{namespace="{ns}"}} 0.0' in text
+    client.hello("undeclared", 256)  # an engine that did not declare its groups: not tracked
+    assert http_json(server.http_url + "/status")[1]["namespaces"]["undeclared"]["usable_prefixes"] is None

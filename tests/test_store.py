@@ -439,3 +439,140 @@ def test_replicated_groups_need_only_the_rank_0_copy():
     # a sharded group stays per rank even when another group is replicated
     s.delete((NS, h(2), STATE, 3))
     assert s.lookup(NS, hashes, [ATTN], [STATE], world_size=4, replicated_groups=[ATTN])[0] == 0
+
+
+# --- usable prefixes and value-aware retention (issue 12, seed 000) ---------------------
+
+from cache_server.store import Layout  # noqa: E402
+
+CHUNK = 100
+
+
+def tracked(capacity: int = 10_000, world: int = 2) -> ObjectStore:
+    """A store whose namespace declared attention (replicated, one copy) and state (per rank)."""
+    s = store(capacity=capacity, max_object=capacity)
+    s.set_layout(NS, Layout(frozenset({ATTN}), frozenset({STATE}), world, frozenset({ATTN}), CHUNK))
+    return s
+
+
+def _conversation(s: ObjectStore, ids: list[int], state_at: int | None, nbytes: int = 10, world: int = 2,
+                  prev: int | None = None) -> None:
+    """Attention for chunks ``ids`` (a chain), a state on every rank at ``state_at``."""
+    for k, i in enumerate(ids):
+        s.put((NS, h(i), ATTN, 0), b"a" * nbytes, parent=h(ids[k - 1]) if k else None)
+    if state_at is not None:
+        k = ids.index(state_at)
+        for r in range(world):
+            s.put((NS, h(state_at), STATE, r), b"s" * nbytes, prev=None if prev is None else h(prev),
+                  parent=h(ids[k - 1]) if k else None)
+
+
+def test_usable_prefixes_follow_attention_and_states_both_ways():
+    s = tracked()
+    _conversation(s, [1, 2, 3], state_at=3)
+    _conversation(s, [1, 2, 4], state_at=None)  # a branch without a state resumes nothing yet
+    u = s.usable_prefixes(NS)
+    assert (u["resumable_tokens"], u["resumable_states"], u["states_held"]) == (3 * CHUNK, 1, 1)
+    s.delete((NS, h(2), ATTN, 0))  # a hole in the path: nothing below it resumes
+    u = s.usable_prefixes(NS)
+    assert (u["resumable_tokens"], u["resumable_states"], u["states_held"]) == (0, 0, 1)
+    assert u["worthless_objects"] == 4  # chunk 1 and 3's attention, chunk 3's two state shards
+    s.put((NS, h(2), ATTN, 0), b"a" * 10, parent=h(1))  # recomputed and saved again
+    u = s.usable_prefixes(NS)
+    assert (u["resumable_tokens"], u["resumable_states"], u["worthless_objects"]) == (3 * CHUNK, 1, 0)
+    s.delete((NS, h(3), STATE, 1))  # one rank's shard missing: not resumable
+    assert s.usable_prefixes(NS)["resumable_tokens"] == 0
+    assert s.lookup(NS, [h(1), h(2), h(3)], [ATTN], [STATE], 2, replicated_groups=[ATTN], lease=False)[0] == 0
+
+
+def test_state_arriving_before_its_attention_counts_once_the_path_is_whole():
+    """TP ranks put independently: a state shard can come before rank 0's attention."""
+    s = tracked()
+    for r in range(2):
+        s.put((NS, h(2), STATE, r), b"s" * 10, parent=h(1))
+    assert s.usable_prefixes(NS)["resumable_tokens"] == 0
+    assert s.usable_prefixes(NS)["worthless_objects"] == 0  # pending, not worthless
+    _conversation(s, [1, 2], state_at=None)
+    assert s.usable_prefixes(NS)["resumable_tokens"] == 2 * CHUNK
+
+
+def test_worthless_attention_is_evicted_before_older_resumable_objects():
+    s = tracked(capacity=120)
+    _conversation(s, [1, 2], state_at=2)  # A: 40 bytes, oldest
+    _conversation(s, [5, 6], state_at=6)  # B: 40 bytes
+    s.delete((NS, h(6), STATE, 0))  # B lost its state: its attention resumes nothing
+    s.get((NS, h(5), ATTN, 0))  # ...though it was used most recently
+    s.put((NS, h(9), ATTN, 0), b"n" * 80, parent=None)  # needs 30 bytes: all of B that is left
+    assert (NS, h(5), ATTN, 0) not in s and (NS, h(6), STATE, 1) not in s  # worthless went first
+    assert all((NS, h(i), ATTN, 0) in s for i in (1, 2))  # A is still resumable
+    assert s.usable_prefixes(NS)["resumable_tokens"] == 2 * CHUNK
+
+
+def test_pending_prefix_is_not_evicted_as_worthless():
+    """A prompt whose state has not been saved yet keeps its first chunks (plain LRU)."""
+    s = tracked(capacity=60)
+    _conversation(s, [1], state_at=1)  # 30 bytes, older
+    s.put((NS, h(5), ATTN, 0), b"a" * 10, parent=None)
+    s.put((NS, h(6), ATTN, 0), b"a" * 10, parent=h(5))
+    s.put((NS, h(7), ATTN, 0), b"a" * 20, parent=h(6))  # needs room
+    assert all((NS, h(i), ATTN, 0) in s for i in (5, 6, 7))
+    assert (NS, h(1), ATTN, 0) not in s  # the older conversation went, by LRU
+
+
+def test_states_evicted_while_newest_are_counted_superseded_ones_not():
+    s = tracked(capacity=70, world=1)
+    _conversation(s, [1], state_at=1, world=1)
+    _conversation(s, [1, 2], state_at=2, world=1, prev=1)  # supersedes the state at 1
+    assert s.usable_prefixes(NS)["states_held"] == 2
+    s.put((NS, h(8), ATTN, 0), b"x" * 40, parent=None)  # evicts the superseded state first
+    assert (NS, h(1), STATE, 0) not in s and (NS, h(2), STATE, 0) in s
+    assert s.usable_prefixes(NS)["states_evicted_newest"] == 0
+    s.put((NS, h(9), ATTN, 0), b"x" * 30, parent=None)
+    u = s.usable_prefixes(NS)
+    assert u["states_evicted_newest"] == 1 and u["states_held"] == 0
+
+
+def test_usable_prefix_figures_match_a_brute_force_count():
+    """Random puts, deletes and evictions on a chunk tree; the incremental figures must
+    equal a recount from the resident objects after every operation."""
+    import random
+
+    rng = random.Random(12)
+    world = 2
+    s = tracked(capacity=3000, world=world)
+    parent = {0: None} | {i: (rng.randrange(i) if rng.random() < 0.85 else None) for i in range(1, 40)}
+
+    def recount() -> tuple[int, int, int]:
+        objs = set(s._objects)
+        attn = {i for i in parent if (NS, h(i), ATTN, 0) in objs}
+        state = {i for i in parent if all((NS, h(i), STATE, r) in objs for r in range(world))}
+
+        def path(i):
+            while i is not None:
+                yield i
+                i = parent[i]
+        resumable = [i for i in state if all(j in attn for j in path(i))]
+        covered = {j for i in resumable for j in path(i)}
+        return len(covered) * CHUNK, len(resumable), len(state)
+
+    for step in range(3000):
+        i = rng.randrange(40)
+        p = None if parent[i] is None else h(parent[i])
+        op = rng.random()
+        if op < 0.6:
+            key = (NS, h(i), ATTN, 0) if rng.random() < 0.5 else (NS, h(i), STATE, rng.randrange(world))
+            s.put(key, b"x" * rng.randrange(20, 200), parent=p)
+        elif op < 0.8:
+            s.delete((NS, h(i), rng.choice([ATTN, STATE]), rng.randrange(world)))
+        else:
+            s.lookup(NS, [h(j) for j in reversed(list(_path(parent, i)))], [ATTN], [STATE], world,
+                     replicated_groups=[ATTN], lease=False)
+        u = s.usable_prefixes(NS)
+        assert (u["resumable_tokens"], u["resumable_states"], u["states_held"]) == recount(), step
+    assert s.counters.evictions > 200
+
+
+def _path(parent: dict, i):
+    while i is not None:
+        yield i
+        i = parent[i]

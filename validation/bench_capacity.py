@@ -1,0 +1,297 @@
+"""Capacity benchmark (issue 12): resumable conversation tokens per GB, this project's
+storing and retention against an LMCache-style baseline, on real glm-cache-server processes
+with the same byte budget.
+
+    python validation/bench_capacity.py [--scale 512] [--plot validation/bench_capacity.png]
+
+What it exercises and what it imitates. There is no engine here (GLM-5.3-Flash at TP 4
+does not run on this machine); the driver plays vLLM's part:
+
+* Real: two ``glm-cache-server`` processes (``cache_server.cli``, one per policy, same
+  ``--l1-size-gb``), the connector's client (:class:`connector.client.CacheClient`: hello,
+  lookup, put with ``prev`` and ``parent``), its keys (:func:`connector.keys.chunk_hashes`),
+  its strict-prefix rule (:func:`connector.geometry.strict_prefix_chunks`), and the object
+  sizes per group of vLLM's native GLM-5.3-Flash at TP 4 (from
+  ``validation/glm_flash_kv_layouts.py``, the same numbers ``geometry_report`` prints:
+  block 1536 tokens, one attention group stored once, four KDA state groups per rank).
+* Imitated: the scheduler side's decisions, written out here the way
+  ``GlmCacheConnector`` makes them: a lookup of ``floor((N-1)/C)`` chunks per turn, then
+  attention saves for the prompt's whole chunks past the hit (rank 0 only for the replicated
+  group, as ``wait_for_save`` does) and one state save per rank at the prompt's replay
+  boundary ``C*floor((N-1)/C)`` (what vLLM 0.32 retains with the default
+  ``prefix_cache_retention_interval=0``), linked by ``prev`` to the state it resumed from
+  and by ``parent`` to the previous chunk (``_state_saves``, ``_attention_saves``). Loads
+  (``get``) are not issued: the lookup already refreshes what a load would.
+* Baseline (LMCache-style, as in seed 003's recipe): attention and a KDA state object with
+  every chunk, on every rank (no replicated-group dedup), no ``prev``/``parent`` and no
+  declared layout, so that server applies plain LRU, as LMCache's does.
+
+Byte sizes are divided by ``--scale`` (and so is the budget), so everything fits this
+machine; results are reported at full scale (tokens per GB of the unscaled budget).
+
+Phases: (a) seed 000: six three-turn sessions growing to about 20k tokens, one 308k-token
+prompt, then each session's next turn (a probe is warm when it resumes at or past the
+state its previous turn left); (b) steady mixes: many sessions, each turn adding one to
+three chunks, at 20k-token and 100k-token conversations. At the end of each phase every
+conversation is looked up (same order for both policies) and its resumable depth summed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from cache_server.process import ServerProcess  # noqa: E402
+from connector.client import CacheClient  # noqa: E402
+from connector.geometry import strict_prefix_chunks  # noqa: E402
+from connector.keys import chunk_hashes  # noqa: E402
+
+GB = 1e9
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """Per-object bytes at full scale, from vLLM's native GLM-5.3-Flash TP 4 layout."""
+
+    chunk: int  # tokens per chunk (= vLLM's unified block)
+    world: int
+    attn: dict[int, int]  # group -> bytes per chunk object (replicated: one copy)
+    state: dict[int, int]  # group -> bytes per rank
+
+    @property
+    def state_bytes_all_ranks(self) -> int:
+        return sum(self.state.values()) * self.world
+
+
+def native_tp4_sizes() -> Sizes:
+    from validation import glm_flash_kv_layouts as L
+
+    built = L.build("native", 4, num_blocks=1, cfg=L.text_config())
+    geo = L.resolve(built)
+    assert all(g.replicated_across_tp for g in geo.attn_groups)
+    return Sizes(built.block_size, 4, {g.group_id: g.object_bytes_per_block for g in geo.attn_groups},
+                 {g.group_id: g.object_bytes_per_block for g in geo.state_groups})
+
+
+@dataclass
+class Conversation:
+    name: str
+    rng: random.Random
+    tokens: list[int] = field(default_factory=list)
+    last_state_chunk: dict[str, int] = field(default_factory=dict)  # policy -> chunk of its newest state
+
+    def extend(self, n: int) -> None:
+        self.tokens.extend(self.rng.randrange(1, 150_000) for _ in range(n))
+
+
+class Policy:
+    """One server and the save rules of one policy."""
+
+    def __init__(self, name: str, sizes: Sizes, scale: int, budget_bytes: int, ours: bool) -> None:
+        self.name, self.sizes, self.scale, self.ours = name, sizes, scale, ours
+        self.budget_bytes = budget_bytes
+        scaled = budget_bytes // scale
+        max_obj = max(max(sizes.attn.values()), max(sizes.state.values())) // scale + 1
+        self.server = ServerProcess("--separate-object-groups", "--l1-size-gb", f"{scaled / GIB:.12f}",
+                                    "--max-object-size-mb", f"{max(max_obj / (1 << 20), 0.01):.6f}",
+                                    "--max-message-mb", "256", "--log-level", "WARNING").start()
+        self.client = CacheClient(self.server.url, timeout_s=60.0)
+        self.ns = f"bench-{name}"
+        groups = [*sizes.attn, *sizes.state]
+        if ours:
+            self.client.hello(self.ns, sizes.chunk, sizes.world, list(sizes.attn),
+                              attn_groups=list(sizes.attn), state_groups=list(sizes.state))
+        else:
+            self.client.hello(self.ns, sizes.chunk, sizes.world)
+        self._payload = {g: bytes(self._obj(g)) for g in groups}
+        self.attn_groups, self.state_groups = list(sizes.attn), list(sizes.state)
+
+    def _obj(self, group: int) -> int:
+        full = self.sizes.attn.get(group) or self.sizes.state[group]
+        return max(1, full // self.scale)
+
+    def lookup(self, conv: Conversation, max_chunks: int) -> int:
+        hashes = chunk_hashes(conv.tokens[: max_chunks * self.sizes.chunk], self.sizes.chunk)
+        if not hashes:
+            return 0
+        n, _ = self.client.lookup(self.ns, hashes, self.attn_groups, self.state_groups, self.sizes.world,
+                                  lease=False, replicated_groups=list(self.sizes.attn) if self.ours else [])
+        return n
+
+    def turn(self, conv: Conversation) -> int:
+        """One prompt of ``conv`` through the connector's decisions; returns the hit in chunks."""
+        C, N = self.sizes.chunk, len(conv.tokens)
+        hit = self.lookup(conv, strict_prefix_chunks(N, C))
+        whole = N // C
+        hashes = chunk_hashes(conv.tokens[: whole * C], C)
+        items: list[tuple[bytes, int, int, bytes]] = []
+        prevs: list[bytes | None] = []
+        parents: list[bytes | None] = []
+        state_at = strict_prefix_chunks(N, C)  # vLLM's replay boundary, in chunks
+        for k in range(hit, whole):
+            parent = hashes[k - 1] if k else None
+            for g in self.attn_groups:
+                for r in (range(1) if self.ours else range(self.sizes.world)):
+                    items.append((hashes[k], g, r, self._payload[g]))
+                    prevs.append(None)
+                    parents.append(parent)
+            if not self.ours or k + 1 == state_at:  # baseline: a state with every chunk
+                prev = None
+                if self.ours and hit:
+                    prev = hashes[hit - 1]
+                for g in self.state_groups:
+                    for r in range(self.sizes.world):
+                        items.append((hashes[k], g, r, self._payload[g]))
+                        prevs.append(prev)
+                        parents.append(parent)
+            if len(items) >= 64:
+                self._put(items, prevs, parents)
+                items, prevs, parents = [], [], []
+        if items:
+            self._put(items, prevs, parents)
+        conv.last_state_chunk[self.name] = max(state_at, hit) if state_at > hit else hit
+        return hit
+
+    def _put(self, items, prevs, parents) -> None:
+        if self.ours:
+            self.client.put(self.ns, items, prev=prevs, parent=parents)
+        else:
+            self.client.put(self.ns, items)
+
+    def bytes_by_group(self) -> dict[str, int]:
+        """Resident bytes per group kind, at full scale."""
+        st = self.client.stats()
+        by = {int(g): b * self.scale for g, b in st["bytes_by_group"].items()}
+        return {"attention": sum(by.get(g, 0) for g in self.sizes.attn),
+                "state": sum(by.get(g, 0) for g in self.sizes.state)}
+
+    def close(self) -> None:
+        self.client.close()
+        self.server.stop()
+
+
+def resumable_tokens(policy: Policy, convs: list[Conversation]) -> int:
+    C = policy.sizes.chunk
+    return sum(policy.lookup(c, strict_prefix_chunks(len(c.tokens) + 1, C)) * C for c in convs)
+
+
+def phase_seed000(policies: list[Policy], seed: int) -> dict[str, dict]:
+    """Six ~20k-token three-turn sessions, one 308k prompt, then the six next turns."""
+    rng = random.Random(seed)
+    sessions = [Conversation(f"s{i}", random.Random(rng.random())) for i in range(6)]
+    for c in sessions:
+        c.extend(16_000)
+    for _turn in range(3):
+        for c in sessions:
+            for p in policies:
+                p.turn(c)
+            c.extend(1_300)  # the answer and the next user message
+    long = Conversation("long", random.Random(rng.random()))
+    long.extend(308_000)
+    for p in policies:
+        p.turn(long)
+    out: dict[str, dict] = {}
+    for p in policies:
+        warm = 0
+        for c in sessions:
+            expected = c.last_state_chunk[p.name]
+            warm += p.lookup(c, strict_prefix_chunks(len(c.tokens), p.sizes.chunk)) >= expected > 0
+        out[p.name] = {"warm": warm, "resumable": resumable_tokens(p, [*sessions, long]),
+                       "bytes": p.bytes_by_group()}
+    return out
+
+
+def phase_steady(policies: list[Policy], seed: int, sessions: int, start_tokens: int, turns: int) -> dict[str, dict]:
+    """Many sessions; each turn of a random session adds one to three chunks."""
+    rng = random.Random(seed)
+    C = policies[0].sizes.chunk
+    convs = [Conversation(f"m{i}", random.Random(rng.random())) for i in range(sessions)]
+    for c in convs:
+        c.extend(start_tokens)
+    for _ in range(turns):
+        c = convs[min(int(rng.expovariate(1 / (sessions / 3))), sessions - 1)]  # some sessions busier
+        for p in policies:
+            p.turn(c)
+        c.extend(rng.randint(1, 3) * C)
+    return {p.name: {"resumable": resumable_tokens(p, convs), "bytes": p.bytes_by_group()} for p in policies}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--scale", type=int, default=512, help="divide every byte size and the budget by this")
+    ap.add_argument("--budget-gb", type=float, nargs=3, default=(6.0, 24.0, 48.0),
+                    help="full-scale L1 budgets (GB) of phases a, b-20k and b-100k")
+    ap.add_argument("--seed", type=int, default=12)
+    ap.add_argument("--plot", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_capacity.png"))
+    args = ap.parse_args()
+    t0 = time.monotonic()
+    sizes = native_tp4_sizes()
+    attn_per_token = sum(sizes.attn.values()) / sizes.chunk
+    print(f"native TP 4: chunk {sizes.chunk} tokens, attention {attn_per_token:.0f} B/token (stored once), "
+          f"state {sum(sizes.state.values()) / 1e6:.1f} MB/rank x {sizes.world} ranks; bytes scaled 1/{args.scale}")
+    phases = [("a: seed 000", args.budget_gb[0], lambda ps: phase_seed000(ps, args.seed)),
+              ("b: 20k sessions", args.budget_gb[1], lambda ps: phase_steady(ps, args.seed, 120, 19_000, 600)),
+              ("b: 100k sessions", args.budget_gb[2], lambda ps: phase_steady(ps, args.seed, 60, 98_000, 240))]
+    rows = []
+    for label, budget_gb, run in phases:
+        budget = int(budget_gb * GB)
+        ps = [Policy("glm", sizes, args.scale, budget, ours=True),
+              Policy("lmcache", sizes, args.scale, budget, ours=False)]
+        try:
+            t = time.monotonic()
+            res = run(ps)
+            status = ps[0].client.stats()["namespaces"][ps[0].ns]["usable_prefixes"]
+        finally:
+            for p in ps:
+                p.close()
+        for name, r in res.items():
+            rows.append((label, budget_gb, name, r["resumable"] / budget_gb, r.get("warm"), r["bytes"]))
+        print(f"  phase {label}: {time.monotonic() - t:.1f} s; server /status usable_prefixes (glm): {status}")
+    print()
+    print(f"{'phase':18} {'budget':>7} {'policy':8} {'resumable tok/GB':>17} {'ratio':>6} {'probes warm':>11} "
+          f"{'attention GB':>12} {'state GB':>9}")
+    for label, budget_gb, name, per_gb, warm, by in rows:
+        base = next(r[3] for r in rows if r[0] == label and r[2] == "lmcache")
+        ratio = f"{per_gb / base:.1f}x" if base else ("inf" if per_gb else "-")
+        print(f"{label:18} {budget_gb:6.0f}G {name:8} {per_gb:17,.0f} {ratio:>6} "
+              f"{'' if warm is None else f'{warm} of 6':>11} {by['attention'] / GB:12.2f} {by['state'] / GB:9.2f}")
+    print(f"\ntotal {time.monotonic() - t0:.0f} s")
+    if args.plot:
+        _plot(rows, args.plot)
+        print(f"plot: {args.plot}")
+
+
+def _plot(rows: list, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = list(dict.fromkeys(r[0] for r in rows))
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    width = 0.38
+    for j, name in enumerate(("glm", "lmcache")):
+        vals = [next(r[3] for r in rows if r[0] == lab and r[2] == name) for lab in labels]
+        bars = ax.bar([i + (j - 0.5) * width for i in range(len(labels))], vals, width,
+                      label={"glm": "this project (state where vLLM keeps one, latent once)",
+                             "lmcache": "LMCache-style (state every chunk, every rank)"}[name])
+        ax.bar_label(bars, [f"{v:,.0f}" for v in vals], fontsize=7)
+    ax.set_xticks(range(len(labels)), [f"{lab}\n({next(r[1] for r in rows if r[0] == lab):.0f} GB)"
+                                       for lab in labels])
+    ax.set_ylabel("resumable tokens per GB")
+    ax.set_title("GLM-5.3-Flash, native TP 4 sizes: what a cache budget can resume")
+    ax.set_ylim(0, max(r[3] for r in rows) * 1.35)
+    ax.legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
