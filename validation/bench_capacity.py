@@ -70,13 +70,17 @@ class Sizes:
         return sum(self.state.values()) * self.world
 
 
-def native_tp4_sizes() -> Sizes:
+def native_tp4_sizes(block: int | None = None) -> Sizes:
+    """``block`` None: vLLM 0.32's unified block as derived by the fixture (1536 at TP 4);
+    else that many tokens a chunk (seed 003 reports 1152 from the vLLM it ran), attention
+    bytes scaled per token, the KDA state (one per block position) unchanged."""
     from validation import glm_flash_kv_layouts as L
 
     built = L.build("native", 4, num_blocks=1, cfg=L.text_config())
     geo = L.resolve(built)
     assert all(g.replicated_across_tp for g in geo.attn_groups)
-    return Sizes(built.block_size, 4, {g.group_id: g.object_bytes_per_block for g in geo.attn_groups},
+    chunk = block or built.block_size
+    return Sizes(chunk, 4, {g.group_id: g.object_bytes_per_block * chunk // built.block_size for g in geo.attn_groups},
                  {g.group_id: g.object_bytes_per_block for g in geo.state_groups})
 
 
@@ -229,10 +233,12 @@ def main() -> None:
     ap.add_argument("--budget-gb", type=float, nargs=3, default=(6.0, 24.0, 48.0),
                     help="full-scale L1 budgets (GB) of phases a, b-20k and b-100k")
     ap.add_argument("--seed", type=int, default=12)
+    ap.add_argument("--block", type=int, default=None,
+                    help="tokens a chunk/block (default: vLLM 0.32's derived 1536 at TP 4; seed 003 reports 1152)")
     ap.add_argument("--plot", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_capacity.png"))
     args = ap.parse_args()
     t0 = time.monotonic()
-    sizes = native_tp4_sizes()
+    sizes = native_tp4_sizes(args.block)
     attn_per_token = sum(sizes.attn.values()) / sizes.chunk
     print(f"native TP 4: chunk {sizes.chunk} tokens, attention {attn_per_token:.0f} B/token (stored once), "
           f"state {sum(sizes.state.values()) / 1e6:.1f} MB/rank x {sizes.world} ranks; bytes scaled 1/{args.scale}")
