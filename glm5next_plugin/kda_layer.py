@@ -157,8 +157,10 @@ def _vllm_state_layer_base():
 class KDAStateLayer(KDAProjections, _vllm_state_layer_base()):
     """KDA with its state in vLLM's cache (registered in the static forward context)."""
 
-    def __init__(self, config, vllm_config, prefix: str) -> None:
-        super().__init__(config, tp_info(vllm_config))
+    def __init__(self, config, vllm_config, prefix: str, tp: TPInfo | None = None) -> None:
+        # ``tp`` given: this rank's place without asking vLLM's process groups (a layer
+        # built only for its cache spec, e.g. by validation/glm_flash_kv_layouts.py).
+        super().__init__(config, tp or tp_info(vllm_config))
         self.prefix = prefix
         self.config = config
         self.vllm_config = vllm_config

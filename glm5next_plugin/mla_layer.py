@@ -214,8 +214,10 @@ def _attention_layer_base():
 class SparseMLALayer(SparseMLAProjections, _attention_layer_base()):
     """Sparse MLA with its rows in vLLM's paged cache (registered in the forward context)."""
 
-    def __init__(self, config, vllm_config, prefix: str) -> None:
-        super().__init__(config, tp_info(vllm_config))
+    def __init__(self, config, vllm_config, prefix: str, tp: TPInfo | None = None) -> None:
+        # ``tp`` given: this rank's place without asking vLLM's process groups (a layer
+        # built only for its cache spec, e.g. by validation/glm_flash_kv_layouts.py).
+        super().__init__(config, tp or tp_info(vllm_config))
         self.prefix = prefix
         self.vllm_config = vllm_config
         self.kv_cache = torch.tensor([])

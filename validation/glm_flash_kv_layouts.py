@@ -215,6 +215,7 @@ def plugin_specs(cfg: Any, tp: int, block: int) -> dict[str, Any]:
     weight memory) asked by vLLM's ``get_kv_cache_spec`` the way the model runner asks."""
     from glm5next_plugin.kda_layer import KDAStateLayer
     from glm5next_plugin.mla_layer import SparseMLALayer
+    from glm5next_plugin.tp import TPInfo
 
     attn_page = block * plugin_attn_page_per_token(cfg)
     kda_page = kda_page_bytes(cfg, tp)
@@ -238,11 +239,11 @@ def plugin_specs(cfg: Any, tp: int, block: int) -> dict[str, Any]:
             name = f"model.language_model.layers.{i}.self_attn"
             if i in _kda_layers(cfg):
                 if kda_layer is None:  # every KDA layer has the same spec: build one
-                    kda_layer = KDAStateLayer(cfg, vcfg, name)
+                    kda_layer = KDAStateLayer(cfg, vcfg, name, tp=TPInfo(0, tp))
                 specs[name] = kda_layer.get_kv_cache_spec(vcfg)
             else:
                 if mla_layer is None:
-                    mla_layer = SparseMLALayer(cfg, vcfg, name)
+                    mla_layer = SparseMLALayer(cfg, vcfg, name, tp=TPInfo(0, tp))
                 specs[name] = mla_layer.get_kv_cache_spec(vcfg)
     return specs
 
