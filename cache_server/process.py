@@ -98,6 +98,10 @@ class ServerProcess:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
     def __enter__(self) -> ServerProcess:
+        # ``with ServerProcess(...).start() as s`` must not start a second process on the
+        # same ports: the first would answer the health check and be left running.
+        if self.proc is not None and self.proc.poll() is None:
+            return self
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

@@ -339,3 +339,13 @@ def test_status_and_metrics_report_usable_prefixes(server, client):
     assert f'glm_cache_states_evicted_newest_total{{namespace="{ns}"}} 0.0' in text
     client.hello("undeclared", 256)  # an engine that did not declare its groups: not tracked
     assert http_json(server.http_url + "/status")[1]["namespaces"]["undeclared"]["usable_prefixes"] is None
+
+
+def test_entering_a_started_server_process_does_not_start_a_second_one():
+    """``with ServerProcess(...).start() as s``: one process, stopped on exit (a second start
+    on the same ports once left the first running after the test)."""
+    srv = ServerProcess("--separate-object-groups").start()
+    first = srv.proc
+    with srv as same:
+        assert same is srv and srv.proc is first
+    assert first.poll() is not None
