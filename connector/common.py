@@ -1,0 +1,162 @@
+"""What both halves of :class:`GlmCacheConnector` share: its settings, the plan the
+scheduler side hands the worker side each step (plain, picklable data), and small rules.
+
+Extra config keys (``kv_connector_extra_config``) are listed in ``connector.glm_connector``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.logger import init_logger
+
+from cache_server.auth import TokenFileError, read_token_file
+from cache_server.protocol import ErrorCode
+from connector.client import CacheServerError, CacheServerUnavailable
+from connector.geometry import Geometry, UnsupportedLayout, disabled_geometry, resolve_geometry
+
+if TYPE_CHECKING:
+    from vllm.config import KVTransferConfig, VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+# Under "vllm." so the engine's log configuration (handlers, level) applies.
+logger = init_logger("vllm.glm_cache_connector")
+
+CLIENT_ERRORS = (CacheServerUnavailable, CacheServerError, OSError)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The connector's ``kv_connector_extra_config``, parsed once (see glm_connector)."""
+
+    url: str = "tcp://127.0.0.1:5555"
+    timeout_s: float = 2.0
+    retry_after_s: float = 5.0
+    save_decode: bool = False
+    strict_prefix: bool = True
+    max_pending_save_bytes: int = 1 << 30
+    auth_token: str | None = None
+    auth_broken: bool = False  # the token file was unusable: no external cache at all
+
+    @classmethod
+    def from_config(cls, cfg: KVTransferConfig) -> Settings:
+        get = cfg.get_from_extra_config
+        auth_token, auth_broken = None, False
+        try:
+            auth_token = auth_token_from_config(get)
+        except TokenFileError as e:
+            auth_broken = True
+            logger.error(
+                "GlmCacheConnector: %s; serving without the external cache (fix "
+                "auth_token_file and restart)", e,
+            )
+        return cls(
+            url=str(get("server", cls.url)),
+            timeout_s=float(get("timeout_s", cls.timeout_s)),
+            retry_after_s=float(get("retry_after_s", cls.retry_after_s)),
+            save_decode=flag(get("save_decode", False)),
+            strict_prefix=flag(get("strict_prefix", True)),
+            max_pending_save_bytes=int(get("max_pending_save_bytes", cls.max_pending_save_bytes)),
+            auth_token=auth_token,
+            auth_broken=auth_broken,
+        )
+
+
+def uncacheable_reason(request: Any) -> str | None:
+    """Why a request's KV must not be shared through the cache, or None.
+
+    Keys hash token ids only. Images/video (placeholder tokens whose KV depends on the
+    pixels), LoRA adapters (other weights) and prompt embeddings (no token ids at all)
+    would let different requests share a key, so such requests are not cached (fail
+    closed) rather than keyed by something partial."""
+    if getattr(request, "mm_features", None):
+        return "multimodal inputs"
+    if getattr(request, "lora_request", None) is not None:
+        return "a LoRA adapter"
+    if getattr(request, "prompt_embeds", None) is not None:
+        return "prompt embeddings"
+    return None
+
+
+def auth_token_from_config(get: Any) -> str | None:
+    """The token named by ``auth_token_file`` (None if the key is absent or empty).
+
+    ``get`` is ``KVTransferConfig.get_from_extra_config``. Raises :class:`TokenFileError`
+    with the path and the reason when the file cannot be used.
+    """
+    path = get("auth_token_file", None)
+    if path is None or str(path).strip() == "":
+        return None
+    return read_token_file(str(path))
+
+
+def unauthorized(err: BaseException) -> bool:
+    return isinstance(err, CacheServerError) and err.code == ErrorCode.UNAUTHORIZED.value
+
+
+def resolve_or_disable(
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig
+) -> tuple[Geometry, str | None]:
+    """The engine's cache geometry, or an empty one and the reason when vLLM handed us
+    a layout we do not understand (fail closed: serve without the external cache, never
+    guess a layout). Logged once here. Fixable misconfigurations (prefix caching off,
+    recurrent state without align-mode snapshots) still raise :class:`GeometryError`
+    and stop vLLM at start-up: the operator asked for the cache and one flag fixes it."""
+    try:
+        return resolve_geometry(vllm_config, kv_cache_config), None
+    except UnsupportedLayout as e:
+        logger.error("GlmCacheConnector: %s; serving without the external cache", e)
+        return disabled_geometry(kv_cache_config), str(e)
+
+
+def parent_of(hashes: list[bytes], k: int) -> bytes | None:
+    """The chunk hash before chunk ``k`` of a chain (None for the first chunk)."""
+    return hashes[k - 1] if k > 0 else None
+
+
+def flag(value: Any) -> bool:
+    """A boolean setting from JSON or a CLI string ("false" is False)."""
+    if isinstance(value, str):
+        return value.strip().lower() not in ("0", "false", "no", "off", "")
+    return bool(value)
+
+
+# --------------------------------------------------------------------------------------
+# Scheduler -> worker plan (plain, picklable data)
+# --------------------------------------------------------------------------------------
+
+
+@dataclass
+class ObjectMove:
+    """One cache object and the blocks it maps to; None blocks are skipped on load
+    (pages vLLM already holds from its local prefix cache)."""
+
+    chunk_hash: bytes
+    group_id: int
+    block_ids: list[int | None]
+    # State saves only: the hash of the previous state on this request's path, so the
+    # server can evict the superseded one first (snapshot-aware retention).
+    prev: bytes | None = None
+    # Saves only: the hash of the chunk before this one (None: the first chunk; b"": not
+    # known), so the server knows which prefixes are resumable and what nothing can resume.
+    parent: bytes | None = b""
+
+
+@dataclass
+class LoadJob:
+    req_id: str
+    objects: list[ObjectMove]
+
+
+@dataclass
+class GlmConnectorMetadata(KVConnectorMetadata):
+    namespace: str = ""
+    loads: list[LoadJob] = field(default_factory=list)
+    saves: list[ObjectMove] = field(default_factory=list)
+
+
+# --------------------------------------------------------------------------------------
+# Scheduler-side bookkeeping
+# --------------------------------------------------------------------------------------
