@@ -13,6 +13,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from cache_server.children import popen_tied
+
 
 def free_port() -> int:
     """A TCP port free on loopback right now."""
@@ -56,7 +58,7 @@ class ServerProcess:
         cmd = [sys.executable, "-m", "cache_server.cli", "--port", str(self.port),
                "--http-port", str(self.http_port), *self.extra_args]
         self._log_file = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(cmd, stdout=self._log_file, stderr=subprocess.STDOUT,
+        self.proc = popen_tied(cmd, stdout=self._log_file, stderr=subprocess.STDOUT,
                                      env={**os.environ, "PYTHONUNBUFFERED": "1"})
         atexit.register(self.stop)  # a notebook kernel or script that dies early leaves no server behind
         deadline = time.monotonic() + timeout_s

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from cache_server.children import popen_tied
 from cache_server.process import free_port
 
 
@@ -60,7 +61,7 @@ class VllmServer:
     def start(self, timeout_s: float = 600.0, progress: bool = True) -> VllmServer:
         cmd = [os.path.join(os.path.dirname(sys.executable), "vllm"), "serve", self.model, *self.args]
         self._log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=self.env,
+        self.proc = popen_tied(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=self.env,
                                      start_new_session=True)
         atexit.register(self.stop)  # its own session: nothing else would stop it if we die early
         t0 = time.monotonic()
