@@ -37,6 +37,7 @@ _positive_int = _number(int, "a positive integer", lambda v: v > 0)
 _port = _number(int, "a port number in 0..65535", lambda v: 0 <= v <= 65535)
 _positive_float = _number(float, "a positive finite number", lambda v: 0 < v < float("inf"))
 _fraction = _number(float, "a fraction in (0, 1]", lambda v: 0 < v <= 1)
+_open_fraction = _number(float, "a fraction in (0, 1)", lambda v: 0 < v < 1)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -55,7 +56,12 @@ def build_parser() -> argparse.ArgumentParser:
                          "alignment at least this large (default 256)")
     ap.add_argument("--l1-size-gb", type=_positive_float, default=1.0,
                     help="byte budget of the in-memory store in GiB (default 1)")
-    ap.add_argument("--eviction-policy", choices=["LRU"], default="LRU", help="eviction policy (default LRU)")
+    ap.add_argument("--eviction-policy", choices=["value", "LRU"], default="value",
+                    help="order within each retention class (worthless, superseded, the rest): 'value' "
+                         "(recency and prefill saved per byte, GreedyDual) or 'LRU' (default value)")
+    ap.add_argument("--l1-state-share", type=_open_fraction, default=None, metavar="FRACTION",
+                    help="give the state groups of engines that declared them a separate share of "
+                         "--l1-size-gb, in (0, 1); default: one budget for all (measured better)")
     ap.add_argument("--separate-object-groups", action="store_true",
                     help="store one object per cache group (required for hybrid KDA/Mamba models)")
     ap.add_argument("--max-object-size-mb", type=_positive_float, default=None,
@@ -106,7 +112,8 @@ def config_from_args(args: argparse.Namespace, auth_token: str | None = None) ->
         max_object_bytes=(int(args.max_object_size_mb * MIB) if args.max_object_size_mb is not None
                           else min(256 * MIB, int(args.l1_size_gb * GIB))),
         separate_object_groups=args.separate_object_groups, lease_ttl_s=args.lease_ttl_s,
-        eviction_policy=args.eviction_policy, debug_fault_hooks=args.debug_fault_hooks,
+        eviction_policy=args.eviction_policy, l1_state_share=args.l1_state_share,
+        debug_fault_hooks=args.debug_fault_hooks,
         auth_token=auth_token,
         max_message_bytes=int(args.max_message_mb * MIB) if args.max_message_mb is not None else None,
         max_header_bytes=args.max_header_kb << 10, max_leases_per_client=args.max_leases_per_client,

@@ -25,7 +25,10 @@ Semantics, and why:
 * **Verification.** An L2 value is ``header || payload``; the header carries a magic, a
   digest of the full key (namespace, hash, group, rank: a value under the wrong key is
   refused), the object's checksum as its storing client wrote it (``protocol.checksum``)
-  and the ``prev`` link. Promotion recomputes the checksum of the payload; a mismatch is
+  the ``prev`` link and the chunk-tree ``parent`` (format 2; a format-1 value, written
+  before the parent was kept, promotes with the parent unknown, as a put that does not say
+  it), so a promoted prefix is placed in its namespace's chunk tree and counts as resumable
+  (and is retained as such) at once. Promotion recomputes the checksum of the payload; a mismatch is
   counted (``errors{kind=checksum}``), the value deleted from L2, and the object treated as
   absent. The checksum goes into L1 with the object, so the loading client checks it again.
 * **Keys carry the namespace**: ``{prefix}:{ns tag}:{hash hex}:{group}:{rank}``, the tag
@@ -61,18 +64,20 @@ from urllib.parse import parse_qs, unquote, urlparse
 from blake3 import blake3
 
 from cache_server import protocol as p
-from cache_server.store import ObjectStore, StoreKey
+from cache_server.store import UNKNOWN_PARENT, ObjectStore, StoreKey
 
 logger = logging.getLogger("glm_cache_server.l2")
 
-MAGIC = b"GL2\x01"
+MAGIC_V1 = b"GL2\x01"  # magic, key digest, checksum, prev
+MAGIC = b"GL2\x02"  # ... and the chunk-tree parent (tag byte: 0 unknown, 1 none: the first chunk, 2 a hash)
 KEY_DIGEST_BYTES = 8
-HEADER_BYTES = len(MAGIC) + KEY_DIGEST_BYTES + p.CHECKSUM_BYTES + 1 + p.HASH_BYTES
+HEADER_BYTES_V1 = len(MAGIC) + KEY_DIGEST_BYTES + p.CHECKSUM_BYTES + 1 + p.HASH_BYTES
+HEADER_BYTES = HEADER_BYTES_V1 + 1 + p.HASH_BYTES
 MAX_VALUE_BYTES = 512 * (1 << 20) - 1024  # Redis' proto-max-bulk-len default is 512 MB
 GET_BATCH = 4  # objects per pipelined GET: a 40 MB state object is one of these
 WRITE_BATCH_BYTES = 64 << 20
 
-Fetched = tuple[StoreKey, memoryview, bytes, bytes | None]  # key, payload, checksum, prev
+Fetched = tuple[StoreKey, memoryview, bytes, bytes | None, bytes | None]  # key, payload, checksum, prev, parent
 
 
 class L2ConfigError(ValueError):
@@ -150,18 +155,27 @@ def _key_digest(key: StoreKey) -> bytes:
     return blake3(b"%s\0%s\0%d\0%d" % (ns.encode(), digest, group, rank)).digest(KEY_DIGEST_BYTES)
 
 
-def encode_value(key: StoreKey, payload: bytes | memoryview, checksum: bytes, prev: bytes | None) -> bytes:
-    """``header || payload`` (one copy, on the writer thread)."""
+def encode_value(key: StoreKey, payload: bytes | memoryview, checksum: bytes, prev: bytes | None,
+                 parent: bytes | None = UNKNOWN_PARENT) -> bytes:
+    """``header || payload`` (one copy, on the writer thread). ``parent`` as the store's
+    ``put`` takes it: a hash, None (the first chunk) or :data:`UNKNOWN_PARENT`."""
     if len(checksum) != p.CHECKSUM_BYTES:
         raise ValueError("checksum must be CHECKSUM_BYTES long")
+    if parent is not None and parent != UNKNOWN_PARENT and len(parent) != p.HASH_BYTES:
+        raise ValueError("parent must be a HASH_BYTES hash, None or UNKNOWN_PARENT")
     tail = (b"\1" + prev) if prev is not None else b"\0" + bytes(p.HASH_BYTES)
-    return b"".join((MAGIC, _key_digest(key), checksum, tail, payload))
+    up = b"\1" + bytes(p.HASH_BYTES) if parent is None else \
+        b"\0" + bytes(p.HASH_BYTES) if parent == UNKNOWN_PARENT else b"\2" + parent
+    return b"".join((MAGIC, _key_digest(key), checksum, tail, up, payload))
 
 
-def decode_value(key: StoreKey, value: bytes) -> tuple[memoryview, bytes, bytes | None] | str:
-    """``(payload, checksum, prev)`` of a verified value, or why it was refused."""
+def decode_value(key: StoreKey, value: bytes) -> tuple[memoryview, bytes, bytes | None, bytes | None] | str:
+    """``(payload, checksum, prev, parent)`` of a verified value, or why it was refused.
+    Format-1 values (no parent) decode with the parent :data:`UNKNOWN_PARENT`."""
     view = memoryview(value)
-    if len(value) < HEADER_BYTES or view[:len(MAGIC)] != MAGIC:
+    magic = bytes(view[:len(MAGIC)])
+    header = {MAGIC: HEADER_BYTES, MAGIC_V1: HEADER_BYTES_V1}.get(magic)
+    if header is None or len(value) < header:
         return "format"
     at = len(MAGIC)
     if view[at:at + KEY_DIGEST_BYTES] != _key_digest(key):
@@ -170,10 +184,17 @@ def decode_value(key: StoreKey, value: bytes) -> tuple[memoryview, bytes, bytes 
     checksum = bytes(view[at:at + p.CHECKSUM_BYTES])
     at += p.CHECKSUM_BYTES
     prev = bytes(view[at + 1:at + 1 + p.HASH_BYTES]) if view[at] else None
-    payload = view[HEADER_BYTES:]
+    at += 1 + p.HASH_BYTES
+    parent: bytes | None = UNKNOWN_PARENT
+    if header == HEADER_BYTES:
+        tag = view[at]
+        if tag > 2:
+            return "format"
+        parent = None if tag == 1 else bytes(view[at + 1:at + 1 + p.HASH_BYTES]) if tag == 2 else UNKNOWN_PARENT
+    payload = view[header:]
     if p.checksum(payload) != checksum:
         return "checksum"
-    return payload, checksum, prev
+    return payload, checksum, prev, parent
 
 
 def resume_depth(start: int, n: int, has_attn: Callable[[int], bool], has_state: Callable[[int], bool],
@@ -275,8 +296,10 @@ class L2Tier:
 
     # --- write-through -----------------------------------------------------------------------
 
-    def write(self, key: StoreKey, payload: bytes | memoryview, checksum: bytes, prev: bytes | None) -> None:
-        """Queue one stored object for L2. Never blocks: a full queue drops the write."""
+    def write(self, key: StoreKey, payload: bytes | memoryview, checksum: bytes, prev: bytes | None,
+              parent: bytes | None = UNKNOWN_PARENT) -> None:
+        """Queue one stored object (with its ``prev`` and chunk-tree ``parent``, as put) for
+        L2. Never blocks: a full queue drops the write."""
         nbytes = memoryview(payload).nbytes
         if nbytes + HEADER_BYTES > MAX_VALUE_BYTES:
             with self._lock:
@@ -286,7 +309,7 @@ class L2Tier:
             if self._queue_bytes + nbytes > self.config.queue_bytes:
                 self.counters.dropped["queue_full"] += 1
                 return
-            self._queue.append(("set", (key, payload, checksum, prev)))
+            self._queue.append(("set", (key, payload, checksum, prev, parent)))
             self._queue_bytes += nbytes
             self._queue_cv.notify()
 
@@ -355,12 +378,12 @@ class L2Tier:
                     self._writing = False
                     self._queue_cv.notify_all()
 
-    def _set_now(self, client: Any, items: list[tuple[StoreKey, Any, bytes, bytes | None]]) -> None:
+    def _set_now(self, client: Any, items: list[tuple[StoreKey, Any, bytes, bytes | None, bytes | None]]) -> None:
         t0 = time.perf_counter()
         pipe = client.pipeline(transaction=False)
         total = 0
-        for key, payload, checksum, prev in items:
-            value = encode_value(key, payload, checksum, prev)
+        for key, payload, checksum, prev, parent in items:
+            value = encode_value(key, payload, checksum, prev, parent)
             total += len(value)
             pipe.set(self.redis_key(key), value, ex=self.config.ttl_s)
         pipe.execute()
@@ -448,8 +471,8 @@ class L2Tier:
             got = list(results)  # what was verified before the deadline
             if deadline_hit:
                 self.counters.timeouts += 1
-        for key, payload, checksum, prev in got:
-            if store.put(key, payload, prev, checksum) == p.PutResult.STORED:
+        for key, payload, checksum, prev, parent in got:
+            if store.put(key, payload, prev, checksum, parent) == p.PutResult.STORED:
                 with self._lock:
                     self.counters.promoted_objects += 1
                     self.counters.promoted_bytes += payload.nbytes

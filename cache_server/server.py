@@ -50,7 +50,8 @@ class ServerConfig:
     max_object_bytes: int = 256 * MIB
     separate_object_groups: bool = False
     lease_ttl_s: float = 60.0
-    eviction_policy: str = "LRU"
+    eviction_policy: str = "value"  # cache_server.store: "value" (recency and value per byte) or "LRU"
+    l1_state_share: float | None = None  # share of l1_size_bytes for state groups; None: one budget
     debug_fault_hooks: bool = False  # enables ``debug_corrupt`` (tests of the checksum path)
     # Shared secret every request must carry; None: no authentication (loopback, or
     # --insecure-no-auth). Kept out of repr so it never reaches a log line.
@@ -77,7 +78,8 @@ class CacheServer:
         self.config = config
         self.store = ObjectStore(config.l1_size_bytes, config.max_object_bytes, config.lease_ttl_s,
                                  max_leased_bytes=max(1, int(config.l1_size_bytes * config.max_leased_fraction)),
-                                 max_leases_per_owner=config.max_leases_per_client)
+                                 max_leases_per_owner=config.max_leases_per_client,
+                                 eviction=config.eviction_policy.lower(), state_share=config.l1_state_share)
         self.metrics = ServerMetrics(self.store)
         self.l2 = _make_l2(config, self.metrics)  # None without --l2
         # ns -> (alignment, chunk), or None for one only put to; least recently admitted first.
@@ -332,9 +334,9 @@ class CacheServer:
         results = [self.store.put((ns, *key), frame, prev, s, parent).value
                    for key, frame, prev, s, parent in zip(keys, frames, prevs, sums, parents)]
         if self.l2 is not None:  # write-through, asynchronous (cache_server.l2 says why)
-            for key, frame, prev, s, result in zip(keys, frames, prevs, sums, results):
+            for key, frame, prev, s, parent, result in zip(keys, frames, prevs, sums, parents, results):
                 if result == p.PutResult.STORED.value:
-                    self.l2.write((ns, *key), frame, s, prev)
+                    self.l2.write((ns, *key), frame, s, prev, parent)
         return {"results": results}, []
 
     def _delete(self, h: dict[str, Any], _: list[memoryview]) -> tuple[dict[str, Any], list[Any]]:
@@ -425,6 +427,7 @@ class CacheServer:
         status["config"] = {
             "min_chunk_size": self.config.min_chunk_size, "l1_size_bytes": self.config.l1_size_bytes,
             "max_object_bytes": self.config.max_object_bytes, "eviction_policy": self.config.eviction_policy,
+            "l1_state_share": self.config.l1_state_share,
             "separate_object_groups": self.config.separate_object_groups, "lease_ttl_s": self.config.lease_ttl_s,
             "max_message_bytes": self.config.message_limit_bytes, "max_header_bytes": self.config.max_header_bytes,
             "max_leases_per_client": self.config.max_leases_per_client,

@@ -47,9 +47,33 @@ Eviction classes, in order, each a heap of ``(last use, key)`` as above:
    rank's state that arrived before rank 0's attention) and stays in class 2: evicting it
    as worthless would make every new conversation's first chunks the first victims.
 1. superseded states (see above).
-2. everything else, least recently used first.
-No separate byte share for states: not measured yet (validation/bench_capacity.py is where
-it would be); the measured ratios already sit at the one-state-per-conversation byte bound.
+2. everything else.
+
+Within a class (issue 12, Marconi arXiv 2411.19379: FLOP-aware eviction), with
+``eviction="value"`` (the default) objects are ordered GreedyDual-style: a touch gives an
+object the priority ``L + value / bytes``, the lowest priority goes first, and ``L`` rises
+to the priority of each class-2 object evicted. ``value`` is the prefill a resume saves, in
+token-equivalents: a state at depth ``d`` chunks resumes ``T = d * C`` tokens, and
+``saved(T) = T * (1 + value_alpha * T)`` (KDA and the MLPs grow linearly with ``T``,
+attention over the prefix quadratically; the default ``value_alpha = 1/65536`` says the
+quadratic part equals the linear part at 64k tokens). A state's bytes are its own (the
+attention above it is shared and counted with the attention objects); an attention object's
+value is the largest ``saved`` of the resumable states at or below its chunk (kept on the
+walk up the path that already counts them; not lowered when a deeper state goes while a
+shallower one below stays, only when the chunk stops being covered), so a path's attention
+(small, worth its deepest state) outlives its states, and once the last state below goes it
+is class 0. So under pressure a deep state outlives a shallow one touched at the same time,
+and recency still wins in the end: ``L`` catches up with every priority. ``L`` follows
+class-2 evictions only: worthless or superseded objects are not the frontier.
+Untracked namespaces have value 0: their order is exactly LRU. ``eviction="lru"``: value 0
+everywhere (plain LRU within each class, the order before issue 12's value ordering).
+
+Optional separate share for states (``state_share`` in (0, 1)): the declared state groups
+of tracked namespaces may hold at most that fraction of the capacity and everything else
+the rest; a put evicts only from its own share. Default None (one budget): measured by
+``validation/bench_capacity.py`` (README): 0.3 resumed 2-4% more tokens per GB with 20k
+sessions, 21% less with 100k sessions and 74% less in seed 000 (the 308k prompt no longer
+fits the rest); 0.5 less everywhere. One budget adapts to the mix; a share has to be guessed.
 """
 
 from __future__ import annotations
@@ -66,16 +90,26 @@ from cache_server.protocol import PutResult
 
 Payload = bytes | memoryview
 StoreKey = tuple[str, bytes, int, int]  # (namespace, chunk hash, group, rank)
-_HeapItem = tuple[int, StoreKey]  # (tick of last use, key)
+_HeapItem = tuple[float, int, StoreKey]  # (priority, tick of last use, key)
 UNKNOWN_PARENT = b""  # ``parent`` of an object whose writer did not say which chunk precedes it
 _WORTHLESS, _SUPERSEDED, _PLAIN = 0, 1, 2  # eviction classes, evicted in this order
+_OTHER, _STATE = 0, 1  # kinds: a declared state group of a tracked namespace, or anything else
+EVICTION_POLICIES = ("value", "lru")
+DEFAULT_VALUE_ALPHA = 1 / 65536  # per token: attention's quadratic prefill cost equals the rest at 64k
+
+
+def _empty_heaps() -> tuple[tuple[list[_HeapItem], ...], ...]:
+    return tuple(([], [], []) for _ in (_OTHER, _STATE))
 
 
 @dataclass(slots=True)
 class _Entry:
     payload: Payload
     nbytes: int
-    tick: int  # last use; orders eviction within a class (superseded or not)
+    tick: int  # last use; breaks priority ties (LRU)
+    kind: int = _OTHER  # _STATE: counts against the state share
+    base: float = 0.0  # the store's L (inflation) at last use
+    prio: float = 0.0  # base + value per byte when last queued; orders eviction within a class
     checksum: bytes = b""  # written by the storing client, returned to loaders as is
     leases: int = 0  # active leases holding this object; > 0 means not evictable
     children: set[bytes] | None = None  # hashes of resident newer states linked to this one by ``prev``
@@ -122,6 +156,8 @@ class _Node:
     covered: int = 0  # resumable nodes at or below this one
     claimed: bool = False  # was covered once: losing that makes its objects worthless
     resumable: bool = False
+    depth: int = 0  # chunks from the first to this one, inclusive; valid while chain_ok
+    value: float = 0.0  # largest saved() of a resumable node at or below (see the module docstring)
 
 
 @dataclass
@@ -171,12 +207,26 @@ class ObjectStore:
 
     def __init__(self, capacity_bytes: int, max_object_bytes: int, lease_ttl_s: float = 60.0,
                  clock: Callable[[], float] = time.monotonic, *, max_leased_bytes: int | None = None,
-                 max_leases_per_owner: int | None = None) -> None:
+                 max_leases_per_owner: int | None = None, eviction: str = "value",
+                 value_alpha: float = DEFAULT_VALUE_ALPHA, state_share: float | None = None) -> None:
         if capacity_bytes <= 0 or max_object_bytes <= 0 or lease_ttl_s <= 0:
             raise ValueError("capacity, maximum object size and lease TTL must be positive")
         if (max_leased_bytes is not None and max_leased_bytes <= 0) or \
                 (max_leases_per_owner is not None and max_leases_per_owner <= 0):
             raise ValueError("lease caps must be positive")
+        if eviction not in EVICTION_POLICIES:
+            raise ValueError(f"eviction must be one of {EVICTION_POLICIES}, not {eviction!r}")
+        if value_alpha < 0:
+            raise ValueError("value_alpha must be >= 0")
+        if state_share is not None and not 0 < state_share < 1:
+            raise ValueError("state_share must be in (0, 1) or None")
+        self.eviction, self.value_alpha, self.state_share = eviction, value_alpha, state_share
+        # Byte caps per kind (other, state); None: one budget for both.
+        self._kind_caps: tuple[int, int] | None = None if state_share is None else (
+            capacity_bytes - int(capacity_bytes * state_share), int(capacity_bytes * state_share))
+        self._kind_bytes = [0, 0]
+        self._kind_leased = [0, 0]
+        self._inflation = 0.0  # GreedyDual's L
         self.capacity_bytes = capacity_bytes
         self.max_object_bytes = max_object_bytes
         self.lease_ttl_s = lease_ttl_s
@@ -185,11 +235,13 @@ class ObjectStore:
         self._clock = clock
         self._lock = threading.Lock()
         self._objects: dict[StoreKey, _Entry] = {}
-        # Eviction candidates, one heap per class (worthless, superseded, plain). Lazy deletion.
-        self._heaps: tuple[list[_HeapItem], ...] = ([], [], [])
+        # Eviction candidates, one heap per kind (other, state) and class (worthless,
+        # superseded, plain). Lazy deletion.
+        self._heaps: tuple[tuple[list[_HeapItem], ...], ...] = _empty_heaps()
         self._layouts: dict[str, Layout] = {}
         self._nodes: dict[str, dict[bytes, _Node]] = {}  # tracked namespaces' chunk trees
         self._usage: dict[str, _NamespaceUsage] = {}
+        self._heap_items = 0  # items in all heaps, stale ones included
         self._tick = 0
         self._leases: OrderedDict[int, _Lease] = OrderedDict()  # grant order == expiry order
         self._leases_by_owner: dict[bytes, OrderedDict[int, None]] = {}
@@ -237,26 +289,35 @@ class ObjectStore:
                 self._touch_locked(key, entry)
                 self.counters.puts_existing += 1
                 return PutResult.EXISTS
-            need = self._used_bytes + nbytes - self.capacity_bytes
-            if need > self._used_bytes - self._leased_bytes:  # even every unleased object is too little
+            kind = self._kind_of(key)
+            if self._kind_caps is None:  # one budget: any unleased object may go
+                need = self._used_bytes + nbytes - self.capacity_bytes
+                evictable = self._used_bytes - self._leased_bytes
+                victims_of: int | None = None
+            else:  # its own share only
+                need = self._kind_bytes[kind] + nbytes - self._kind_caps[kind]
+                evictable = self._kind_bytes[kind] - self._kind_leased[kind]
+                victims_of = kind
+            if need > evictable:  # even every unleased object is too little
                 self.counters.puts_no_space += 1
                 return PutResult.NO_SPACE
             while need > 0:
-                freed = self._remove_locked(self._pop_victim_locked(), evicted=True)
+                freed = self._remove_locked(self._pop_victim_locked(victims_of), evicted=True)
                 need -= freed
                 self.counters.evicted_bytes += freed
                 self.counters.evictions += 1
             self._tick += 1
-            entry = _Entry(payload, nbytes, self._tick, checksum)
+            entry = _Entry(payload, nbytes, self._tick, kind, self._inflation, checksum=checksum)
             self._objects[key] = entry
             self._used_bytes += nbytes
+            self._kind_bytes[kind] += nbytes
             self._bytes_by_group[key[2]] += nbytes
             self._objects_by_group[key[2]] += 1
             self._objects_by_namespace[key[0]] += 1
             self._bytes_by_namespace_group[key[0], key[2]] += nbytes
-            self._queue_locked(key, entry)
             if key[0] in self._layouts:
                 self._tree_add_locked(key, parent)
+            self._queue_locked(key, entry)  # after the tree knows its node: its value per byte
             if prev is not None and prev != key[1]:
                 parent_key = (key[0], prev, key[2], key[3])
                 parent = self._objects.get(parent_key)
@@ -267,18 +328,56 @@ class ObjectStore:
             self.counters.stored_bytes_total += nbytes
             return PutResult.STORED
 
-    def _pop_victim_locked(self) -> StoreKey:
-        """The next object to evict: the least recently used unleased object of the first
-        non-empty class (worthless, superseded, plain). Stale heap items (touched, leased,
-        or moved to another class since) are discarded on the way."""
-        for cls, heap in enumerate(self._heaps):
-            while heap:
-                tick, key = heapq.heappop(heap)
-                entry = self._objects.get(key)
-                if entry is not None and entry.tick == tick and entry.leases == 0 \
-                        and self._class_locked(key, entry) == cls:
-                    return key
+    def _kind_of(self, key: StoreKey) -> int:
+        layout = self._layouts.get(key[0])
+        return _STATE if layout is not None and key[2] in layout.state_groups else _OTHER
+
+    def _pop_victim_locked(self, kind: int | None = None) -> StoreKey:
+        """The next object to evict: the unleased object of lowest priority (least recently
+        used, under ``eviction="lru"``) of the first non-empty class (worthless, superseded,
+        plain), of ``kind`` only if given. Stale heap items (touched, leased, requeued with
+        another priority or class since) are discarded on the way."""
+        kinds = (_OTHER, _STATE) if kind is None else (kind,)
+        for cls in (_WORTHLESS, _SUPERSEDED, _PLAIN):
+            best: list[_HeapItem] | None = None
+            for k in kinds:
+                heap = self._heaps[k][cls]
+                while heap:
+                    prio, tick, key = heap[0]
+                    entry = self._objects.get(key)
+                    if entry is not None and entry.tick == tick and entry.prio == prio and entry.leases == 0 \
+                            and self._class_locked(key, entry) == cls:
+                        break
+                    heapq.heappop(heap)
+                    self._heap_items -= 1
+                if heap and (best is None or heap[0] < best[0]):
+                    best = heap
+            if best is not None:
+                prio, _, key = heapq.heappop(best)
+                self._heap_items -= 1
+                if cls == _PLAIN and prio > self._inflation:
+                    self._inflation = prio  # GreedyDual: L rises to the evicted priority
+                return key
         raise RuntimeError("store invariant broken: unleased bytes exist but no eviction candidate")
+
+    def _saved(self, layout: Layout, depth: int) -> float:
+        """Prefill a resume at ``depth`` chunks saves, in token-equivalents."""
+        t = depth * layout.chunk_tokens
+        return t * (1.0 + self.value_alpha * t)
+
+    def _density_locked(self, key: StoreKey, entry: _Entry) -> float:
+        """Value per byte of one object (0: untracked, ``eviction="lru"``, or off the tree)."""
+        if self.eviction != "value":
+            return 0.0
+        nodes = self._nodes.get(key[0])
+        node = None if nodes is None else nodes.get(key[1])
+        if node is None or not node.chain_ok:
+            return 0.0
+        layout = self._layouts[key[0]]
+        if key[2] in layout.state_groups:
+            return self._saved(layout, node.depth) / (layout.copies(layout.state_groups) * entry.nbytes)
+        value = node.value or self._saved(layout, node.depth)  # pending: at least its own depth
+        return value / (layout.copies(layout.attn_groups) * entry.nbytes)
 
     def _class_locked(self, key: StoreKey, entry: _Entry) -> int:
         nodes = self._nodes.get(key[0])
@@ -289,26 +388,32 @@ class ObjectStore:
         return _SUPERSEDED if entry.superseded else _PLAIN
 
     def _queue_locked(self, key: StoreKey, entry: _Entry) -> None:
-        """Make an unleased object an eviction candidate at its last-use position."""
+        """Make an unleased object an eviction candidate at its priority (recomputed: its
+        value may have changed since its last use)."""
         if entry.leases:
             return
-        heapq.heappush(self._heaps[self._class_locked(key, entry)], (entry.tick, key))
-        if sum(len(heap) for heap in self._heaps) > 2 * len(self._objects) + 1024:
+        entry.prio = entry.base + self._density_locked(key, entry)
+        heapq.heappush(self._heaps[entry.kind][self._class_locked(key, entry)], (entry.prio, entry.tick, key))
+        self._heap_items += 1
+        if self._heap_items > 2 * len(self._objects) + 1024:
             self._rebuild_heaps_locked()
 
     def _rebuild_heaps_locked(self) -> None:
         """Drop stale items: O(n), once per at least n pushes."""
-        heaps: tuple[list[_HeapItem], ...] = ([], [], [])
+        heaps = _empty_heaps()
         for key, entry in self._objects.items():
             if not entry.leases:
-                heaps[self._class_locked(key, entry)].append((entry.tick, key))
-        for heap in heaps:
-            heapq.heapify(heap)
+                heaps[entry.kind][self._class_locked(key, entry)].append((entry.prio, entry.tick, key))
+        for by_class in heaps:
+            for heap in by_class:
+                heapq.heapify(heap)
         self._heaps = heaps
+        self._heap_items = sum(len(heap) for by_class in heaps for heap in by_class)
 
     def _touch_locked(self, key: StoreKey, entry: _Entry) -> None:
         self._tick += 1
         entry.tick = self._tick
+        entry.base = self._inflation
         self._queue_locked(key, entry)
 
     def _set_children_locked(self, key: StoreKey, entry: _Entry, children: set[bytes] | None) -> None:
@@ -322,6 +427,7 @@ class ObjectStore:
     def _remove_locked(self, key: StoreKey, evicted: bool = False) -> int:
         entry = self._objects.pop(key)
         self._used_bytes -= entry.nbytes
+        self._kind_bytes[entry.kind] -= entry.nbytes
         for counts, label, amount in ((self._bytes_by_group, key[2], entry.nbytes),
                                       (self._objects_by_group, key[2], 1),
                                       (self._objects_by_namespace, key[0], 1),
@@ -331,6 +437,7 @@ class ObjectStore:
                 del counts[label]
         if entry.leases:
             self._leased_bytes -= entry.nbytes
+            self._kind_leased[entry.kind] -= entry.nbytes
             self._leased_objects -= 1
         if entry.superseded:
             self._superseded_objects -= 1
@@ -427,6 +534,8 @@ class ObjectStore:
                 node.resumable = resumable
                 self._usage[ns].resumable_states += 1 if resumable else -1
                 self._add_cover_locked(ns, digest, 1 if resumable else -1)
+                if resumable:
+                    self._raise_value_locked(ns, digest, self._saved(layout, node.depth))
 
     def _set_cover_locked(self, ns: str, digest: bytes, node: _Node, covered: int) -> None:
         """Change a node's cover, keeping the namespace figures and its objects' classes right."""
@@ -436,6 +545,8 @@ class ObjectStore:
         node.covered = covered
         if covered:
             node.claimed = True
+        else:
+            node.value = 0.0  # nothing at or below resumes: the value walk starts afresh
         worthless = node.claimed and not node.covered
         if worthless != was_worthless:
             n = self._requeue_node_locked(ns, digest)
@@ -453,11 +564,12 @@ class ObjectStore:
                 return
             digest = node.parent
 
-    def _requeue_node_locked(self, ns: str, digest: bytes) -> int:
-        """Push a node's unleased objects into their (new) class heaps; returns its object count."""
+    def _requeue_node_locked(self, ns: str, digest: bytes, attention_only: bool = False) -> int:
+        """Push a node's unleased objects into their (new) class heaps at their (new)
+        priority; returns its object count."""
         layout = self._layouts[ns]
         n = 0
-        for group in (*layout.attn_groups, *layout.state_groups):
+        for group in (*layout.attn_groups, *(() if attention_only else layout.state_groups)):
             ranks = 1 if group in layout.replicated_groups else layout.world_size
             for rank in range(ranks):
                 key = (ns, digest, group, rank)
@@ -481,6 +593,7 @@ class ObjectStore:
                 n.resumable = False
                 usage.resumable_states -= 1
             self._set_cover_locked(ns, d, n, 0)
+            self._requeue_node_locked(ns, d)  # off the tree: value 0
             stack.extend((c, nodes[c]) for c in n.children if c in nodes and nodes[c].chain_ok)
 
     def _reroot_locked(self, ns: str, digest: bytes, node: _Node) -> None:
@@ -491,6 +604,7 @@ class ObjectStore:
         order: list[tuple[bytes, _Node]] = []
         stack = [(digest, node)]
         node.chain_ok = True
+        node.depth = 1 if node.parent is None else nodes[node.parent].depth + 1
         while stack:
             d, n = stack.pop()
             order.append((d, n))
@@ -499,14 +613,33 @@ class ObjectStore:
                 if child is not None and not child.chain_ok and child.parent_known \
                         and child.attn >= layout.copies(layout.attn_groups):
                     child.chain_ok = True
+                    child.depth = n.depth + 1
                     stack.append((c, child))
         for d, n in reversed(order):  # children before parents
             n.resumable = n.state == full_state
             usage.resumable_states += n.resumable
-            below = sum(nodes[c].covered for c in n.children if c in nodes and nodes[c].chain_ok)
-            self._set_cover_locked(ns, d, n, below + n.resumable)
+            live = [nodes[c] for c in n.children if c in nodes and nodes[c].chain_ok]
+            self._set_cover_locked(ns, d, n, sum(c.covered for c in live) + n.resumable)
+            n.value = max([c.value for c in live] + [self._saved(layout, n.depth) if n.resumable else 0.0])
+            self._requeue_node_locked(ns, d)  # new depth and value: new priorities
         if node.covered and node.parent is not None:
             self._add_cover_locked(ns, node.parent, node.covered)
+            self._raise_value_locked(ns, node.parent, node.value)
+
+    def _raise_value_locked(self, ns: str, digest: bytes | None, value: float) -> None:
+        """A resumable node worth ``value`` appeared at or below ``digest``: raise the value
+        of the path above it (and its attention objects' priorities) up to the first node
+        already worth as much. O(depth log n), on the walk the cover count takes anyway."""
+        nodes = self._nodes[ns]
+        while digest is not None:
+            node = nodes.get(digest)
+            if node is None or node.value >= value:
+                return
+            node.value = value
+            self._requeue_node_locked(ns, digest, attention_only=True)
+            if not node.parent_known:
+                return
+            digest = node.parent
 
     def delete(self, key: StoreKey) -> bool:
         """Remove one object now, leased or not (a loader found it corrupt)."""
@@ -530,7 +663,8 @@ class ObjectStore:
             for lease_id in [i for i, lease in self._leases.items() if any(k in gone for k in lease.keys)]:
                 self._drop_lease_locked(lease_id)
             if not self._objects:
-                self._heaps = ([], [], [])
+                self._heaps = _empty_heaps()
+                self._heap_items = 0
             return len(keys)
 
     # --- reads ---------------------------------------------------------------------------
@@ -602,6 +736,7 @@ class ObjectStore:
                 if lease:  # about to be pinned: no heap item until the lease ends
                     self._tick += 1
                     self._objects[key].tick = self._tick
+                    self._objects[key].base = self._inflation
                 else:
                     self._touch_locked(key, self._objects[key])
             if not lease:
@@ -627,6 +762,7 @@ class ObjectStore:
             entry = self._objects[key]
             if not entry.leases:
                 self._leased_bytes += entry.nbytes
+                self._kind_leased[entry.kind] += entry.nbytes
                 self._leased_objects += 1
             entry.leases += 1
         self._leases[lease_id] = _Lease(self._clock() + self.lease_ttl_s, keys, owner)
@@ -678,6 +814,7 @@ class ObjectStore:
                 entry.leases -= 1
                 if not entry.leases:
                     self._leased_bytes -= entry.nbytes
+                    self._kind_leased[entry.kind] -= entry.nbytes
                     self._leased_objects -= 1
                     self._queue_locked(key, entry)  # back in line at its last use
 

@@ -16,6 +16,7 @@ from redis.cluster import ClusterNode, RedisCluster
 from cache_server import protocol as p
 from cache_server.l2 import HEADER_BYTES, L2Config, L2ConfigError, decode_value, encode_value, namespace_tag
 from cache_server.process import ServerProcess
+from cache_server.store import UNKNOWN_PARENT
 from connector.client import CacheClient
 from l2_fixtures import start_cluster, wait_written
 
@@ -86,6 +87,9 @@ def test_url_parsing_and_value_format():
     assert len(value) == HEADER_BYTES + 1000
     got = decode_value(key, value)
     assert bytes(got[0]) == payload and got[1] == p.checksum(payload) and got[2] == b"\2" * 32
+    assert got[3] == UNKNOWN_PARENT  # not said
+    for parent in (None, b"\3" * 32):
+        assert decode_value(key, encode_value(key, payload, p.checksum(payload), None, parent))[3] == parent
     flipped = bytearray(value)
     flipped[-1] ^= 1
     assert decode_value(key, bytes(flipped)) == "checksum"
@@ -116,6 +120,46 @@ def test_conversation_stored_through_a_resumes_through_b(cluster):
         # A second lookup is answered by B's L1 alone.
         assert cb.lookup(NS, hashes, [ATTN], [STATE])[0] == 4
         assert cb.stats()["l2"]["lookups"] == 1
+
+
+def test_promoted_prefix_is_resumable_at_once_and_values_without_a_parent_still_promote(cluster):
+    """Issue 12: L2 values carry the chunk-tree ``parent``, so B's tree places a promoted
+    prefix at once (resumable tokens, retention as resumable, not pending). A value of the
+    first format (no parent field, written before this change) promotes with the parent
+    unknown, as a put that does not say it: it resumes, it is not counted."""
+    from cache_server.l2 import MAGIC_V1, L2Tier, _key_digest
+
+    hashes = _hashes(4, seed=20)
+    items = _objects(hashes)
+    parents = [None, *hashes[:-1], hashes[-2]]  # attention chunks in order, then the state at the last
+
+    def hello(server: ServerProcess) -> CacheClient:
+        c = CacheClient(server.url, timeout_s=10)
+        c.hello(NS, 16, 1, attn_groups=[ATTN], state_groups=[STATE])
+        return c
+
+    with _server(cluster) as a, _server(cluster) as b:
+        ca = hello(a)
+        assert set(ca.put(NS, items, parent=parents)) == {"stored"}
+        wait_written(ca.stats, len(items))
+        chunk = ca.stats()["namespaces"][NS]["chunk_size"]
+        assert ca.stats()["namespaces"][NS]["usable_prefixes"]["resumable_tokens"] == 4 * chunk
+        cb = hello(b)
+        assert cb.lookup(NS, hashes, [ATTN], [STATE], lease=False)[0] == 4  # promoted from L2
+        u = cb.stats()["namespaces"][NS]["usable_prefixes"]
+        assert (u["resumable_tokens"], u["resumable_states"], u["states_held"]) == (4 * chunk, 1, 1)
+
+        old = _hashes(3, seed=21)  # written in the first format, straight into L2
+        tier, r = L2Tier(L2Config.from_url(cluster.url)), _redis(cluster)
+        for h, g, rank, payload in _objects(old):
+            key = (NS, h, g, rank)
+            r.set(tier.redis_key(key), b"".join((MAGIC_V1, _key_digest(key), p.checksum(payload),
+                                                 b"\0" + bytes(p.HASH_BYTES), payload)))
+        tier.close()
+        assert cb.lookup(NS, old, [ATTN], [STATE], lease=False)[0] == 3
+        u = cb.stats()["namespaces"][NS]["usable_prefixes"]
+        assert (u["resumable_tokens"], u["states_held"]) == (4 * chunk, 2)  # held, not placed in the tree
+        assert cb.stats()["l2"]["errors"] == {}
 
 
 def test_keys_carry_the_namespace(cluster):

@@ -21,8 +21,8 @@ class FakeClock:
         return self.now
 
 
-def store(capacity: int = 1000, max_object: int = 1000, ttl: float = 10.0, clock=None) -> ObjectStore:
-    return ObjectStore(capacity, max_object, ttl, clock or FakeClock())
+def store(capacity: int = 1000, max_object: int = 1000, ttl: float = 10.0, clock=None, **kw) -> ObjectStore:
+    return ObjectStore(capacity, max_object, ttl, clock or FakeClock(), **kw)
 
 
 def test_byte_accounting_is_exact_per_group():
@@ -448,9 +448,9 @@ from cache_server.store import Layout  # noqa: E402
 CHUNK = 100
 
 
-def tracked(capacity: int = 10_000, world: int = 2) -> ObjectStore:
+def tracked(capacity: int = 10_000, world: int = 2, **kw) -> ObjectStore:
     """A store whose namespace declared attention (replicated, one copy) and state (per rank)."""
-    s = store(capacity=capacity, max_object=capacity)
+    s = store(capacity=capacity, max_object=capacity, **kw)
     s.set_layout(NS, Layout(frozenset({ATTN}), frozenset({STATE}), world, frozenset({ATTN}), CHUNK))
     return s
 
@@ -508,15 +508,19 @@ def test_worthless_attention_is_evicted_before_older_resumable_objects():
     assert s.usable_prefixes(NS)["resumable_tokens"] == 2 * CHUNK
 
 
-def test_pending_prefix_is_not_evicted_as_worthless():
-    """A prompt whose state has not been saved yet keeps its first chunks (plain LRU)."""
-    s = tracked(capacity=60)
+@pytest.mark.parametrize("eviction", ["value", "lru"])
+def test_pending_prefix_is_not_evicted_as_worthless(eviction):
+    """A prompt whose state has not been saved yet keeps its first chunks."""
+    s = tracked(capacity=60, eviction=eviction)
     _conversation(s, [1], state_at=1)  # 30 bytes, older
     s.put((NS, h(5), ATTN, 0), b"a" * 10, parent=None)
     s.put((NS, h(6), ATTN, 0), b"a" * 10, parent=h(5))
     s.put((NS, h(7), ATTN, 0), b"a" * 20, parent=h(6))  # needs room
     assert all((NS, h(i), ATTN, 0) in s for i in (5, 6, 7))
-    assert (NS, h(1), ATTN, 0) not in s  # the older conversation went, by LRU
+    # the older conversation went: by LRU its attention first, by value its state (worth
+    # less per byte than its attention), which leaves the attention worthless
+    assert s.lookup(NS, [h(1)], [ATTN], [STATE], 2, replicated_groups=[ATTN], lease=False)[0] == 0
+    assert ((NS, h(1), ATTN, 0) in s) == (eviction == "value")
 
 
 def test_states_evicted_while_newest_are_counted_superseded_ones_not():
@@ -527,7 +531,7 @@ def test_states_evicted_while_newest_are_counted_superseded_ones_not():
     s.put((NS, h(8), ATTN, 0), b"x" * 40, parent=None)  # evicts the superseded state first
     assert (NS, h(1), STATE, 0) not in s and (NS, h(2), STATE, 0) in s
     assert s.usable_prefixes(NS)["states_evicted_newest"] == 0
-    s.put((NS, h(9), ATTN, 0), b"x" * 30, parent=None)
+    s.put((NS, h(9), ATTN, 0), b"x" * 70, parent=None)  # room for it means everything else goes
     u = s.usable_prefixes(NS)
     assert u["states_evicted_newest"] == 1 and u["states_held"] == 0
 
@@ -569,6 +573,11 @@ def test_usable_prefix_figures_match_a_brute_force_count():
                      replicated_groups=[ATTN], lease=False)
         u = s.usable_prefixes(NS)
         assert (u["resumable_tokens"], u["resumable_states"], u["states_held"]) == recount(), step
+        # every unleased object is an eviction candidate at its current priority and class
+        items = {item for by_class in s._heaps for heap in by_class for item in heap}
+        for key, e in s._objects.items():
+            assert e.leases or (e.prio, e.tick, key) in items, (step, key)
+            assert e.prio == e.base + s._density_locked(key, e), (step, key)
     assert s.counters.evictions > 200
 
 
@@ -576,3 +585,128 @@ def _path(parent: dict, i):
     while i is not None:
         yield i
         i = parent[i]
+
+
+# --- value-aware order (issue 12, Marconi: recomputation saved per byte, with recency) ----
+
+
+def _conv(s: ObjectStore, ids: list[int], state_bytes: int = 40, prev: int | None = None) -> None:
+    """One conversation on one rank: 10-byte attention chunks, a ``state_bytes`` state at the end."""
+    for k, i in enumerate(ids):
+        s.put((NS, h(i), ATTN, 0), b"a" * 10, parent=h(ids[k - 1]) if k else None)
+    s.put((NS, h(ids[-1]), STATE, 0), b"s" * state_bytes, parent=h(ids[-2]) if len(ids) > 1 else None,
+          prev=None if prev is None else h(prev))
+
+
+def _resumes(s: ObjectStore, ids: list[int]) -> int:
+    return s.lookup(NS, [h(i) for i in ids], [ATTN], [STATE], 1, replicated_groups=[ATTN], lease=False)[0]
+
+
+@pytest.mark.parametrize("eviction", ["value", "lru"])
+def test_deep_state_outlives_a_shallow_one_of_the_same_class(eviction):
+    s = tracked(capacity=130, world=1, eviction=eviction)
+    deep, shallow = [1, 2, 3, 4], [11]
+    _conv(s, deep)  # older: 80 bytes, resumes 4 chunks
+    _conv(s, shallow)  # newer: 50 bytes, resumes 1 chunk for the same state bytes
+    s.put((NS, h(20), ATTN, 0), b"n" * 10, parent=None)  # pressure: 10 bytes
+    if eviction == "value":  # the shallow state saved a quarter as much per byte: it goes
+        assert (NS, h(11), STATE, 0) not in s
+        assert _resumes(s, deep) == 4 and _resumes(s, shallow) == 0
+        assert s.usable_prefixes(NS)["worthless_objects"] == 1  # the shallow conversation's attention
+    else:  # least recently used: the deep conversation's first chunk, and with it all of it
+        assert (NS, h(1), ATTN, 0) not in s
+        assert _resumes(s, deep) == 0 and _resumes(s, shallow) == 1
+
+
+def test_recency_still_wins_over_value_in_the_end():
+    """GreedyDual: each eviction raises L, so a deep state nobody uses goes eventually."""
+    s = tracked(capacity=130, world=1)
+    _conv(s, [1, 2, 3, 4])
+    for n in range(12):  # one-chunk conversations, each newer than the last
+        _conv(s, [100 + n])
+    assert (NS, h(4), STATE, 0) not in s  # the deep state went after some shallow newer ones...
+    assert _resumes(s, [111]) == 1  # ...and the newest conversation is resumable
+    assert s.counters.evictions > 12
+
+
+def test_superseded_state_goes_before_a_plain_one_worth_less_per_byte():
+    s = tracked(capacity=10_000, world=1)
+    _conv(s, [1, 2, 3, 4])  # state at depth 4, worth 4 chunks...
+    _conv(s, [1, 2, 3, 4, 5], prev=4)  # ...superseded by depth 5
+    _conv(s, [11])  # a plain state worth 1 chunk
+    s.capacity_bytes = s.used_bytes  # no room left: the next put evicts
+    s.put((NS, h(30), ATTN, 0), b"n" * 10, parent=None)
+    assert (NS, h(4), STATE, 0) not in s  # superseded first, although worth more per byte
+    assert (NS, h(11), STATE, 0) in s and (NS, h(5), STATE, 0) in s
+    assert _resumes(s, [1, 2, 3, 4, 5]) == 5 and _resumes(s, [11]) == 1
+
+
+def test_fork_point_is_not_superseded_and_outlasts_a_superseded_deeper_state():
+    s = tracked(capacity=10_000, world=1)
+    _conv(s, [1, 2])  # a shared prefix's state (depth 2)...
+    _conv(s, [1, 2, 3], prev=2)  # ...continued by two branches: a fork point
+    _conv(s, [1, 2, 4], prev=2)
+    _conv(s, [7, 8, 9])  # another conversation: depth 3 superseded by depth 4
+    _conv(s, [7, 8, 9, 10], prev=9)
+    assert not s.is_superseded((NS, h(2), STATE, 0)) and s.is_superseded((NS, h(9), STATE, 0))
+    s.capacity_bytes = s.used_bytes
+    s.put((NS, h(30), ATTN, 0), b"n" * 40, parent=None)  # one state's worth
+    assert (NS, h(9), STATE, 0) not in s
+    assert (NS, h(2), STATE, 0) in s and _resumes(s, [1, 2, 5]) == 2  # the fork point still resumes
+
+
+def test_worthless_goes_before_anything_resumable_under_value_order():
+    s = tracked(capacity=10_000, world=1)
+    _conv(s, [1])  # shallow, low value per byte
+    _conv(s, [5, 6, 7, 8])  # deep, high value per byte, newer
+    s.delete((NS, h(8), STATE, 0))  # lost its state: its attention is worth nothing
+    s.capacity_bytes = s.used_bytes
+    s.put((NS, h(30), ATTN, 0), b"n" * 40, parent=None)
+    assert not any((NS, h(i), ATTN, 0) in s for i in (5, 6, 7, 8))  # all 40 bytes from worthless
+    assert _resumes(s, [1]) == 1
+    assert s.usable_prefixes(NS)["worthless_objects"] == 0
+
+
+def test_lru_policy_ignores_value_and_bad_options_are_refused():
+    for kw in ({"eviction": "fifo"}, {"value_alpha": -1.0}, {"state_share": 0.0}, {"state_share": 1.0}):
+        with pytest.raises(ValueError):
+            store(**kw)
+
+
+# --- a separate share of the budget for states ----------------------------------------------
+
+
+def test_state_share_evicts_states_only_for_states_and_attention_only_for_attention():
+    s = tracked(capacity=200, world=1, state_share=0.5)  # 100 bytes for states, 100 for the rest
+    for c in ([1], [2], [3]):
+        _conv(s, c)  # 10 + 40 bytes each: the third state passes the state share
+    assert s.used_bytes == 3 * 10 + 2 * 40  # conversation 1's state went (its attention: worthless)...
+    assert (NS, h(1), STATE, 0) not in s  # ...although the store as a whole had room
+    states = [(NS, h(i), STATE, 0) for i in (2, 3)]
+    s.put((NS, h(40), ATTN, 0), b"x" * 60, parent=None)  # other share: 90 of 100 used now
+    s.put((NS, h(41), ATTN, 0), b"x" * 20, parent=None)  # evicts attention only
+    assert all(k in s for k in states)
+    assert (NS, h(1), ATTN, 0) not in s  # the worthless attention went first
+    assert s.put((NS, h(5), STATE, 0), b"s" * 101, parent=None) is PutResult.NO_SPACE  # over the share
+    assert all(k in s for k in states)  # and nothing was evicted for it
+
+
+def test_without_a_share_one_budget_serves_both():
+    s = tracked(capacity=200, world=1)
+    for c in ([1], [2], [3]):
+        _conv(s, c)
+    assert s.counters.evictions == 0 and all((NS, h(i), STATE, 0) in s for i in (1, 2, 3))
+
+
+def test_a_paths_first_chunk_is_worth_its_deepest_state_not_its_own_depth():
+    """Evicting a path's first attention chunk would lose the whole path: it carries the
+    value of the deepest state below it, so the state (more bytes) goes before it."""
+    s = tracked(capacity=10_000, world=1)
+    _conv(s, [1, 2, 3, 4])  # 4 x 10 bytes of attention, a 40-byte state worth 4 chunks
+    _conv(s, [11, 12], state_bytes=10)  # newer, a small state: more value per byte
+    s.capacity_bytes = s.used_bytes
+    s.put((NS, h(30), ATTN, 0), b"n" * 10, parent=None)
+    assert (NS, h(4), STATE, 0) not in s  # the state, worth least per byte
+    assert all((NS, h(i), ATTN, 0) in s for i in (1, 2, 3, 4))  # now worthless, first to go next
+    assert s.usable_prefixes(NS)["worthless_objects"] == 4
+    assert _resumes(s, [11, 12]) == 2

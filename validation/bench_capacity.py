@@ -2,7 +2,8 @@
 storing and retention against an LMCache-style baseline, on real glm-cache-server processes
 with the same byte budget.
 
-    python validation/bench_capacity.py [--scale 512] [--plot validation/bench_capacity.png]
+    python validation/bench_capacity.py [--scale 512] [--block 1152] [--shares 0.3 0.5]
+        [--plot validation/bench_capacity.png]
 
 What it exercises and what it imitates. There is no engine here (GLM-5.3-Flash at TP 4
 does not run on this machine); the driver plays vLLM's part:
@@ -25,6 +26,10 @@ does not run on this machine); the driver plays vLLM's part:
 * Baseline (LMCache-style, as in seed 003's recipe): attention and a KDA state object with
   every chunk, on every rank (no replicated-group dedup), no ``prev``/``parent`` and no
   declared layout, so that server applies plain LRU, as LMCache's does.
+* This project's storing, under several server settings, each its own server with the same
+  budget, fed the same turns: ``ours-lru`` (retention classes, LRU within each:
+  ``--eviction-policy LRU``), ``ours-value`` (classes, then recency with prefill saved per
+  byte: the default), and ``ours-value-s<f>`` (the same with ``--l1-state-share f``).
 
 Byte sizes are divided by ``--scale`` (and so is the budget), so everything fits this
 machine; results are reported at full scale (tokens per GB of the unscaled budget).
@@ -98,14 +103,15 @@ class Conversation:
 class Policy:
     """One server and the save rules of one policy."""
 
-    def __init__(self, name: str, sizes: Sizes, scale: int, budget_bytes: int, ours: bool) -> None:
+    def __init__(self, name: str, sizes: Sizes, scale: int, budget_bytes: int, ours: bool,
+                 server_args: tuple[str, ...] = ()) -> None:
         self.name, self.sizes, self.scale, self.ours = name, sizes, scale, ours
         self.budget_bytes = budget_bytes
         scaled = budget_bytes // scale
         max_obj = max(max(sizes.attn.values()), max(sizes.state.values())) // scale + 1
         self.server = ServerProcess("--separate-object-groups", "--l1-size-gb", f"{scaled / GIB:.12f}",
                                     "--max-object-size-mb", f"{max(max_obj / (1 << 20), 0.01):.6f}",
-                                    "--max-message-mb", "256", "--log-level", "WARNING").start()
+                                    "--max-message-mb", "256", "--log-level", "WARNING", *server_args).start()
         self.client = CacheClient(self.server.url, timeout_s=60.0)
         self.ns = f"bench-{name}"
         groups = [*sizes.attn, *sizes.state]
@@ -235,6 +241,11 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=12)
     ap.add_argument("--block", type=int, default=None,
                     help="tokens a chunk/block (default: vLLM 0.32's derived 1536 at TP 4; seed 003 reports 1152)")
+    ap.add_argument("--shares", type=float, nargs="*", default=[0.3, 0.5],
+                    help="--l1-state-share values to run as extra policies (ours-value-s<f>)")
+    ap.add_argument("--sweep-gb", type=float, nargs="*", default=[3.0, 4.0, 5.0],
+                    help="full-scale budgets below phase a's at which seed 000 is replayed again "
+                         "(lmcache, ours-lru, ours-value only)")
     ap.add_argument("--plot", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_capacity.png"))
     args = ap.parse_args()
     t0 = time.monotonic()
@@ -248,26 +259,48 @@ def main() -> None:
     rows = []
     for label, budget_gb, run in phases:
         budget = int(budget_gb * GB)
-        ps = [Policy("glm", sizes, args.scale, budget, ours=True),
-              Policy("lmcache", sizes, args.scale, budget, ours=False)]
+        ps = [Policy("lmcache", sizes, args.scale, budget, ours=False),
+              Policy("ours-lru", sizes, args.scale, budget, ours=True, server_args=("--eviction-policy", "LRU")),
+              Policy("ours-value", sizes, args.scale, budget, ours=True,
+                     server_args=("--eviction-policy", "value"))]
+        ps += [Policy(f"ours-value-s{f:g}", sizes, args.scale, budget, ours=True,
+                      server_args=("--eviction-policy", "value", "--l1-state-share", str(f))) for f in args.shares]
         try:
             t = time.monotonic()
             res = run(ps)
-            status = ps[0].client.stats()["namespaces"][ps[0].ns]["usable_prefixes"]
+            status = {p.name: p.client.stats()["namespaces"][p.ns]["usable_prefixes"] for p in ps if p.ours}
         finally:
             for p in ps:
                 p.close()
         for name, r in res.items():
             rows.append((label, budget_gb, name, r["resumable"] / budget_gb, r.get("warm"), r["bytes"]))
-        print(f"  phase {label}: {time.monotonic() - t:.1f} s; server /status usable_prefixes (glm): {status}")
+        print(f"  phase {label}: {time.monotonic() - t:.1f} s; server /status usable_prefixes:")
+        for name, u in status.items():
+            print(f"    {name:16} {u}")
     print()
-    print(f"{'phase':18} {'budget':>7} {'policy':8} {'resumable tok/GB':>17} {'ratio':>6} {'probes warm':>11} "
+    print(f"{'phase':18} {'budget':>7} {'policy':16} {'resumable tok/GB':>17} {'ratio':>6} {'probes warm':>11} "
           f"{'attention GB':>12} {'state GB':>9}")
     for label, budget_gb, name, per_gb, warm, by in rows:
         base = next(r[3] for r in rows if r[0] == label and r[2] == "lmcache")
         ratio = f"{per_gb / base:.1f}x" if base else ("inf" if per_gb else "-")
-        print(f"{label:18} {budget_gb:6.0f}G {name:8} {per_gb:17,.0f} {ratio:>6} "
+        print(f"{label:18} {budget_gb:6.0f}G {name:16} {per_gb:17,.0f} {ratio:>6} "
               f"{'' if warm is None else f'{warm} of 6':>11} {by['attention'] / GB:12.2f} {by['state'] / GB:9.2f}")
+    if args.sweep_gb:
+        print(f"\nseed 000 at smaller budgets (probes warm of 6 / resumable tokens per GB):")
+        print(f"{'budget':>7} {'lmcache':>16} {'ours-lru':>16} {'ours-value':>16}")
+    for budget_gb in args.sweep_gb:
+        budget = int(budget_gb * GB)
+        ps = [Policy("lmcache", sizes, args.scale, budget, ours=False),
+              Policy("ours-lru", sizes, args.scale, budget, ours=True, server_args=("--eviction-policy", "LRU")),
+              Policy("ours-value", sizes, args.scale, budget, ours=True,
+                     server_args=("--eviction-policy", "value"))]
+        try:
+            res = phase_seed000(ps, args.seed)
+        finally:
+            for p in ps:
+                p.close()
+        print(f"{budget_gb:6.1f}G " + " ".join(f"{res[p.name]['warm']:>6}/6 {res[p.name]['resumable'] / budget_gb:8,.0f}"
+                                              for p in ps))
     print(f"\ntotal {time.monotonic() - t0:.0f} s")
     if args.plot:
         _plot(rows, args.plot)
@@ -281,19 +314,24 @@ def _plot(rows: list, path: str) -> None:
     import matplotlib.pyplot as plt
 
     labels = list(dict.fromkeys(r[0] for r in rows))
-    fig, ax = plt.subplots(figsize=(7, 3.6))
-    width = 0.38
-    for j, name in enumerate(("glm", "lmcache")):
+    names = list(dict.fromkeys(r[2] for r in rows))
+    legend = {"lmcache": "LMCache-style (state every chunk, every rank, LRU)",
+              "ours-lru": "this project, classes then LRU",
+              "ours-value": "this project, classes then recency + prefill saved per byte"}
+    fig, ax = plt.subplots(figsize=(8, 3.8))
+    width = 0.8 / len(names)
+    for j, name in enumerate(names):
         vals = [next(r[3] for r in rows if r[0] == lab and r[2] == name) for lab in labels]
-        bars = ax.bar([i + (j - 0.5) * width for i in range(len(labels))], vals, width,
-                      label={"glm": "this project (state where vLLM keeps one, latent once)",
-                             "lmcache": "LMCache-style (state every chunk, every rank)"}[name])
-        ax.bar_label(bars, [f"{v:,.0f}" for v in vals], fontsize=7)
+        warm = [next(r[4] for r in rows if r[0] == lab and r[2] == name) for lab in labels]
+        bars = ax.bar([i + (j - (len(names) - 1) / 2) * width for i in range(len(labels))], vals, width,
+                      label=legend.get(name, f"this project, value order, state share {name.rsplit('-s', 1)[-1]}"))
+        ax.bar_label(bars, [f"{v / 1000:.0f}k" + ("" if w is None else f"\n{w}/6") for v, w in zip(vals, warm)],
+                     fontsize=6)
     ax.set_xticks(range(len(labels)), [f"{lab}\n({next(r[1] for r in rows if r[0] == lab):.0f} GB)"
                                        for lab in labels])
     ax.set_ylabel("resumable tokens per GB")
     ax.set_title("GLM-5.3-Flash, native TP 4 sizes: what a cache budget can resume")
-    ax.set_ylim(0, max(r[3] for r in rows) * 1.35)
+    ax.set_ylim(0, max(r[3] for r in rows) * 1.5)
     ax.legend(fontsize=7, loc="upper left")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
