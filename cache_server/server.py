@@ -404,6 +404,7 @@ class CacheServer:
         reply: dict[str, Any] = {"found": found, "sums": sums}
         if view is not None:
             reply["shm"] = places
+            self.segments.count(get_bytes=sum(x[1] for x in places if x is not None))
         return reply, payloads
 
     def _put(self, h: dict[str, Any], frames: list[memoryview]) -> tuple[dict[str, Any], list[Any]]:
@@ -449,6 +450,7 @@ class CacheServer:
                 np.copyto(own, view[off:off + n])
                 copies.append(memoryview(own))
             frames = copies
+            self.segments.count(put_bytes=sum(n for _, n in spans))
         results = [self.store.put((ns, *key), frame, prev, s, parent).value
                    for key, frame, prev, s, parent in zip(keys, frames, prevs, sums, parents)]
         if self.l2 is not None:  # write-through, asynchronous (cache_server.l2 says why)

@@ -135,6 +135,13 @@ class SegmentTable:
         self._segments: OrderedDict[int, _Mapped] = OrderedDict()
         self.attached_total = 0
         self.refused_total = 0
+        self.get_bytes = 0  # payload bytes served into segments
+        self.put_bytes = 0  # payload bytes taken from segments
+
+    def count(self, get_bytes: int = 0, put_bytes: int = 0) -> None:
+        with self._lock:
+            self.get_bytes += get_bytes
+            self.put_bytes += put_bytes
 
     def attach(self, spec: Any) -> dict[str, Any]:
         """Answer a client's offer (the ``shm`` map of hello / shm_attach): ``{"seg": id}``
@@ -237,4 +244,5 @@ class SegmentTable:
         with self._lock:
             return {"enabled": self.enabled and self.host is not None, "segments": len(self._segments),
                     "mapped_bytes": sum(m.size for m in self._segments.values()),
-                    "attached_total": self.attached_total, "refused_total": self.refused_total}
+                    "attached_total": self.attached_total, "refused_total": self.refused_total,
+                    "get_bytes": self.get_bytes, "put_bytes": self.put_bytes}

@@ -294,13 +294,13 @@ class CacheClient:
         (None: the first chunk; ``b""``: unknown), which places it in the server's chunk
         tree. Payloads must not change until this returns. ``timeout_s`` overrides
         :attr:`timeout_s` for this call."""
+        payloads = [_bytes_view(item[3]) for item in items]
         header: dict[str, Any] = {"op": "put", "ns": namespace, "keys": [[h, g, r] for h, g, r, _ in items],
-                                  "sums": [p.checksum(item[3]) for item in items]}
+                                  "sums": [p.checksum(v) for v in payloads]}
         if prev is not None:
             header["prev"] = list(prev)
         if parent is not None:
             header["parent"] = list(parent)
-        payloads = [_bytes_view(item[3]) for item in items]
         with self._lock:
             for _attempt in range(2):
                 seg = self._segment_locked(sum(align_up(v.nbytes) for v in payloads), timeout_s) if payloads else None

@@ -1,15 +1,32 @@
 """Benchmark glm-cache-server: put/get throughput and latency over real sockets.
 
 Object sizes follow GLM-5.3-Flash at TP 4: about 10 MB of attention (MLA latent + indexer)
-and 40 MB of KDA state per rank per 1152-token chunk, plus small objects. Each is set side
-by side with an in-process memcpy of the same bytes, the limit any transport can reach.
+and 40 MB of KDA state per rank per 1152-token chunk, plus small objects. In one run, for
+each size, side by side:
 
-    python validation/bench_server.py [--quick]
+* ``memcpy``: an in-process copy of the same bytes into a buffer already touched, the
+  limit any transport can reach;
+* ``raw_zmq_get``: a bare pyzmq ROUTER in another process answering a DEALER with the
+  same bytes over TCP loopback (no msgpack, no store, no checksum): the socket's limit;
+* ``tcp_put`` / ``tcp_get``: a real ``glm-cache-server`` process (``ServerProcess``) and a
+  ``CacheClient(shm=False)``: frames over TCP loopback, checksums verified;
+* ``shm_put`` / ``shm_get``: the same server and a ``CacheClient`` that agreed on shared
+  memory at hello: payloads through /dev/shm, checksums verified.
+
+Then the aggregate of N concurrent clients (separate processes, as engines are), each
+getting 40 MB objects over and over, for N = 1, 8, 16, over TCP and through shared memory.
+
+    python validation/bench_server.py [--quick] [--json] [--workers N]
+
+With ``--json`` the last line is one JSON object: GB/s per object size and mode, and the
+concurrent aggregates under ``"concurrent"``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import multiprocessing as mp
 import os
 import statistics
 import sys
@@ -17,11 +34,12 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
+import zmq
 from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from cache_server.process import ServerProcess  # noqa: E402
+from cache_server.process import ServerProcess, free_port  # noqa: E402
 from connector.client import CacheClient  # noqa: E402
 
 MB = 1_000_000
@@ -31,6 +49,7 @@ NS = "bench"
 @dataclass
 class Case:
     name: str
+    label: str  # the JSON key
     nbytes: int
     iters: int
 
@@ -48,69 +67,199 @@ def summarize(times: list[float], nbytes: int) -> Result:
     return Result(nbytes * len(times) / sum(times) / 1e9, statistics.median(times) * 1e3, p99 * 1e3)
 
 
-def bench_memcpy(case: Case, bar: tqdm) -> Result:
+def bench_memcpy(case: Case) -> Result:
     src = np.frombuffer(os.urandom(case.nbytes), dtype=np.uint8)
     dst = np.empty_like(src)
+    np.copyto(dst, src)  # touch the destination once, as a reused buffer would be
     times = []
     for _ in range(case.iters):
         t0 = time.perf_counter()
         np.copyto(dst, src)
         times.append(time.perf_counter() - t0)
-        bar.update()
     return summarize(times, case.nbytes)
 
 
-def bench_socket(client: CacheClient, case: Case, bar: tqdm) -> tuple[Result, Result]:
+def _raw_router(port: int, nbytes: int, ready: mp.Event) -> None:
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.bind(f"tcp://127.0.0.1:{port}")
+    data = os.urandom(nbytes)
+    ready.set()
+    while True:
+        frames = sock.recv_multipart(copy=False)
+        if frames[1].bytes == b"stop":
+            break
+        sock.send_multipart([frames[0], b"h", data], copy=False)
+    sock.close(linger=0)
+    ctx.term()
+
+
+def bench_raw_zmq(case: Case) -> Result:
+    """The same bytes from a bare ROUTER in another process: what TCP loopback and ZMQ allow."""
+    port = free_port()
+    ready = mp.get_context("spawn").Event()
+    proc = mp.get_context("spawn").Process(target=_raw_router, args=(port, case.nbytes, ready), daemon=True)
+    proc.start()
+    ready.wait(60)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.connect(f"tcp://127.0.0.1:{port}")
+    times = []
+    for i in range(case.iters + 2):
+        t0 = time.perf_counter()
+        sock.send(b"get")
+        frames = sock.recv_multipart(copy=False)
+        if i >= 2:  # the first two pay the connection and first-touch costs
+            times.append(time.perf_counter() - t0)
+        assert frames[-1].buffer.nbytes == case.nbytes
+    sock.send(b"stop")
+    proc.join(10)
+    sock.close(linger=0)
+    ctx.term()
+    return summarize(times, case.nbytes)
+
+
+def bench_client(client: CacheClient, case: Case) -> tuple[Result, Result]:
     payload = os.urandom(case.nbytes)
     keys = [(os.urandom(32), 0, 0) for _ in range(case.iters)]
+    warm = (os.urandom(32), 0, 0)
+    client.put(NS, [(*warm, payload)])  # first touch of segments and sockets
+    client.get(NS, [warm])
     put_times, get_times = [], []
     for key in keys:
         t0 = time.perf_counter()
         result = client.put(NS, [(*key, payload)])
         put_times.append(time.perf_counter() - t0)
         assert result == ["stored"], result
-        bar.update()
     for key in keys:
         t0 = time.perf_counter()
         got = client.get(NS, [key])[0]
         get_times.append(time.perf_counter() - t0)
         assert got is not None and got.nbytes == case.nbytes
-        bar.update()
+        del got  # an engine copies the payload into its cache and lets go of it
     client.clear(NS)
     return summarize(put_times, case.nbytes), summarize(get_times, case.nbytes)
+
+
+def _concurrent_client(url: str, shm: bool, keys: list[bytes], rounds: int, nbytes: int,
+                       barrier: mp.Barrier, out: mp.Queue) -> None:
+    with CacheClient(url, timeout_s=120.0, shm=shm) as client:
+        client.hello(NS, 1152)
+        assert client.transport == ("shm" if shm else "tcp"), (client.transport, client.shm_refusal)
+        key_list = [(k, 0, 0) for k in keys]
+        got = client.get(NS, key_list[:1])[0]  # warm up: connection, segment
+        assert got is not None
+        del got
+        barrier.wait()
+        t0 = time.perf_counter()
+        moved = 0
+        for _ in range(rounds):
+            for key in key_list:
+                got = client.get(NS, [key])[0]
+                assert got is not None and got.nbytes == nbytes
+                moved += got.nbytes
+                del got
+        out.put((t0, time.perf_counter(), moved))
+
+
+def bench_concurrent(url: str, shm: bool, clients: int, nbytes: int, keys: list[bytes], rounds: int) -> float:
+    """Aggregate GB/s of ``clients`` processes getting ``keys`` over and over."""
+    ctx = mp.get_context("spawn")
+    barrier = ctx.Barrier(clients)
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_concurrent_client, args=(url, shm, keys, rounds, nbytes, barrier, out))
+             for _ in range(clients)]
+    for proc in procs:
+        proc.start()
+    results = [out.get(timeout=600) for _ in procs]
+    for proc in procs:
+        proc.join(60)
+        if proc.exitcode != 0:
+            raise RuntimeError(f"a concurrent client exited with {proc.exitcode}")
+    start = min(r[0] for r in results)
+    end = max(r[1] for r in results)
+    return sum(r[2] for r in results) / (end - start) / 1e9
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer iterations (a smoke run)")
+    ap.add_argument("--json", action="store_true", help="print the figures as one JSON object on the last line")
+    ap.add_argument("--workers", type=int, default=None, help="the server's --workers (default: its default)")
+    ap.add_argument("--clients", default="1,8,16", help="concurrent client counts (default 1,8,16)")
     args = ap.parse_args()
-    scale = 0.2 if args.quick else 1.0
-    cases = [Case("attention 10 MB", 10 * MB, max(3, int(40 * scale))),
-             Case("KDA state 40 MB", 40 * MB, max(3, int(20 * scale))),
-             Case("small 4 KB", 4096, max(20, int(2000 * scale)))]
-    total = sum(c.iters * 3 for c in cases)
+    scale = 0.25 if args.quick else 1.0
+    cases = [Case("KDA state 40 MB", "40MB", 40 * MB, max(4, int(20 * scale))),
+             Case("attention 10 MB", "10MB", 10 * MB, max(4, int(40 * scale))),
+             Case("small 4 KB", "4KB", 4096, max(20, int(1000 * scale)))]
+    counts = [int(x) for x in args.clients.split(",") if x]
+    server_args = ["--separate-object-groups", "--l1-size-gb", "4", "--log-level", "WARNING"]
+    if args.workers is not None:
+        server_args += ["--workers", str(args.workers)]
+    figures: dict[str, dict[str, float]] = {}
     rows = []
-    with ServerProcess("--separate-object-groups", "--l1-size-gb", "2", "--log-level", "WARNING") as server, \
-            CacheClient(server.url, timeout_s=30.0) as client, \
-            tqdm(total=total, desc="benchmark", unit="op", file=sys.stderr) as bar:
-        client.hello(NS, 1152)
+    concurrent: dict[str, dict[str, float]] = {"tcp_get": {}, "shm_get": {}}
+    steps = len(cases) * 4 + 2 * len(counts)
+    with ServerProcess(*server_args) as server, \
+            CacheClient(server.url, timeout_s=60.0, shm=False) as tcp, \
+            CacheClient(server.url, timeout_s=60.0) as shm, \
+            tqdm(total=steps, desc="benchmark", unit="step", file=sys.stderr) as bar:
+        tcp.hello(NS, 1152)
+        shm.hello(NS, 1152)
+        if shm.transport != "shm":
+            raise RuntimeError(f"the server refused shared memory: {shm.shm_refusal}")
         for case in cases:
             bar.set_postfix_str(case.name)
-            mem = bench_memcpy(case, bar)
-            put, get = bench_socket(client, case, bar)
-            rows.append((case, mem, put, get))
+            mem = bench_memcpy(case)
+            bar.update()
+            raw = bench_raw_zmq(case)
+            bar.update()
+            tcp_put, tcp_get = bench_client(tcp, case)
+            bar.update()
+            shm_put, shm_get = bench_client(shm, case)
+            bar.update()
+            rows.append((case, mem, raw, tcp_put, tcp_get, shm_put, shm_get))
+            figures[case.label] = {"memcpy": mem.gbps, "raw_zmq_get": raw.gbps, "tcp_put": tcp_put.gbps,
+                                   "tcp_get": tcp_get.gbps, "shm_put": shm_put.gbps, "shm_get": shm_get.gbps}
+        nbytes, rounds = 40 * MB, (2 if args.quick else 4)
+        keys = [os.urandom(32) for _ in range(4)]
+        payload = os.urandom(nbytes)
+        assert shm.put(NS, [(k, 0, 0, payload) for k in keys]) == ["stored"] * len(keys)
+        for mode in ("tcp", "shm"):
+            for n in counts:
+                bar.set_postfix_str(f"{n} {mode} clients")
+                concurrent[f"{mode}_get"][str(n)] = bench_concurrent(server.url, mode == "shm", n, nbytes, keys,
+                                                                     rounds)
+                bar.update()
+        stats = shm.stats()
 
     print()
-    print(f"glm-cache-server over TCP loopback vs in-process memcpy ({os.cpu_count()} cores; server and client "
-          "share them)")
-    header = (f"{'object':<17}{'n':>6} | {'memcpy GB/s':>11} {'p50 ms':>8} | {'put GB/s':>9} {'p50 ms':>8} "
-              f"{'p99 ms':>8} {'vs memcpy':>9} | {'get GB/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'vs memcpy':>9}")
+    print(f"glm-cache-server (real process, loopback) vs in-process memcpy and a bare pyzmq ROUTER/DEALER; "
+          f"{os.cpu_count()} cores shared by server and clients; server workers "
+          f"{stats['config']['workers']}, ZMQ I/O threads {stats['config']['io_threads']}")
+    header = (f"{'object':<16}{'n':>5} | {'memcpy':>7} {'raw zmq':>8} | {'tcp put':>8} {'tcp get':>8} "
+              f"{'p50 ms':>7} {'p99 ms':>7} {'get/raw':>8} | {'shm put':>8} {'shm get':>8} {'p50 ms':>7} "
+              f"{'p99 ms':>7} {'get/memcpy':>10}")
+    print("GB/s" + " " * (len(header) - 4))
     print(header)
     print("-" * len(header))
-    for case, mem, put, get in rows:
-        print(f"{case.name:<17}{case.iters:>6} | {mem.gbps:>11.2f} {mem.p50_ms:>8.3f} | {put.gbps:>9.2f} "
-              f"{put.p50_ms:>8.3f} {put.p99_ms:>8.3f} {put.gbps / mem.gbps:>8.1%} | {get.gbps:>9.2f} "
-              f"{get.p50_ms:>8.3f} {get.p99_ms:>8.3f} {get.gbps / mem.gbps:>8.1%}")
+    for case, mem, raw, tput, tget, sput, sget in rows:
+        print(f"{case.name:<16}{case.iters:>5} | {mem.gbps:>7.2f} {raw.gbps:>8.2f} | {tput.gbps:>8.2f} "
+              f"{tget.gbps:>8.2f} {tget.p50_ms:>7.2f} {tget.p99_ms:>7.2f} {tget.gbps / raw.gbps:>7.2f}x | "
+              f"{sput.gbps:>8.2f} {sget.gbps:>8.2f} {sget.p50_ms:>7.2f} {sget.p99_ms:>7.2f} "
+              f"{sget.gbps / mem.gbps:>9.2f}x")
+    print()
+    print(f"aggregate GB/s of N concurrent client processes, each getting 40 MB objects ({rounds * len(keys)} "
+          "gets per client)")
+    print(f"{'clients':>8} | {'tcp get':>8} {'vs 1':>6} | {'shm get':>8} {'vs 1':>6}")
+    for n in counts:
+        t, s = concurrent["tcp_get"][str(n)], concurrent["shm_get"][str(n)]
+        t1, s1 = concurrent["tcp_get"][str(counts[0])], concurrent["shm_get"][str(counts[0])]
+        print(f"{n:>8} | {t:>8.2f} {t / t1:>5.2f}x | {s:>8.2f} {s / s1:>5.2f}x")
+    if args.json:
+        print(json.dumps({**{k: {m: round(v, 3) for m, v in d.items()} for k, d in figures.items()},
+                          "concurrent": {m: {n: round(v, 3) for n, v in d.items()} for m, d in concurrent.items()},
+                          "cores": os.cpu_count(), "server_workers": stats["config"]["workers"]}))
     return 0
 
 
