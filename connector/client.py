@@ -50,7 +50,8 @@ class CacheClient:
     ``auth_token`` is the server's shared secret (``--auth-token-file``), sent with every
     request: the server checks each request, not the connection.
 
-    ``shm`` (default on) offers the server shared memory at :meth:`hello`: segments of at
+    ``shm`` (default on) offers the server shared memory at :meth:`hello` (or at the first
+    ``get`` or ``put`` of a client that never says hello): segments of at
     least ``shm_bytes``, together at most ``shm_max_bytes``, created in /dev/shm and
     unlinked as soon as the server has mapped them. :attr:`transport` says what was agreed
     (``"shm"`` or ``"tcp"``), :attr:`shm_refusal` why not. A payload ``get`` returns from
@@ -78,6 +79,7 @@ class CacheClient:
         self.shm_refusal: str | None = None if self._host else ("off in this client" if not shm
                                                                  else "no boot id or /dev/shm here")
         self._shm_agreed = False
+        self._shm_offered = False  # offered once (at hello, or at the first get/put without one)
         self._shm_next = shm_bytes  # size of the next segment (grows to what a get needed)
         self._shm_max = shm_max_bytes
         self._segments: list[ClientSegment] = []  # attached, newest last
@@ -201,6 +203,9 @@ class CacheClient:
             return None
         try:
             reply, _ = self._request_locked({"op": "shm_attach", "shm": seg.describe(self._host or "")}, (), timeout_s)
+        except CacheServerError as e:  # a server without the op: frames it is
+            self._settle_offer_locked(seg, {"reason": f"{e.code}: {e.message}"})
+            return None
         except BaseException:
             seg.close()
             raise
@@ -211,7 +216,12 @@ class CacheClient:
         prefers one of the size gets have needed), attaching a new one within
         ``shm_max_bytes``; None: use frames."""
         if not self._shm_agreed:
-            return None
+            if self._host is None or self._shm_offered:
+                return None
+            # Never said hello (a worker-side client): offer shared memory once, now.
+            self._shm_offered = True
+            if self._attach_locked(self._shm_next, timeout_s) is None:
+                return None
         want = max(need, self._shm_next - DATA_OFFSET)
         free = [s for s in self._segments if not s.busy]
         fits = [s for s in free if s.capacity >= want]
@@ -260,6 +270,7 @@ class CacheClient:
             header["state_groups"] = list(state_groups)
         with self._lock:
             offer = self._offer_locked(self._shm_next) if self._host and not self._segments else None
+            self._shm_offered = True
             if offer is not None:
                 header["shm"] = offer.describe(self._host or "")
             try:

@@ -246,3 +246,21 @@ def test_a_restarted_server_does_not_know_old_segments_and_the_client_reattaches
             assert bytes(got) == payload and _through_shm(got)
             assert [s.seg_id for s in client._segments] != [old]
     assert _mine() == []
+
+
+def test_a_client_that_never_says_hello_offers_shm_at_its_first_transfer(shm_server):
+    """The connector's worker-side clients only get and put: they still use shared memory."""
+    payload = os.urandom(1 << 20)
+    with CacheClient(shm_server.url, timeout_s=10) as client:
+        before = client.stats()["shm"]
+        assert client.transport == "tcp"
+        assert client.put(NS, [(*_key(1, 10), payload)]) == ["stored"]
+        assert client.transport == "shm"
+        got = client.get(NS, [_key(1, 10)])[0]
+        assert bytes(got) == payload and _through_shm(got)
+        after = client.stats()["shm"]
+        assert after["put_bytes"] - before["put_bytes"] == len(payload)
+        assert after["attached_total"] == before["attached_total"] + 1
+    with CacheClient(shm_server.url, timeout_s=10, shm=False) as client:
+        client.put(NS, [(*_key(2, 10), payload)])
+        assert client.transport == "tcp"
