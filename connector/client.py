@@ -103,7 +103,7 @@ class CacheClient:
             for seg in self._segments:  # let the server unmap now rather than when idle
                 if seg.seg_id is not None and self._sock is not None:
                     try:
-                        self._request_locked({"op": "shm_detach", "seg": seg.seg_id}, (), min(self.timeout_s, 0.5))
+                        self._request_locked({"op": "shm_detach", "seg": seg.seg_id}, (), min(self.timeout_s, 0.25))
                     except (CacheServerError, CacheServerUnavailable):
                         break
             self._reset()

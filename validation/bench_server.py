@@ -13,6 +13,9 @@ each size, side by side:
 * ``shm_put`` / ``shm_get``: the same server and a ``CacheClient`` that agreed on shared
   memory at hello: payloads through /dev/shm, checksums verified.
 
+The modes are interleaved iteration by iteration (the cores are shared with whatever else
+runs), and GB/s is taken from the median time.
+
 Then the aggregate of N concurrent clients (separate processes, as engines are), each
 getting 40 MB objects over and over, for N = 1, 8, 16, over TCP and through shared memory.
 
@@ -32,6 +35,7 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import zmq
@@ -62,21 +66,12 @@ class Result:
 
 
 def summarize(times: list[float], nbytes: int) -> Result:
+    """GB/s from the median time (this machine's cores are shared: the median is what a
+    transfer costs, the mean mostly what the neighbours did), p50 and p99 in ms."""
     times_sorted = sorted(times)
     p99 = times_sorted[min(len(times_sorted) - 1, int(round(0.99 * (len(times_sorted) - 1))))]
-    return Result(nbytes * len(times) / sum(times) / 1e9, statistics.median(times) * 1e3, p99 * 1e3)
-
-
-def bench_memcpy(case: Case) -> Result:
-    src = np.frombuffer(os.urandom(case.nbytes), dtype=np.uint8)
-    dst = np.empty_like(src)
-    np.copyto(dst, src)  # touch the destination once, as a reused buffer would be
-    times = []
-    for _ in range(case.iters):
-        t0 = time.perf_counter()
-        np.copyto(dst, src)
-        times.append(time.perf_counter() - t0)
-    return summarize(times, case.nbytes)
+    p50 = statistics.median(times)
+    return Result(nbytes / p50 / 1e9, p50 * 1e3, p99 * 1e3)
 
 
 def _raw_router(port: int, nbytes: int, ready: mp.Event) -> None:
@@ -94,51 +89,67 @@ def _raw_router(port: int, nbytes: int, ready: mp.Event) -> None:
     ctx.term()
 
 
-def bench_raw_zmq(case: Case) -> Result:
-    """The same bytes from a bare ROUTER in another process: what TCP loopback and ZMQ allow."""
-    port = free_port()
-    ready = mp.get_context("spawn").Event()
-    proc = mp.get_context("spawn").Process(target=_raw_router, args=(port, case.nbytes, ready), daemon=True)
-    proc.start()
-    ready.wait(60)
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.connect(f"tcp://127.0.0.1:{port}")
-    times = []
-    for i in range(case.iters + 2):
-        t0 = time.perf_counter()
-        sock.send(b"get")
-        frames = sock.recv_multipart(copy=False)
-        if i >= 2:  # the first two pay the connection and first-touch costs
-            times.append(time.perf_counter() - t0)
-        assert frames[-1].buffer.nbytes == case.nbytes
-    sock.send(b"stop")
-    proc.join(10)
-    sock.close(linger=0)
-    ctx.term()
-    return summarize(times, case.nbytes)
+class RawZmq:
+    """A bare ROUTER in another process that answers every request with the same bytes:
+    what TCP loopback and ZMQ allow, with no msgpack, store or checksum."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+        port = free_port()
+        spawn = mp.get_context("spawn")
+        ready = spawn.Event()
+        self.proc = spawn.Process(target=_raw_router, args=(port, nbytes, ready), daemon=True)
+        self.proc.start()
+        ready.wait(60)
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.connect(f"tcp://127.0.0.1:{port}")
+
+    def get(self) -> None:
+        self.sock.send(b"get")
+        frames = self.sock.recv_multipart(copy=False)
+        assert frames[-1].buffer.nbytes == self.nbytes
+
+    def close(self) -> None:
+        self.sock.send(b"stop")
+        self.proc.join(10)
+        self.sock.close(linger=0)
+        self.ctx.term()
 
 
-def bench_client(client: CacheClient, case: Case) -> tuple[Result, Result]:
+def bench_case(case: Case, tcp: CacheClient, shm: CacheClient) -> dict[str, Result]:
+    """Every mode of one object size, interleaved iteration by iteration so that each sees
+    the same load from whatever else runs on the machine."""
     payload = os.urandom(case.nbytes)
-    keys = [(os.urandom(32), 0, 0) for _ in range(case.iters)]
-    warm = (os.urandom(32), 0, 0)
-    client.put(NS, [(*warm, payload)])  # first touch of segments and sockets
-    client.get(NS, [warm])
-    put_times, get_times = [], []
-    for key in keys:
+    src = np.frombuffer(payload, dtype=np.uint8)
+    dst = np.empty_like(src)
+    raw = RawZmq(case.nbytes)
+    times: dict[str, list[float]] = {m: [] for m in ("memcpy", "raw_zmq_get", "tcp_put", "tcp_get", "shm_put",
+                                                      "shm_get")}
+    keys = {c: [(os.urandom(32), 0, 0) for _ in range(case.iters + 2)] for c in ("tcp", "shm")}
+    clients = {"tcp": tcp, "shm": shm}
+
+    def timed(mode: str, i: int, fn: Any) -> Any:
         t0 = time.perf_counter()
-        result = client.put(NS, [(*key, payload)])
-        put_times.append(time.perf_counter() - t0)
-        assert result == ["stored"], result
-    for key in keys:
-        t0 = time.perf_counter()
-        got = client.get(NS, [key])[0]
-        get_times.append(time.perf_counter() - t0)
-        assert got is not None and got.nbytes == case.nbytes
-        del got  # an engine copies the payload into its cache and lets go of it
-    client.clear(NS)
-    return summarize(put_times, case.nbytes), summarize(get_times, case.nbytes)
+        out = fn()
+        if i >= 2:  # the first two pay connections, first touches and allocations
+            times[mode].append(time.perf_counter() - t0)
+        return out
+
+    for i in range(case.iters + 2):
+        for c, client in clients.items():
+            result = timed(f"{c}_put", i, lambda: client.put(NS, [(*keys[c][i], payload)]))
+            assert result == ["stored"], result
+    for i in range(case.iters + 2):
+        timed("memcpy", i, lambda: np.copyto(dst, src))
+        timed("raw_zmq_get", i, raw.get)
+        for c, client in clients.items():
+            got = timed(f"{c}_get", i, lambda: client.get(NS, [keys[c][i]])[0])
+            assert got is not None and got.nbytes == case.nbytes
+            del got  # an engine copies the payload into its cache and lets go of it
+    raw.close()
+    tcp.clear(NS)
+    return {mode: summarize(t, case.nbytes) for mode, t in times.items()}
 
 
 def _concurrent_client(url: str, shm: bool, keys: list[bytes], rounds: int, nbytes: int,
@@ -210,17 +221,11 @@ def main() -> int:
             raise RuntimeError(f"the server refused shared memory: {shm.shm_refusal}")
         for case in cases:
             bar.set_postfix_str(case.name)
-            mem = bench_memcpy(case)
-            bar.update()
-            raw = bench_raw_zmq(case)
-            bar.update()
-            tcp_put, tcp_get = bench_client(tcp, case)
-            bar.update()
-            shm_put, shm_get = bench_client(shm, case)
-            bar.update()
-            rows.append((case, mem, raw, tcp_put, tcp_get, shm_put, shm_get))
-            figures[case.label] = {"memcpy": mem.gbps, "raw_zmq_get": raw.gbps, "tcp_put": tcp_put.gbps,
-                                   "tcp_get": tcp_get.gbps, "shm_put": shm_put.gbps, "shm_get": shm_get.gbps}
+            res = bench_case(case, tcp, shm)
+            bar.update(4)
+            rows.append((case, res["memcpy"], res["raw_zmq_get"], res["tcp_put"], res["tcp_get"], res["shm_put"],
+                         res["shm_get"]))
+            figures[case.label] = {mode: r.gbps for mode, r in res.items()}
         nbytes, rounds = 40 * MB, (2 if args.quick else 4)
         keys = [os.urandom(32) for _ in range(4)]
         payload = os.urandom(nbytes)
