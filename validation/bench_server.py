@@ -6,6 +6,9 @@ each size, side by side:
 
 * ``memcpy``: an in-process copy of the same bytes into a buffer already touched, the
   limit any transport can reach;
+* ``checksum``: the object checksum (``protocol.checksum``, blake3) of the same bytes,
+  which every get verifies on the client: a shared-memory get costs about a memcpy (the
+  server's copy into the segment) plus this;
 * ``raw_zmq_get``: a bare pyzmq ROUTER in another process answering a DEALER with the
   same bytes over TCP loopback (no msgpack, no store, no checksum): the socket's limit;
 * ``tcp_put`` / ``tcp_get``: a real ``glm-cache-server`` process (``ServerProcess``) and a
@@ -44,6 +47,7 @@ from tqdm import tqdm
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from cache_server.process import ServerProcess, free_port  # noqa: E402
+from cache_server import protocol as p  # noqa: E402
 from connector.client import CacheClient  # noqa: E402
 
 MB = 1_000_000
@@ -124,8 +128,8 @@ def bench_case(case: Case, tcp: CacheClient, shm: CacheClient) -> dict[str, Resu
     src = np.frombuffer(payload, dtype=np.uint8)
     dst = np.empty_like(src)
     raw = RawZmq(case.nbytes)
-    times: dict[str, list[float]] = {m: [] for m in ("memcpy", "raw_zmq_get", "tcp_put", "tcp_get", "shm_put",
-                                                      "shm_get")}
+    times: dict[str, list[float]] = {m: [] for m in ("memcpy", "checksum", "raw_zmq_get", "tcp_put", "tcp_get",
+                                                      "shm_put", "shm_get")}
     keys = {c: [(os.urandom(32), 0, 0) for _ in range(case.iters + 2)] for c in ("tcp", "shm")}
     clients = {"tcp": tcp, "shm": shm}
 
@@ -142,6 +146,7 @@ def bench_case(case: Case, tcp: CacheClient, shm: CacheClient) -> dict[str, Resu
             assert result == ["stored"], result
     for i in range(case.iters + 2):
         timed("memcpy", i, lambda: np.copyto(dst, src))
+        timed("checksum", i, lambda: p.checksum(payload))
         timed("raw_zmq_get", i, raw.get)
         for c, client in clients.items():
             got = timed(f"{c}_get", i, lambda: client.get(NS, [keys[c][i]])[0])
@@ -223,8 +228,8 @@ def main() -> int:
             bar.set_postfix_str(case.name)
             res = bench_case(case, tcp, shm)
             bar.update(4)
-            rows.append((case, res["memcpy"], res["raw_zmq_get"], res["tcp_put"], res["tcp_get"], res["shm_put"],
-                         res["shm_get"]))
+            rows.append((case, res["memcpy"], res["checksum"], res["raw_zmq_get"], res["tcp_put"], res["tcp_get"],
+                         res["shm_put"], res["shm_get"]))
             figures[case.label] = {mode: r.gbps for mode, r in res.items()}
         nbytes, rounds = 40 * MB, (2 if args.quick else 4)
         keys = [os.urandom(32) for _ in range(4)]
@@ -242,14 +247,14 @@ def main() -> int:
     print(f"glm-cache-server (real process, loopback) vs in-process memcpy and a bare pyzmq ROUTER/DEALER; "
           f"{os.cpu_count()} cores shared by server and clients; server workers "
           f"{stats['config']['workers']}, ZMQ I/O threads {stats['config']['io_threads']}")
-    header = (f"{'object':<16}{'n':>5} | {'memcpy':>7} {'raw zmq':>8} | {'tcp put':>8} {'tcp get':>8} "
+    header = (f"{'object':<16}{'n':>5} | {'memcpy':>7} {'blake3':>7} {'raw zmq':>8} | {'tcp put':>8} {'tcp get':>8} "
               f"{'p50 ms':>7} {'p99 ms':>7} {'get/raw':>8} | {'shm put':>8} {'shm get':>8} {'p50 ms':>7} "
               f"{'p99 ms':>7} {'get/memcpy':>10}")
     print("GB/s" + " " * (len(header) - 4))
     print(header)
     print("-" * len(header))
-    for case, mem, raw, tput, tget, sput, sget in rows:
-        print(f"{case.name:<16}{case.iters:>5} | {mem.gbps:>7.2f} {raw.gbps:>8.2f} | {tput.gbps:>8.2f} "
+    for case, mem, csum, raw, tput, tget, sput, sget in rows:
+        print(f"{case.name:<16}{case.iters:>5} | {mem.gbps:>7.2f} {csum.gbps:>7.2f} {raw.gbps:>8.2f} | {tput.gbps:>8.2f} "
               f"{tget.gbps:>8.2f} {tget.p50_ms:>7.2f} {tget.p99_ms:>7.2f} {tget.gbps / raw.gbps:>7.2f}x | "
               f"{sput.gbps:>8.2f} {sget.gbps:>8.2f} {sget.p50_ms:>7.2f} {sget.p99_ms:>7.2f} "
               f"{sget.gbps / mem.gbps:>9.2f}x")
