@@ -20,9 +20,11 @@ The modes are interleaved iteration by iteration (the cores are shared with what
 runs), and GB/s is taken from the median time.
 
 Then the aggregate of N concurrent clients (separate processes, as engines are), each
-getting 40 MB objects over and over, for N = 1, 8, 16, over TCP and through shared memory.
+getting 40 MB objects over and over, for N = 1, 8, 16, over TCP and through shared memory,
+with the p99 latency of a ``ping`` sent meanwhile; ``--compare-workers`` repeats that
+against a server with one worker thread (the old single request loop).
 
-    python validation/bench_server.py [--quick] [--json] [--workers N]
+    python validation/bench_server.py [--quick] [--json] [--workers N] [--clients 1,8,16] [--compare-workers]
 
 With ``--json`` the last line is one JSON object: GB/s per object size and mode, and the
 concurrent aggregates under ``"concurrent"``.
@@ -34,6 +36,7 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import queue
 import statistics
 import sys
 import time
@@ -178,23 +181,56 @@ def _concurrent_client(url: str, shm: bool, keys: list[bytes], rounds: int, nbyt
         out.put((t0, time.perf_counter(), moved))
 
 
-def bench_concurrent(url: str, shm: bool, clients: int, nbytes: int, keys: list[bytes], rounds: int) -> float:
-    """Aggregate GB/s of ``clients`` processes getting ``keys`` over and over."""
+def bench_concurrent(url: str, shm: bool, clients: int, nbytes: int, keys: list[bytes], rounds: int,
+                     probe: CacheClient) -> tuple[float, float]:
+    """Aggregate GB/s of ``clients`` processes getting ``keys`` over and over, and the p99
+    in ms of a ``ping`` sent meanwhile (does a small request wait behind the transfers?)."""
     ctx = mp.get_context("spawn")
-    barrier = ctx.Barrier(clients)
+    barrier = ctx.Barrier(clients + 1)
     out = ctx.Queue()
     procs = [ctx.Process(target=_concurrent_client, args=(url, shm, keys, rounds, nbytes, barrier, out))
              for _ in range(clients)]
     for proc in procs:
         proc.start()
-    results = [out.get(timeout=600) for _ in procs]
+    barrier.wait()
+    results, pings = [], []
+    deadline = time.monotonic() + 600
+    while len(results) < clients and time.monotonic() < deadline:
+        try:
+            results.append(out.get(timeout=0.01))
+            continue
+        except queue.Empty:
+            pass
+        t0 = time.perf_counter()
+        probe.ping()
+        pings.append(time.perf_counter() - t0)
     for proc in procs:
         proc.join(60)
         if proc.exitcode != 0:
             raise RuntimeError(f"a concurrent client exited with {proc.exitcode}")
     start = min(r[0] for r in results)
     end = max(r[1] for r in results)
-    return sum(r[2] for r in results) / (end - start) / 1e9
+    pings.sort()
+    p99 = pings[min(len(pings) - 1, int(round(0.99 * (len(pings) - 1))))] * 1e3 if pings else float("nan")
+    return sum(r[2] for r in results) / (end - start) / 1e9, p99
+
+
+def run_concurrency(url: str, counts: list[int], rounds: int, nbytes: int, bar: tqdm, tag: str
+                    ) -> dict[str, dict[str, float]]:
+    """Every client count over TCP and through shared memory against the server at ``url``."""
+    out: dict[str, dict[str, float]] = {"tcp_get": {}, "shm_get": {}, "tcp_ping_p99_ms": {}, "shm_ping_p99_ms": {}}
+    keys = [os.urandom(32) for _ in range(4)]
+    payload = os.urandom(nbytes)
+    with CacheClient(url, timeout_s=60.0, shm=False) as probe:
+        assert probe.put(NS, [(k, 0, 0, payload) for k in keys]) == ["stored"] * len(keys)
+        for mode in ("tcp", "shm"):
+            for n in counts:
+                bar.set_postfix_str(f"{tag}: {n} {mode} clients")
+                gbps, p99 = bench_concurrent(url, mode == "shm", n, nbytes, keys, rounds, probe)
+                out[f"{mode}_get"][str(n)], out[f"{mode}_ping_p99_ms"][str(n)] = gbps, p99
+                bar.update()
+        probe.clear(NS)
+    return out
 
 
 def main() -> int:
@@ -203,6 +239,8 @@ def main() -> int:
     ap.add_argument("--json", action="store_true", help="print the figures as one JSON object on the last line")
     ap.add_argument("--workers", type=int, default=None, help="the server's --workers (default: its default)")
     ap.add_argument("--clients", default="1,8,16", help="concurrent client counts (default 1,8,16)")
+    ap.add_argument("--compare-workers", action="store_true",
+                    help="run the concurrent clients against a --workers 1 server too")
     args = ap.parse_args()
     scale = 0.25 if args.quick else 1.0
     cases = [Case("KDA state 40 MB", "40MB", 40 * MB, max(4, int(20 * scale))),
@@ -214,8 +252,7 @@ def main() -> int:
         server_args += ["--workers", str(args.workers)]
     figures: dict[str, dict[str, float]] = {}
     rows = []
-    concurrent: dict[str, dict[str, float]] = {"tcp_get": {}, "shm_get": {}}
-    steps = len(cases) * 4 + 2 * len(counts)
+    steps = len(cases) * 4 + 2 * len(counts) * (2 if args.compare_workers else 1)
     with ServerProcess(*server_args) as server, \
             CacheClient(server.url, timeout_s=60.0, shm=False) as tcp, \
             CacheClient(server.url, timeout_s=60.0) as shm, \
@@ -231,17 +268,13 @@ def main() -> int:
             rows.append((case, res["memcpy"], res["checksum"], res["raw_zmq_get"], res["tcp_put"], res["tcp_get"],
                          res["shm_put"], res["shm_get"]))
             figures[case.label] = {mode: r.gbps for mode, r in res.items()}
-        nbytes, rounds = 40 * MB, (2 if args.quick else 4)
-        keys = [os.urandom(32) for _ in range(4)]
-        payload = os.urandom(nbytes)
-        assert shm.put(NS, [(k, 0, 0, payload) for k in keys]) == ["stored"] * len(keys)
-        for mode in ("tcp", "shm"):
-            for n in counts:
-                bar.set_postfix_str(f"{n} {mode} clients")
-                concurrent[f"{mode}_get"][str(n)] = bench_concurrent(server.url, mode == "shm", n, nbytes, keys,
-                                                                     rounds)
-                bar.update()
+        rounds = 2 if args.quick else 4
+        concurrent = run_concurrency(server.url, counts, rounds, 40 * MB, bar, "server")
         stats = shm.stats()
+        single: dict[str, dict[str, float]] | None = None
+        if args.compare_workers:  # the same clients against a server with one worker thread
+            with ServerProcess(*server_args, "--workers", "1") as one:
+                single = run_concurrency(one.url, counts, rounds, 40 * MB, bar, "1 worker")
 
     print()
     print(f"glm-cache-server (real process, loopback) vs in-process memcpy and a bare pyzmq ROUTER/DEALER; "
@@ -259,16 +292,25 @@ def main() -> int:
               f"{sput.gbps:>8.2f} {sget.gbps:>8.2f} {sget.p50_ms:>7.2f} {sget.p99_ms:>7.2f} "
               f"{sget.gbps / mem.gbps:>9.2f}x")
     print()
-    print(f"aggregate GB/s of N concurrent client processes, each getting 40 MB objects ({rounds * len(keys)} "
-          "gets per client)")
-    print(f"{'clients':>8} | {'tcp get':>8} {'vs 1':>6} | {'shm get':>8} {'vs 1':>6}")
-    for n in counts:
-        t, s = concurrent["tcp_get"][str(n)], concurrent["shm_get"][str(n)]
-        t1, s1 = concurrent["tcp_get"][str(counts[0])], concurrent["shm_get"][str(counts[0])]
-        print(f"{n:>8} | {t:>8.2f} {t / t1:>5.2f}x | {s:>8.2f} {s / s1:>5.2f}x")
+    print(f"aggregate GB/s of N concurrent client processes, each getting 40 MB objects ({rounds * 4} gets per "
+          "client), and the p99 of a ping sent meanwhile")
+    sides = [(f"{stats['config']['workers']} workers", concurrent)] + ([("1 worker", single)] if single else [])
+    print(f"{'':>8} | " + " | ".join(f"{name:^42}" for name, _ in sides))
+    print(f"{'clients':>8} | " + " | ".join(f"{'tcp get':>8} {'vs 1':>6} {'ping p99':>8} {'shm get':>8} {'vs 1':>6} "
+                                             f"{'ping p99':>8}" for _ in sides))
+    first = str(counts[0])
+    for n in map(str, counts):
+        cells = []
+        for _, d in sides:
+            t, s_ = d["tcp_get"][n], d["shm_get"][n]
+            cells.append(f"{t:>8.2f} {t / d['tcp_get'][first]:>5.2f}x {d['tcp_ping_p99_ms'][n]:>6.1f}ms "
+                         f"{s_:>8.2f} {s_ / d['shm_get'][first]:>5.2f}x {d['shm_ping_p99_ms'][n]:>6.1f}ms")
+        print(f"{n:>8} | " + " | ".join(cells))
     if args.json:
         print(json.dumps({**{k: {m: round(v, 3) for m, v in d.items()} for k, d in figures.items()},
                           "concurrent": {m: {n: round(v, 3) for n, v in d.items()} for m, d in concurrent.items()},
+                          **({"concurrent_1_worker": {m: {n: round(v, 3) for n, v in d.items()}
+                                                      for m, d in single.items()}} if single else {}),
                           "cores": os.cpu_count(), "server_workers": stats["config"]["workers"]}))
     return 0
 
