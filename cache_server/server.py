@@ -421,6 +421,11 @@ class CacheServer:
                     not all(isinstance(x, list) and len(x) == 2 for x in at):
                 raise p.ProtocolError(p.ErrorCode.BAD_REQUEST, "shm.at must list one [offset, length] per key")
             spans = [self._shm_span(view, off, n, f"shm.at[{i}]") for i, (off, n) in enumerate(at)]
+            total = sum(n for _, n in spans)
+            if total > self.config.message_limit_bytes:  # the same bound on what one put makes us copy
+                self.metrics.limit_refusals.labels(limit="message_bytes").inc()
+                raise p.ProtocolError(p.ErrorCode.TOO_LARGE, f"request is {total} bytes; the maximum is "
+                                                             f"{self.config.message_limit_bytes} (--max-message-mb)")
             frames = [_SizedSpan(n) for _, n in spans]  # sizes only, for the checks below
         if len(keys) != len(frames):
             raise p.ProtocolError(p.ErrorCode.BAD_REQUEST,

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import glob
 import os
-import signal
 import threading
 import time
 
@@ -216,7 +215,7 @@ def test_per_call_timeout_and_recovery_after_it(shm_server):
         client.hello(NS, 16)
         payload = os.urandom(1 << 20)
         client.put(NS, [(*_key(1, 8), payload)])
-        os.kill(shm_server.proc.pid, signal.SIGSTOP)
+        shm_server.pause()
         try:
             t0 = time.monotonic()
             with pytest.raises(CacheServerUnavailable):
@@ -226,7 +225,7 @@ def test_per_call_timeout_and_recovery_after_it(shm_server):
             assert time.monotonic() - t0 < 5
             assert client._segments == []
         finally:
-            os.kill(shm_server.proc.pid, signal.SIGCONT)
+            shm_server.resume()
         got = client.get(NS, [_key(1, 8)])[0]
         assert bytes(got) == payload and _through_shm(got)
         assert client.transport == "shm"
