@@ -100,6 +100,15 @@ def build_parser() -> argparse.ArgumentParser:
                          "redis+cluster://host:port,host:port,... (query: timeout_s, retry_after_s, queue_mb, "
                          "prefix, ttl_s); every stored object is written through asynchronously, a lookup "
                          "promotes what L2 adds (default: none)")
+    ap.add_argument("--no-shm", action="store_true",
+                    help="offer no shared memory to clients on this host: every payload travels over the "
+                         "socket (default: same-host clients that offer a /dev/shm segment at hello move "
+                         "payloads through it)")
+    ap.add_argument("--workers", type=_positive_int, default=4,
+                    help="threads answering requests, so one engine's large transfer does not hold the others "
+                         "behind it (default 4)")
+    ap.add_argument("--io-threads", type=_positive_int, default=2,
+                    help="ZMQ I/O threads reading and writing the sockets (default 2)")
     ap.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                     type=str.upper, help="log level (default INFO)")
     return ap
@@ -117,7 +126,8 @@ def config_from_args(args: argparse.Namespace, auth_token: str | None = None) ->
         auth_token=auth_token,
         max_message_bytes=int(args.max_message_mb * MIB) if args.max_message_mb is not None else None,
         max_header_bytes=args.max_header_kb << 10, max_leases_per_client=args.max_leases_per_client,
-        max_leased_fraction=args.max_leased_fraction, max_namespaces=args.max_namespaces, l2_url=args.l2)
+        max_leased_fraction=args.max_leased_fraction, max_namespaces=args.max_namespaces, l2_url=args.l2,
+        shm=not args.no_shm, workers=args.workers, io_threads=args.io_threads)
 
 
 def _return_freed_payloads_to_the_os() -> None:
@@ -200,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     logger.info("limits: message %d bytes, header %d bytes, %d leases per client, %d leased bytes, %d namespaces",
                 config.message_limit_bytes, config.max_header_bytes, config.max_leases_per_client,
                 server.store.max_leased_bytes, config.max_namespaces)
+    logger.info("%d workers, %d ZMQ I/O threads, same-host shared memory %s", config.workers, config.io_threads,
+                "on" if server.segments.snapshot()["enabled"] else "off")
     if server.l2 is not None:
         logger.info("L2 on %s: write-through (asynchronous, %d MiB queue), promotion at lookup within %.1fs",
                     server.l2.config.redacted(), server.l2.config.queue_bytes >> 20, server.l2.config.timeout_s)

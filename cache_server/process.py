@@ -90,6 +90,24 @@ class ServerProcess:
             self._log_file.close()
         return self.proc.returncode
 
+    def pause(self, timeout_s: float = 5.0) -> None:
+        """SIGSTOP, and return once every thread of the server has stopped: the signal is
+        asynchronous, and a worker thread already running can answer one more request in
+        between (a few ms on busy cores). A paused server is alive but answers nothing."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGSTOP)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if all(_thread_stopped(stat) for stat in Path(f"/proc/{self.proc.pid}/task").glob("*/stat")):
+                return
+            time.sleep(0.001)
+        raise RuntimeError(f"glm-cache-server did not stop within {timeout_s}s of SIGSTOP")
+
+    def resume(self) -> None:
+        """SIGCONT after :meth:`pause`."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGCONT)
+
     def kill(self) -> None:
         """SIGKILL: the server dies without any chance to answer."""
         if self.proc is not None and self.proc.poll() is None:
@@ -108,3 +126,10 @@ class ServerProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _thread_stopped(stat: Path) -> bool:
+    try:
+        return stat.read_text().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return True  # the thread is gone

@@ -1,13 +1,24 @@
 """glm-cache-server: the ZMQ request loop over an :class:`ObjectStore`.
 
-One thread owns the ROUTER socket and answers every request, errors included, with exactly
-one reply. The HTTP side (``cache_server.http``) runs in a second thread and only reads the
-store, or clears it.
+The ROUTER socket faces the clients; a proxy thread (libzmq's, no Python on the path, no
+byte copied: inproc hands messages over by reference) passes requests round-robin to
+``--workers`` worker threads over an inproc DEALER, and their replies back. Each worker
+answers every request it gets, errors included, with exactly one reply. So one engine's
+40 MB transfer does not hold the others behind it: the byte work (ZMQ's I/O threads,
+``--io-threads``; copies to and from shared memory; checksums on the client) runs without
+the GIL, and the store's lock covers only its bookkeeping, never a copy. A client sends
+one request at a time, so its requests are still answered in order. The main thread does
+the housekeeping (lease expiry, dropping idle shared-memory segments). The HTTP side
+(``cache_server.http``) runs in another thread and only reads the store, or clears it.
+
+Same-host clients may move payloads through shared memory instead of frames
+(:mod:`cache_server.shm`, ``--no-shm`` turns it off).
 """
 
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 import signal
 import threading
@@ -16,11 +27,13 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import zmq
 
 from cache_server import protocol as p
 from cache_server.auth import AUTH_FIELD, token_matches
 from cache_server.metrics import ServerMetrics
+from cache_server.shm import DATA_OFFSET, SegmentTable, align_up
 from cache_server.store import UNKNOWN_PARENT, Layout, ObjectStore
 
 logger = logging.getLogger("glm_cache_server")
@@ -62,6 +75,9 @@ class ServerConfig:
     max_leased_fraction: float = 0.5  # of l1_size_bytes that leases may pin
     max_namespaces: int = 64
     l2_url: str | None = field(default=None, repr=False)  # --l2: second tier (cache_server.l2); may hold a password
+    shm: bool = True  # --no-shm: offer no shared memory to same-host clients
+    workers: int = 4  # --workers: threads answering requests
+    io_threads: int = 2  # --io-threads: ZMQ I/O threads (socket reads and writes)
 
     @property
     def message_limit_bytes(self) -> int:
@@ -87,14 +103,16 @@ class CacheServer:
         self._namespace_lock = threading.Lock()  # the HTTP thread reads the table for /status
         # ns -> (world size, groups stored once for every TP rank), as the engine said at hello
         self._layout_by_namespace: dict[str, tuple[int, tuple[int, ...]]] = {}
-        self._client: bytes | None = None  # ZMQ identity of the request being handled
+        self._local = threading.local()  # per worker: the ZMQ identity of the request being handled
+        self._l2_lock = threading.Lock()  # one L2 promotion at a time (its reader is one thread anyway)
+        self.segments = SegmentTable(config.shm)
         if config.auth_token is not None:
             self.metrics.errors.labels(code=p.ErrorCode.UNAUTHORIZED.value)  # exported as 0 from the start
         self._refused_since_log = 0
         self._refusal_logged_at = -float("inf")
         self._stop = threading.Event()
         self._die_on: str | None = None  # debug fault hook: SIGKILL ourselves on this op
-        self._ctx = zmq.Context()
+        self._ctx = zmq.Context(io_threads=max(1, config.io_threads))
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting client keeps its identity
@@ -106,6 +124,7 @@ class CacheServer:
             "hello": self._hello, "lookup": self._lookup, "get": self._get, "put": self._put,
             "delete": self._delete, "debug_corrupt": self._debug_corrupt, "debug_die_on": self._debug_die_on,
             "release": self._release, "clear": self._clear, "stats": self._stats, "ping": self._ping,
+            "shm_attach": self._shm_attach, "shm_detach": self._shm_detach,
         }
         assert set(self._handlers) == set(p.OPS)
 
@@ -117,27 +136,69 @@ class CacheServer:
 
     # --- loop ----------------------------------------------------------------------------
 
+    @property
+    def _client(self) -> bytes | None:
+        return getattr(self._local, "client", None)
+
     def serve_forever(self) -> None:
-        """Answer requests until :meth:`stop`; then close the socket."""
-        poller = zmq.Poller()
-        poller.register(self._sock, zmq.POLLIN)
+        """Answer requests until :meth:`stop`; then close the sockets."""
+        where = f"inproc://glm-workers-{id(self)}"
+        backend = self._ctx.socket(zmq.DEALER)
+        backend.setsockopt(zmq.LINGER, 0)
+        backend.bind(where)
+        control, control_peer = self._ctx.socket(zmq.PAIR), self._ctx.socket(zmq.PAIR)
+        control.bind(where + "-control")
+        control_peer.connect(where + "-control")
+        workers = [threading.Thread(target=self._work, args=(where,), name=f"glm-worker-{i}", daemon=True)
+                   for i in range(max(1, self.config.workers))]
+        proxy = threading.Thread(target=self._proxy, args=(backend, control_peer), name="glm-proxy", daemon=True)
+        for t in workers:
+            t.start()
+        proxy.start()
+        try:
+            last_shm_check = time.monotonic()
+            while not self._stop.wait(0.1):
+                self.store.expire_leases()
+                if time.monotonic() - last_shm_check > 1.0:
+                    self.segments.expire()
+                    last_shm_check = time.monotonic()
+        finally:
+            control.send(b"TERMINATE")
+            proxy.join(5)
+            for t in workers:
+                t.join(5)
+            for sock in (control, control_peer, backend, self._sock):
+                sock.close(linger=0)
+            self._ctx.term()
+            self.segments.close()
+            if self.l2 is not None:
+                self.l2.close()
+
+    def _proxy(self, backend: zmq.Socket, control: zmq.Socket) -> None:
+        try:
+            zmq.proxy_steerable(self._sock, backend, None, control)
+        except zmq.ZMQError as e:
+            if e.errno != zmq.ETERM:
+                logger.exception("proxy stopped")
+
+    def _work(self, where: str) -> None:
+        """One worker: take a request from the proxy, answer it, until :meth:`stop`."""
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(where)
         try:
             while not self._stop.is_set():
-                if not poller.poll(100):
-                    self.store.expire_leases()
+                if not sock.poll(100):
                     continue
-                frames = self._sock.recv_multipart(copy=False)
+                frames = sock.recv_multipart(copy=False)
                 identity, request = frames[0], frames[1:]
                 reply = self.handle(request, client=identity.bytes)
                 try:
-                    self._sock.send_multipart([identity, *reply], copy=False)
+                    sock.send_multipart([identity, *reply], copy=False)
                 except zmq.ZMQError as e:  # the peer vanished; nothing to answer
                     logger.debug("reply dropped: %s", e)
         finally:
-            self._sock.close(linger=0)
-            self._ctx.term()
-            if self.l2 is not None:
-                self.l2.close()
+            sock.close(linger=0)
 
     def stop(self) -> None:
         self._stop.set()
@@ -148,7 +209,7 @@ class CacheServer:
         start = time.perf_counter()
         request_id: Any = None
         op = "invalid"
-        self._client = client
+        self._local.client = client
         try:
             if not frames:
                 raise p.ProtocolError(p.ErrorCode.BAD_REQUEST, "empty message")
@@ -265,9 +326,12 @@ class CacheServer:
             self._check_groups([*attn, *state])
             self.store.set_layout(ns, Layout(frozenset(attn), frozenset(state), world_size, frozenset(replicated),
                                              known[1] if known is not None else chunk))
-        return {"v": p.PROTOCOL_VERSION, "chunk_size": chunk, "min_chunk_size": self.config.min_chunk_size,
-                "separate_object_groups": self.config.separate_object_groups,
-                "max_object_bytes": self.config.max_object_bytes}, []
+        reply = {"v": p.PROTOCOL_VERSION, "chunk_size": chunk, "min_chunk_size": self.config.min_chunk_size,
+                 "separate_object_groups": self.config.separate_object_groups,
+                 "max_object_bytes": self.config.max_object_bytes}
+        if "shm" in h:  # a same-host offer: agree or say why not (the client then uses frames)
+            reply["shm"] = self.segments.attach(h["shm"])
+        return reply, []
 
     def _lookup(self, h: dict[str, Any], _: list[memoryview]) -> tuple[dict[str, Any], list[Any]]:
         ns = p.field(h, "ns", str)
@@ -286,7 +350,9 @@ class CacheServer:
         if not set(replicated) <= {*attn, *state}:
             raise p.ProtocolError(p.ErrorCode.BAD_REQUEST, "replicated_groups must be among attn_groups and state_groups")
         if self.l2 is not None:  # promote what L2 adds to L1's answer, within the L2 deadline
-            l1_depth, consulted = self.l2.promote(self.store, ns, hashes, attn, state, world_size, start, replicated)
+            with self._l2_lock:
+                l1_depth, consulted = self.l2.promote(self.store, ns, hashes, attn, state, world_size, start,
+                                                      replicated)
         chunks, lease_id = self.store.lookup(ns, hashes, attn, state, world_size, start, lease, owner=self._client,
                                              replicated_groups=replicated)
         if self.l2 is not None:
@@ -295,20 +361,74 @@ class CacheServer:
             self.metrics.limit_refusals.labels(limit="leased_bytes").inc()
         return {"chunks": chunks, "lease_id": lease_id}, []
 
+    def _shm_segment(self, spec: Any) -> np.ndarray:
+        """The mapped bytes of the segment a request names (``shm_unknown`` if none)."""
+        if not isinstance(spec, dict):
+            raise p.ProtocolError(p.ErrorCode.BAD_REQUEST, "shm must be a map")
+        seg = p.int_field(spec, "seg", minimum=1)
+        mapped = self.segments.use(seg)
+        view = mapped.view if mapped is not None else None
+        if view is None:
+            raise p.ProtocolError(p.ErrorCode.SHM_UNKNOWN, "unknown shared-memory segment; attach a new one")
+        return view
+
+    @staticmethod
+    def _shm_span(view: np.ndarray, off: Any, n: Any, what: str) -> tuple[int, int]:
+        if not all(isinstance(x, int) and not isinstance(x, bool) for x in (off, n)) or off < DATA_OFFSET \
+                or n < 0 or off + n > view.nbytes:
+            raise p.ProtocolError(p.ErrorCode.BAD_REQUEST,
+                                  f"{what} must lie within the segment, at or after byte {DATA_OFFSET}")
+        return off, n
+
     def _get(self, h: dict[str, Any], _: list[memoryview]) -> tuple[dict[str, Any], list[Any]]:
         ns = p.field(h, "ns", str)
-        found, sums, payloads = [], [], []
-        for digest, group, rank in p.key_list(h):
-            hit = self.store.get_with_checksum((ns, digest, group, rank))
+        keys = p.key_list(h)
+        view, cursor, end = None, 0, 0
+        if "shm" in h:  # copy what fits into the client's region; the rest goes as frames
+            view = self._shm_segment(h["shm"])
+            cursor, length = self._shm_span(view, h["shm"].get("off"), h["shm"].get("len"), "the get region")
+            end = cursor + length
+        found, sums, payloads, places = [], [], [], []
+        for digest, group, rank in keys:
+            hit = self.store.get_with_checksum((ns, digest, group, rank))  # the store's lock ends here
             found.append(hit is not None)
-            if hit is not None:
+            if hit is None:
+                continue
+            sums.append(hit[1])
+            n = memoryview(hit[0]).nbytes
+            if view is not None and cursor + n <= end:
+                if n:  # numpy copies without the GIL
+                    np.copyto(view[cursor:cursor + n], np.frombuffer(hit[0], dtype=np.uint8))
+                places.append([cursor, n])
+                cursor = align_up(cursor + n)
+            else:
+                places.append(None)
                 payloads.append(hit[0])
-                sums.append(hit[1])
-        return {"found": found, "sums": sums}, payloads
+        reply: dict[str, Any] = {"found": found, "sums": sums}
+        if view is not None:
+            reply["shm"] = places
+            self.segments.count(get_bytes=sum(x[1] for x in places if x is not None))
+        return reply, payloads
 
     def _put(self, h: dict[str, Any], frames: list[memoryview]) -> tuple[dict[str, Any], list[Any]]:
         ns = p.field(h, "ns", str)
         keys = p.key_list(h)
+        spans: list[tuple[int, int]] | None = None
+        if "shm" in h:  # payloads lie in the client's segment, not in frames
+            if frames:
+                raise p.ProtocolError(p.ErrorCode.BAD_REQUEST, "a put through shared memory carries no payload frames")
+            view = self._shm_segment(h["shm"])
+            at = h["shm"].get("at")
+            if not isinstance(at, list) or len(at) != len(keys) or \
+                    not all(isinstance(x, list) and len(x) == 2 for x in at):
+                raise p.ProtocolError(p.ErrorCode.BAD_REQUEST, "shm.at must list one [offset, length] per key")
+            spans = [self._shm_span(view, off, n, f"shm.at[{i}]") for i, (off, n) in enumerate(at)]
+            total = sum(n for _, n in spans)
+            if total > self.config.message_limit_bytes:  # the same bound on what one put makes us copy
+                self.metrics.limit_refusals.labels(limit="message_bytes").inc()
+                raise p.ProtocolError(p.ErrorCode.TOO_LARGE, f"request is {total} bytes; the maximum is "
+                                                             f"{self.config.message_limit_bytes} (--max-message-mb)")
+            frames = [_SizedSpan(n) for _, n in spans]  # sizes only, for the checks below
         if len(keys) != len(frames):
             raise p.ProtocolError(p.ErrorCode.BAD_REQUEST,
                                   f"put has {len(keys)} keys but {len(frames)} payload frames")
@@ -331,6 +451,9 @@ class CacheServer:
             raise p.ProtocolError(p.ErrorCode.BAD_REQUEST,
                                   f"parent must list one {p.HASH_BYTES}-byte hash, nil or empty bytes per key")
         self._admit_namespace(ns)
+        if spans is not None:  # the store keeps its own copy: the client reuses its segment
+            frames = [_owned_copy(view[off:off + n]) for off, n in spans]
+            self.segments.count(put_bytes=sum(n for _, n in spans))
         results = [self.store.put((ns, *key), frame, prev, s, parent).value
                    for key, frame, prev, s, parent in zip(keys, frames, prevs, sums, parents)]
         if self.l2 is not None:  # write-through, asynchronous (cache_server.l2 says why)
@@ -398,6 +521,12 @@ class CacheServer:
     def _ping(self, h: dict[str, Any], _: list[memoryview]) -> tuple[dict[str, Any], list[Any]]:
         return {}, []
 
+    def _shm_attach(self, h: dict[str, Any], _: list[memoryview]) -> tuple[dict[str, Any], list[Any]]:
+        return {"shm": self.segments.attach(p.field(h, "shm", dict))}, []
+
+    def _shm_detach(self, h: dict[str, Any], _: list[memoryview]) -> tuple[dict[str, Any], list[Any]]:
+        return {"detached": self.segments.detach(p.int_field(h, "seg", minimum=1))}, []
+
     def _check_groups(self, groups: list[int]) -> None:
         if not self.config.separate_object_groups and any(g != 0 for g in groups):
             raise p.ProtocolError(p.ErrorCode.GROUPS_NOT_SEPARATE,
@@ -432,7 +561,9 @@ class CacheServer:
             "max_message_bytes": self.config.message_limit_bytes, "max_header_bytes": self.config.max_header_bytes,
             "max_leases_per_client": self.config.max_leases_per_client,
             "max_leased_bytes": self.store.max_leased_bytes, "max_namespaces": self.config.max_namespaces,
+            "shm": self.config.shm, "workers": self.config.workers, "io_threads": self.config.io_threads,
         }
+        status["shm"] = self.segments.snapshot()
         if self.l2 is not None:
             status["l2"] = self.l2.snapshot()
         return status
@@ -452,6 +583,36 @@ def _make_l2(config: ServerConfig, metrics: ServerMetrics) -> Any:
                   observe=lambda op, seconds: latency.labels(op=op).observe(seconds))
     metrics.registry.register(L2Collector(tier, "glm_cache"))
     return tier
+
+
+_POPULATED = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+OWN_MAPPING_BYTES = 1 << 20
+
+
+def _owned_copy(src: np.ndarray) -> memoryview:
+    """The store's own copy of a payload a client left in shared memory.
+
+    A large one gets its own pre-faulted anonymous mapping (freed with the object). Not
+    ``np.empty``: numpy asks for transparent huge pages on large arrays, and once the
+    kernel has no free huge pages each allocation waits on memory compaction: measured
+    here, 4 ms per 40 MB copy while they last, then 120-870 ms, against 15-25 ms for a
+    pre-faulted mapping (MAP_POPULATE faults every page in one call). libc would give a
+    mapping of its own too, past the server's mmap threshold (``cli``)."""
+    n = src.nbytes
+    if n < OWN_MAPPING_BYTES:
+        return memoryview(src.tobytes())
+    buf = mmap.mmap(-1, n, flags=_POPULATED)
+    np.copyto(np.frombuffer(buf, dtype=np.uint8), src)  # without the GIL
+    return memoryview(buf)
+
+
+class _SizedSpan:
+    """Stands for a payload in shared memory where only its size is checked."""
+
+    __slots__ = ("nbytes",)
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
 
 
 def _buffer(frame: Any) -> memoryview:

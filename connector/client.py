@@ -1,20 +1,29 @@
 """Client of glm-cache-server, with timeouts: a dead or absent server raises within the
-timeout, never hangs the caller."""
+timeout, never hangs the caller.
+
+On the server's host, payloads move through shared memory (:mod:`cache_server.shm`):
+offered at ``hello``, used by ``get`` and ``put`` once the server agrees, frames over the
+socket otherwise (another host, no /dev/shm, ``--no-shm``, or ``shm=False`` here)."""
 
 from __future__ import annotations
 
 import itertools
 import logging
+import os
 import threading
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import zmq
 
 from cache_server import protocol as p
 from cache_server.auth import AUTH_FIELD
+from cache_server.shm import DATA_OFFSET, SHM_DIR, ClientSegment, align_up, boot_id
 
 Payload = bytes | bytearray | memoryview
+MIB = 1 << 20
 
 logger = logging.getLogger("vllm.glm_cache_client")
 
@@ -40,12 +49,24 @@ class CacheClient:
 
     ``auth_token`` is the server's shared secret (``--auth-token-file``), sent with every
     request: the server checks each request, not the connection.
+
+    ``shm`` (default on) offers the server shared memory at :meth:`hello` (or at the first
+    ``get`` or ``put`` of a client that never says hello): segments of at
+    least ``shm_bytes``, together at most ``shm_max_bytes``, created in /dev/shm and
+    unlinked as soon as the server has mapped them. :attr:`transport` says what was agreed
+    (``"shm"`` or ``"tcp"``), :attr:`shm_refusal` why not. A payload ``get`` returns from
+    shared memory is a view of a segment that no later request writes into while any view
+    of that get is alive (the client uses another segment, or frames); checksums are
+    verified exactly as over TCP.
     """
 
     def __init__(self, url: str = "tcp://127.0.0.1:5555", timeout_s: float = 5.0,
-                 context: zmq.Context | None = None, auth_token: str | None = None) -> None:
+                 context: zmq.Context | None = None, auth_token: str | None = None, *,
+                 shm: bool = True, shm_bytes: int = 64 * MIB, shm_max_bytes: int = 1024 * MIB) -> None:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        if shm_bytes <= DATA_OFFSET or shm_max_bytes < shm_bytes:
+            raise ValueError(f"need {DATA_OFFSET} < shm_bytes <= shm_max_bytes, got {shm_bytes}, {shm_max_bytes}")
         self.url = url
         self.timeout_s = timeout_s
         self._auth_token = auth_token
@@ -54,6 +75,14 @@ class CacheClient:
         self._ids = itertools.count(1)
         self._sock: zmq.Socket | None = None
         self.corrupt_objects = 0  # payloads that failed their checksum (deleted on the server)
+        self._host = boot_id() if shm and os.path.isdir(SHM_DIR) else None
+        self.shm_refusal: str | None = None if self._host else ("off in this client" if not shm
+                                                                 else "no boot id or /dev/shm here")
+        self._shm_agreed = False
+        self._shm_offered = False  # offered once (at hello, or at the first get/put without one)
+        self._shm_next = shm_bytes  # size of the next segment (grows to what a get needed)
+        self._shm_max = shm_max_bytes
+        self._segments: list[ClientSegment] = []  # attached, newest last
 
     def _socket(self) -> zmq.Socket:
         if self._sock is None:
@@ -64,14 +93,33 @@ class CacheClient:
             self._sock = sock
         return self._sock
 
+    @property
+    def transport(self) -> str:
+        """``"shm"`` once the server agreed to shared memory, else ``"tcp"``."""
+        return "shm" if self._shm_agreed else "tcp"
+
     def close(self) -> None:
         with self._lock:
+            for seg in self._segments:  # let the server unmap now rather than when idle
+                if seg.seg_id is not None and self._sock is not None:
+                    try:
+                        self._request_locked({"op": "shm_detach", "seg": seg.seg_id}, (), min(self.timeout_s, 0.25))
+                    except (CacheServerError, CacheServerUnavailable):
+                        break
             self._reset()
+            self._shm_agreed = False
 
     def _reset(self) -> None:
         if self._sock is not None:
             self._sock.close(linger=0)
             self._sock = None
+        # After a timeout the server may still be writing into our segments: never reuse them.
+        self._drop_segments_locked()
+
+    def _drop_segments_locked(self) -> None:
+        for seg in self._segments:
+            seg.close()
+        self._segments = []
 
     def __enter__(self) -> CacheClient:
         return self
@@ -79,39 +127,133 @@ class CacheClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def request(self, header: dict[str, Any], payloads: Sequence[Payload] = ()) -> tuple[dict[str, Any], list[memoryview]]:
-        """Send one request and wait for its reply; raises on error replies and timeouts."""
+    def request(self, header: dict[str, Any], payloads: Sequence[Payload] = (),
+                timeout_s: float | None = None) -> tuple[dict[str, Any], list[memoryview]]:
+        """Send one request and wait for its reply; raises on error replies and timeouts.
+        ``timeout_s`` overrides :attr:`timeout_s` for this request."""
         with self._lock:
-            request_id = next(self._ids)
-            header = {**header, "id": request_id}
-            if self._auth_token is not None:
-                header[AUTH_FIELD] = self._auth_token
-            sock = self._socket()
-            deadline_ms = int(self.timeout_s * 1000)
-            try:
-                # With IMMEDIATE set, a send finds no peer while the server is down: poll for
-                # writability so that case also ends at the timeout.
-                if not sock.poll(deadline_ms, zmq.POLLOUT):
-                    raise CacheServerUnavailable(f"glm-cache-server at {self.url} is not reachable "
-                                                 f"(no connection within {self.timeout_s:.1f}s)")
-                sock.send_multipart([p.pack_header(header), *payloads], copy=False, flags=zmq.NOBLOCK)
-                while True:
-                    if not sock.poll(deadline_ms, zmq.POLLIN):
-                        raise CacheServerUnavailable(f"glm-cache-server at {self.url} did not answer "
-                                                     f"{header['op']!r} within {self.timeout_s:.1f}s")
-                    frames = sock.recv_multipart(copy=False)
-                    reply = p.unpack_header(frames[0].buffer)
-                    if reply.get("id") == request_id:
-                        break  # replies to earlier, timed-out requests are dropped
-            except CacheServerUnavailable:
-                self._reset()
-                raise
-            except zmq.ZMQError as e:
-                self._reset()
-                raise CacheServerUnavailable(f"glm-cache-server at {self.url}: {e}") from e
+            return self._request_locked(header, payloads, timeout_s)
+
+    def _request_locked(self, header: dict[str, Any], payloads: Sequence[Payload],
+                        timeout_s: float | None) -> tuple[dict[str, Any], list[memoryview]]:
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        if timeout <= 0:
+            raise ValueError(f"timeout_s must be positive, got {timeout}")
+        request_id = next(self._ids)
+        header = {**header, "id": request_id}
+        if self._auth_token is not None:
+            header[AUTH_FIELD] = self._auth_token
+        sock = self._socket()
+        deadline_ms = max(1, int(timeout * 1000))
+        try:
+            # With IMMEDIATE set, a send finds no peer while the server is down: poll for
+            # writability so that case also ends at the timeout.
+            if not sock.poll(deadline_ms, zmq.POLLOUT):
+                raise CacheServerUnavailable(f"glm-cache-server at {self.url} is not reachable "
+                                             f"(no connection within {timeout:.1f}s)")
+            sock.send_multipart([p.pack_header(header), *payloads], copy=False, flags=zmq.NOBLOCK)
+            while True:
+                if not sock.poll(deadline_ms, zmq.POLLIN):
+                    raise CacheServerUnavailable(f"glm-cache-server at {self.url} did not answer "
+                                                 f"{header['op']!r} within {timeout:.1f}s")
+                frames = sock.recv_multipart(copy=False)
+                reply = p.unpack_header(frames[0].buffer)
+                if reply.get("id") == request_id:
+                    break  # replies to earlier, timed-out requests are dropped
+        except CacheServerUnavailable:
+            self._reset()
+            raise
+        except zmq.ZMQError as e:
+            self._reset()
+            raise CacheServerUnavailable(f"glm-cache-server at {self.url}: {e}") from e
         if not reply.get("ok"):
             raise CacheServerError(str(reply.get("code")), str(reply.get("message")))
         return reply, [f.buffer for f in frames[1:]]
+
+    # --- shared memory -------------------------------------------------------------------
+
+    def _offer_locked(self, size: int) -> ClientSegment | None:
+        """A new segment to offer the server, or None where /dev/shm cannot hold one."""
+        try:
+            return ClientSegment(size)
+        except OSError as e:
+            logger.info("glm-cache-server client: no shared-memory segment of %d bytes (%s); using TCP", size, e)
+            return None
+
+    def _settle_offer_locked(self, seg: ClientSegment, answer: Any) -> bool:
+        """Keep ``seg`` if the server's answer agrees, else drop it and say why."""
+        seg.unlink()  # mapped on both sides now, or never will be: nothing stays in /dev/shm
+        if isinstance(answer, dict) and isinstance(answer.get("seg"), int) and answer["seg"] > 0:
+            seg.seg_id = answer["seg"]
+            self._segments.append(seg)
+            if not self._shm_agreed:
+                logger.info("glm-cache-server at %s: payloads through shared memory", self.url)
+            self._shm_agreed, self.shm_refusal = True, None
+            return True
+        seg.close()
+        reason = answer.get("reason") if isinstance(answer, dict) else "the server offers no shared memory"
+        if self._shm_agreed or self.shm_refusal != reason:
+            logger.info("glm-cache-server at %s: no shared memory (%s); payloads over TCP", self.url, reason)
+        self._shm_agreed, self.shm_refusal = False, str(reason)
+        return False
+
+    def _attach_locked(self, size: int, timeout_s: float | None) -> ClientSegment | None:
+        seg = self._offer_locked(size)
+        if seg is None:
+            return None
+        try:
+            reply, _ = self._request_locked({"op": "shm_attach", "shm": seg.describe(self._host or "")}, (), timeout_s)
+        except CacheServerError as e:  # a server without the op: frames it is
+            self._settle_offer_locked(seg, {"reason": f"{e.code}: {e.message}"})
+            return None
+        except BaseException:
+            seg.close()
+            raise
+        return seg if self._settle_offer_locked(seg, reply.get("shm")) else None
+
+    def _segment_locked(self, need: int, timeout_s: float | None) -> ClientSegment | None:
+        """A free attached segment with ``need`` bytes of room (``need`` 0: a get, which
+        prefers one of the size gets have needed), attaching a new one within
+        ``shm_max_bytes``; None: use frames."""
+        if not self._shm_agreed:
+            if self._host is None or self._shm_offered:
+                return None
+            # Never said hello (a worker-side client): offer shared memory once, now.
+            self._shm_offered = True
+            if self._attach_locked(self._shm_next, timeout_s) is None:
+                return None
+        want = max(need, self._shm_next - DATA_OFFSET)
+        free = [s for s in self._segments if not s.busy]
+        fits = [s for s in free if s.capacity >= want]
+        if fits:
+            return min(fits, key=lambda s: s.capacity)
+        size = max(self._shm_next, -(-(want + DATA_OFFSET) // MIB) * MIB)
+        for small in sorted(free, key=lambda s: s.capacity):  # retire free ones too small to make room
+            if sum(s.size for s in self._segments) + size <= self._shm_max:
+                break
+            self._detach_locked(small)
+        if sum(s.size for s in self._segments) + size <= self._shm_max:
+            seg = self._attach_locked(size, timeout_s)
+            if seg is not None:
+                return seg
+        free = [s for s in self._segments if not s.busy and s.capacity >= need]
+        return max(free, key=lambda s: s.capacity) if free else None
+
+    def _detach_locked(self, seg: ClientSegment) -> None:
+        self._segments.remove(seg)
+        seg.close()
+        try:
+            self._request_locked({"op": "shm_detach", "seg": seg.seg_id}, (), None)
+        except CacheServerError:
+            pass
+
+    def _shm_retry_locked(self, e: CacheServerError) -> bool:
+        """After ``shm_unknown`` (the server dropped our segment or restarted): forget every
+        segment (new ones are attached on demand) and say the request should be repeated."""
+        if e.code != p.ErrorCode.SHM_UNKNOWN.value:
+            return False
+        self._drop_segments_locked()
+        return True
 
     # --- operations ----------------------------------------------------------------------
 
@@ -126,7 +268,19 @@ class CacheClient:
         if state_groups is not None:
             header["attn_groups"] = list(attn_groups or ())
             header["state_groups"] = list(state_groups)
-        reply, _ = self.request(header)
+        with self._lock:
+            offer = self._offer_locked(self._shm_next) if self._host and not self._segments else None
+            self._shm_offered = True
+            if offer is not None:
+                header["shm"] = offer.describe(self._host or "")
+            try:
+                reply, _ = self._request_locked(header, (), None)
+            except BaseException:
+                if offer is not None:
+                    offer.close()
+                raise
+            if offer is not None:
+                self._settle_offer_locked(offer, reply.get("shm"))
         return {k: reply[k] for k in ("v", "chunk_size", "min_chunk_size", "separate_object_groups",
                                       "max_object_bytes")}
 
@@ -143,29 +297,80 @@ class CacheClient:
 
     def put(self, namespace: str, items: Sequence[tuple[bytes, int, int, Payload]],
             prev: Sequence[bytes | None] | None = None,
-            parent: Sequence[bytes | None] | None = None) -> list[str]:
+            parent: Sequence[bytes | None] | None = None, *, timeout_s: float | None = None) -> list[str]:
         """Store objects ``(hash, group, rank, payload)``; one :class:`~cache_server.protocol.PutResult`
         value per item. ``prev`` gives, per item, the hash of the previous state stored on the
         same conversation path (state objects only), so the server evicts superseded
         snapshots first. ``parent`` gives, per item, the hash of the chunk before its chunk
         (None: the first chunk; ``b""``: unknown), which places it in the server's chunk
-        tree. Payloads must not change until this returns."""
+        tree. Payloads must not change until this returns. ``timeout_s`` overrides
+        :attr:`timeout_s` for this call."""
+        payloads = [_bytes_view(item[3]) for item in items]
         header: dict[str, Any] = {"op": "put", "ns": namespace, "keys": [[h, g, r] for h, g, r, _ in items],
-                                  "sums": [p.checksum(item[3]) for item in items]}
+                                  "sums": [p.checksum(v) for v in payloads]}
         if prev is not None:
             header["prev"] = list(prev)
         if parent is not None:
             header["parent"] = list(parent)
-        reply, _ = self.request(header, [item[3] for item in items])
-        return reply["results"]
+        with self._lock:
+            for _attempt in range(2):
+                seg = self._segment_locked(sum(align_up(v.nbytes) for v in payloads), timeout_s) if payloads else None
+                if seg is None:
+                    reply, _ = self._request_locked(header, payloads, timeout_s)
+                    return reply["results"]
+                at, cursor = [], DATA_OFFSET
+                seg.busy = True
+                try:
+                    for v in payloads:
+                        if v.nbytes:
+                            np.copyto(seg.view[cursor:cursor + v.nbytes], np.frombuffer(v, dtype=np.uint8))
+                        at.append([cursor, v.nbytes])
+                        cursor = align_up(cursor + v.nbytes)
+                    reply, _ = self._request_locked({**header, "shm": {"seg": seg.seg_id, "at": at}}, (), timeout_s)
+                    return reply["results"]
+                except CacheServerError as e:
+                    if not self._shm_retry_locked(e):
+                        raise
+                finally:
+                    seg.busy = False
+            reply, _ = self._request_locked(header, payloads, timeout_s)  # a second unknown segment: frames
+            return reply["results"]
 
-    def get(self, namespace: str, keys: Sequence[tuple[bytes, int, int]]) -> list[memoryview | None]:
+    def get(self, namespace: str, keys: Sequence[tuple[bytes, int, int]], *,
+            timeout_s: float | None = None) -> list[memoryview | None]:
         """Payloads of ``(hash, group, rank)`` keys, None where absent.
 
         Every payload is checked against the checksum its writer stored with it; one that
         does not match is deleted on the server (``delete`` with reason ``checksum``, counted
-        there) and answered as absent, so no corrupt byte ever reaches the caller."""
-        reply, frames = self.request({"op": "get", "ns": namespace, "keys": [list(k) for k in keys]})
+        there) and answered as absent, so no corrupt byte ever reaches the caller.
+        ``timeout_s`` overrides :attr:`timeout_s` for this call."""
+        header = {"op": "get", "ns": namespace, "keys": [list(k) for k in keys]}
+        with self._lock:
+            for _attempt in range(2):
+                seg = self._segment_locked(0, timeout_s) if keys else None
+                if seg is None:
+                    reply, frames = self._request_locked(header, (), timeout_s)
+                    break
+                seg.busy = True
+                try:
+                    reply, frames = self._request_locked(
+                        {**header, "shm": {"seg": seg.seg_id, "off": DATA_OFFSET, "len": seg.capacity}}, (), timeout_s)
+                except CacheServerError as e:
+                    seg.busy = False
+                    if not self._shm_retry_locked(e):
+                        raise
+                    continue
+                except BaseException:
+                    seg.busy = False
+                    raise
+                try:
+                    frames = self._place_shm_locked(seg, reply, frames)
+                except BaseException:
+                    seg.busy = False
+                    raise
+                break
+            else:
+                reply, frames = self._request_locked(header, (), timeout_s)  # a second unknown segment
         found, sums = reply["found"], reply.get("sums")
         if len(found) != len(keys) or sum(found) != len(frames) or not isinstance(sums, list) \
                 or len(sums) != len(frames):
@@ -193,6 +398,34 @@ class CacheClient:
                 logger.warning("delete of corrupt objects failed: %s", e)
         return out
 
+    def _place_shm_locked(self, seg: ClientSegment, reply: dict[str, Any],
+                          frames: list[memoryview]) -> list[memoryview]:
+        """The payloads of a get answered through ``seg``, in order: views of the segment
+        (which stays busy until the last of them is gone) and the frames of what did not fit."""
+        places = reply.get("shm")
+        found = reply.get("found")
+        if not isinstance(places, list) or not isinstance(found, list) or len(places) != sum(map(bool, found)) \
+                or sum(x is None for x in places) != len(frames):
+            raise CacheServerError("bad_reply", "get through shared memory answered a malformed placement")
+        end = max([off + n for off, n in (x for x in places if x is not None)], default=0)
+        if end > seg.size or any(x is not None and (x[0] < DATA_OFFSET or x[1] < 0) for x in places):
+            raise CacheServerError("bad_reply", "get through shared memory placed an object outside the region")
+        # Every view this get returns hangs off this one array (made from the mapping itself, so
+        # numpy does not collapse their base past it): the segment is busy while any lives.
+        holder = np.frombuffer(seg.mm, dtype=np.uint8, count=end)
+        out, it = [], iter(frames)
+        for x in places:
+            out.append(next(it) if x is None else memoryview(holder[x[0]:x[0] + x[1]]))
+        overflow = sum(memoryview(f).nbytes for f in frames)
+        if overflow:  # some objects did not fit: make the next segment large enough for all of them
+            total = (end - DATA_OFFSET) + overflow + 64 * len(places)
+            self._shm_next = min(self._shm_max, max(self._shm_next, -(-(total + DATA_OFFSET) // MIB) * MIB))
+        if end:
+            weakref.finalize(holder, _set_free, seg)
+        else:
+            seg.busy = False
+        return out
+
     def delete(self, namespace: str, keys: Sequence[tuple[bytes, int, int]], reason: str = "client") -> int:
         """Remove objects now; ``reason`` ``checksum`` reports them as corrupt."""
         reply, _ = self.request({"op": "delete", "ns": namespace, "keys": [list(k) for k in keys],
@@ -213,3 +446,13 @@ class CacheClient:
 
     def ping(self) -> None:
         self.request({"op": "ping"})
+
+
+def _set_free(seg: ClientSegment) -> None:
+    seg.busy = False
+
+
+def _bytes_view(payload: Payload) -> memoryview:
+    """``payload`` as a flat byte view (a torch or numpy buffer of any element type)."""
+    view = memoryview(payload)
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")

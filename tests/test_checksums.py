@@ -32,6 +32,16 @@ def test_checksum_is_a_truncated_blake3_of_the_payload():
     assert p.checksum(b"abd") != p.checksum(b"abc")
 
 
+def test_large_payloads_hashed_on_several_threads_keep_the_same_checksum():
+    import os
+
+    from blake3 import blake3
+
+    big = os.urandom(p.THREADED_CHECKSUM_BYTES + 12345)
+    assert p.checksum(big) == blake3(big).digest()[: p.CHECKSUM_BYTES]  # one thread, same digest
+    assert p.checksum(memoryview(big)[1:]) == blake3(big[1:]).digest()[: p.CHECKSUM_BYTES]
+
+
 def test_a_flipped_byte_is_caught_deleted_and_counted(server):
     client = CacheClient(server.url, timeout_s=5)
     payload = bytes(range(256)) * 64

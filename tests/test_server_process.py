@@ -247,14 +247,14 @@ def test_stalled_server_times_out_and_its_late_reply_is_never_taken_for_a_later_
     with ServerProcess() as s:
         c = CacheClient(s.url, timeout_s=0.5)
         c.put(NS, [(bytes(32), 0, 0, b"first")])
-        s.proc.send_signal(signal.SIGSTOP)  # a slow server: alive, but not answering
+        s.pause()  # a slow server: alive, but not answering
         try:
             t0 = time.monotonic()
             with pytest.raises(CacheServerUnavailable):
                 c.get(NS, [(bytes(32), 0, 0)])
             assert time.monotonic() - t0 < 2.0
         finally:
-            s.proc.send_signal(signal.SIGCONT)
+            s.resume()
         # The next request must get its own answer, not the stalled get's.
         assert c.get(NS, [(b"\1" * 32, 0, 0)]) == [None]
         assert c.stats()["objects"] == 1

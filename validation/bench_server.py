@@ -1,27 +1,56 @@
 """Benchmark glm-cache-server: put/get throughput and latency over real sockets.
 
 Object sizes follow GLM-5.3-Flash at TP 4: about 10 MB of attention (MLA latent + indexer)
-and 40 MB of KDA state per rank per 1152-token chunk, plus small objects. Each is set side
-by side with an in-process memcpy of the same bytes, the limit any transport can reach.
+and 40 MB of KDA state per rank per 1152-token chunk, plus small objects. In one run, for
+each size, side by side:
 
-    python validation/bench_server.py [--quick]
+* ``memcpy``: an in-process copy of the same bytes into a buffer already touched, the
+  limit any transport can reach;
+* ``checksum``: the object checksum (``protocol.checksum``, blake3) of the same bytes,
+  which every get verifies on the client: a shared-memory get costs about a memcpy (the
+  server's copy into the segment) plus this;
+* ``raw_zmq_get``: a bare pyzmq ROUTER in another process answering a DEALER with the
+  same bytes over TCP loopback (no msgpack, no store, no checksum): the socket's limit;
+* ``tcp_put`` / ``tcp_get``: a real ``glm-cache-server`` process (``ServerProcess``) and a
+  ``CacheClient(shm=False)``: frames over TCP loopback, checksums verified;
+* ``shm_put`` / ``shm_get``: the same server and a ``CacheClient`` that agreed on shared
+  memory at hello: payloads through /dev/shm, checksums verified.
+
+The modes are interleaved iteration by iteration (the cores are shared with whatever else
+runs), and GB/s is taken from the median time.
+
+Then the aggregate of N concurrent clients (separate processes, as engines are), each
+getting 40 MB objects over and over, for N = 1, 8, 16, over TCP and through shared memory,
+with the p99 latency of a ``ping`` sent meanwhile; ``--compare-workers`` repeats that
+against a server with one worker thread (the old single request loop).
+
+    python validation/bench_server.py [--quick] [--json] [--workers N] [--clients 1,8,16] [--compare-workers]
+
+With ``--json`` the last line is one JSON object: GB/s per object size and mode, and the
+concurrent aggregates under ``"concurrent"``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import multiprocessing as mp
 import os
+import queue
 import statistics
 import sys
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
+import zmq
 from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from cache_server.process import ServerProcess  # noqa: E402
+from cache_server.process import ServerProcess, free_port  # noqa: E402
+from cache_server import protocol as p  # noqa: E402
 from connector.client import CacheClient  # noqa: E402
 
 MB = 1_000_000
@@ -31,6 +60,7 @@ NS = "bench"
 @dataclass
 class Case:
     name: str
+    label: str  # the JSON key
     nbytes: int
     iters: int
 
@@ -43,74 +73,245 @@ class Result:
 
 
 def summarize(times: list[float], nbytes: int) -> Result:
+    """GB/s from the median time (this machine's cores are shared: the median is what a
+    transfer costs, the mean mostly what the neighbours did), p50 and p99 in ms."""
     times_sorted = sorted(times)
     p99 = times_sorted[min(len(times_sorted) - 1, int(round(0.99 * (len(times_sorted) - 1))))]
-    return Result(nbytes * len(times) / sum(times) / 1e9, statistics.median(times) * 1e3, p99 * 1e3)
+    p50 = statistics.median(times)
+    return Result(nbytes / p50 / 1e9, p50 * 1e3, p99 * 1e3)
 
 
-def bench_memcpy(case: Case, bar: tqdm) -> Result:
-    src = np.frombuffer(os.urandom(case.nbytes), dtype=np.uint8)
-    dst = np.empty_like(src)
-    times = []
-    for _ in range(case.iters):
-        t0 = time.perf_counter()
-        np.copyto(dst, src)
-        times.append(time.perf_counter() - t0)
-        bar.update()
-    return summarize(times, case.nbytes)
+def _raw_router(port: int, nbytes: int, ready: mp.Event) -> None:
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.bind(f"tcp://127.0.0.1:{port}")
+    data = os.urandom(nbytes)
+    ready.set()
+    while True:
+        frames = sock.recv_multipart(copy=False)
+        if frames[1].bytes == b"stop":
+            break
+        sock.send_multipart([frames[0], b"h", data], copy=False)
+    sock.close(linger=0)
+    ctx.term()
 
 
-def bench_socket(client: CacheClient, case: Case, bar: tqdm) -> tuple[Result, Result]:
+class RawZmq:
+    """A bare ROUTER in another process that answers every request with the same bytes:
+    what TCP loopback and ZMQ allow, with no msgpack, store or checksum."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+        port = free_port()
+        spawn = mp.get_context("spawn")
+        ready = spawn.Event()
+        self.proc = spawn.Process(target=_raw_router, args=(port, nbytes, ready), daemon=True)
+        self.proc.start()
+        ready.wait(60)
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.connect(f"tcp://127.0.0.1:{port}")
+
+    def get(self) -> None:
+        self.sock.send(b"get")
+        frames = self.sock.recv_multipart(copy=False)
+        assert frames[-1].buffer.nbytes == self.nbytes
+
+    def close(self) -> None:
+        self.sock.send(b"stop")
+        self.proc.join(10)
+        self.sock.close(linger=0)
+        self.ctx.term()
+
+
+def bench_case(case: Case, tcp: CacheClient, shm: CacheClient) -> dict[str, Result]:
+    """Every mode of one object size, interleaved iteration by iteration so that each sees
+    the same load from whatever else runs on the machine."""
     payload = os.urandom(case.nbytes)
-    keys = [(os.urandom(32), 0, 0) for _ in range(case.iters)]
-    put_times, get_times = [], []
-    for key in keys:
+    src = np.frombuffer(payload, dtype=np.uint8)
+    dst = np.empty_like(src)
+    raw = RawZmq(case.nbytes)
+    times: dict[str, list[float]] = {m: [] for m in ("memcpy", "checksum", "raw_zmq_get", "tcp_put", "tcp_get",
+                                                      "shm_put", "shm_get")}
+    keys = {c: [(os.urandom(32), 0, 0) for _ in range(case.iters + 2)] for c in ("tcp", "shm")}
+    clients = {"tcp": tcp, "shm": shm}
+
+    def timed(mode: str, i: int, fn: Any) -> Any:
         t0 = time.perf_counter()
-        result = client.put(NS, [(*key, payload)])
-        put_times.append(time.perf_counter() - t0)
-        assert result == ["stored"], result
-        bar.update()
-    for key in keys:
+        out = fn()
+        if i >= 2:  # the first two pay connections, first touches and allocations
+            times[mode].append(time.perf_counter() - t0)
+        return out
+
+    for i in range(case.iters + 2):
+        for c, client in clients.items():
+            result = timed(f"{c}_put", i, lambda: client.put(NS, [(*keys[c][i], payload)]))
+            assert result == ["stored"], result
+    for i in range(case.iters + 2):
+        timed("memcpy", i, lambda: np.copyto(dst, src))
+        timed("checksum", i, lambda: p.checksum(payload))
+        timed("raw_zmq_get", i, raw.get)
+        for c, client in clients.items():
+            got = timed(f"{c}_get", i, lambda: client.get(NS, [keys[c][i]])[0])
+            assert got is not None and got.nbytes == case.nbytes
+            del got  # an engine copies the payload into its cache and lets go of it
+    raw.close()
+    tcp.clear(NS)
+    return {mode: summarize(t, case.nbytes) for mode, t in times.items()}
+
+
+def _concurrent_client(url: str, shm: bool, keys: list[bytes], rounds: int, nbytes: int,
+                       barrier: mp.Barrier, out: mp.Queue) -> None:
+    with CacheClient(url, timeout_s=120.0, shm=shm) as client:
+        client.hello(NS, 1152)
+        assert client.transport == ("shm" if shm else "tcp"), (client.transport, client.shm_refusal)
+        key_list = [(k, 0, 0) for k in keys]
+        got = client.get(NS, key_list[:1])[0]  # warm up: connection, segment
+        assert got is not None
+        del got
+        barrier.wait()
         t0 = time.perf_counter()
-        got = client.get(NS, [key])[0]
-        get_times.append(time.perf_counter() - t0)
-        assert got is not None and got.nbytes == case.nbytes
-        bar.update()
-    client.clear(NS)
-    return summarize(put_times, case.nbytes), summarize(get_times, case.nbytes)
+        moved = 0
+        for _ in range(rounds):
+            for key in key_list:
+                got = client.get(NS, [key])[0]
+                assert got is not None and got.nbytes == nbytes
+                moved += got.nbytes
+                del got
+        out.put((t0, time.perf_counter(), moved))
+
+
+def bench_concurrent(url: str, shm: bool, clients: int, nbytes: int, keys: list[bytes], rounds: int,
+                     probe: CacheClient) -> tuple[float, float]:
+    """Aggregate GB/s of ``clients`` processes getting ``keys`` over and over, and the p99
+    in ms of a ``ping`` sent meanwhile (does a small request wait behind the transfers?)."""
+    ctx = mp.get_context("spawn")
+    barrier = ctx.Barrier(clients + 1)
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_concurrent_client, args=(url, shm, keys, rounds, nbytes, barrier, out))
+             for _ in range(clients)]
+    for proc in procs:
+        proc.start()
+    barrier.wait()
+    results, pings = [], []
+    deadline = time.monotonic() + 600
+    while len(results) < clients and time.monotonic() < deadline:
+        try:
+            results.append(out.get(timeout=0.01))
+            continue
+        except queue.Empty:
+            pass
+        t0 = time.perf_counter()
+        probe.ping()
+        pings.append(time.perf_counter() - t0)
+    for proc in procs:
+        proc.join(60)
+        if proc.exitcode != 0:
+            raise RuntimeError(f"a concurrent client exited with {proc.exitcode}")
+    start = min(r[0] for r in results)
+    end = max(r[1] for r in results)
+    pings.sort()
+    p99 = pings[min(len(pings) - 1, int(round(0.99 * (len(pings) - 1))))] * 1e3 if pings else float("nan")
+    return sum(r[2] for r in results) / (end - start) / 1e9, p99
+
+
+def run_concurrency(url: str, counts: list[int], rounds: int, nbytes: int, bar: tqdm, tag: str
+                    ) -> dict[str, dict[str, float]]:
+    """Every client count over TCP and through shared memory against the server at ``url``."""
+    out: dict[str, dict[str, float]] = {"tcp_get": {}, "shm_get": {}, "tcp_ping_p99_ms": {}, "shm_ping_p99_ms": {}}
+    keys = [os.urandom(32) for _ in range(4)]
+    payload = os.urandom(nbytes)
+    with CacheClient(url, timeout_s=60.0, shm=False) as probe:
+        assert probe.put(NS, [(k, 0, 0, payload) for k in keys]) == ["stored"] * len(keys)
+        for mode in ("tcp", "shm"):
+            for n in counts:
+                bar.set_postfix_str(f"{tag}: {n} {mode} clients")
+                gbps, p99 = bench_concurrent(url, mode == "shm", n, nbytes, keys, rounds, probe)
+                out[f"{mode}_get"][str(n)], out[f"{mode}_ping_p99_ms"][str(n)] = gbps, p99
+                bar.update()
+        probe.clear(NS)
+    return out
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer iterations (a smoke run)")
+    ap.add_argument("--json", action="store_true", help="print the figures as one JSON object on the last line")
+    ap.add_argument("--workers", type=int, default=None, help="the server's --workers (default: its default)")
+    ap.add_argument("--clients", default="1,8,16", help="concurrent client counts (default 1,8,16)")
+    ap.add_argument("--compare-workers", action="store_true",
+                    help="run the concurrent clients against a --workers 1 server too")
     args = ap.parse_args()
-    scale = 0.2 if args.quick else 1.0
-    cases = [Case("attention 10 MB", 10 * MB, max(3, int(40 * scale))),
-             Case("KDA state 40 MB", 40 * MB, max(3, int(20 * scale))),
-             Case("small 4 KB", 4096, max(20, int(2000 * scale)))]
-    total = sum(c.iters * 3 for c in cases)
+    scale = 0.25 if args.quick else 1.0
+    cases = [Case("KDA state 40 MB", "40MB", 40 * MB, max(4, int(20 * scale))),
+             Case("attention 10 MB", "10MB", 10 * MB, max(4, int(40 * scale))),
+             Case("small 4 KB", "4KB", 4096, max(20, int(1000 * scale)))]
+    counts = [int(x) for x in args.clients.split(",") if x]
+    server_args = ["--separate-object-groups", "--l1-size-gb", "4", "--log-level", "WARNING"]
+    if args.workers is not None:
+        server_args += ["--workers", str(args.workers)]
+    figures: dict[str, dict[str, float]] = {}
     rows = []
-    with ServerProcess("--separate-object-groups", "--l1-size-gb", "2", "--log-level", "WARNING") as server, \
-            CacheClient(server.url, timeout_s=30.0) as client, \
-            tqdm(total=total, desc="benchmark", unit="op", file=sys.stderr) as bar:
-        client.hello(NS, 1152)
+    steps = len(cases) * 4 + 2 * len(counts) * (2 if args.compare_workers else 1)
+    with ServerProcess(*server_args) as server, \
+            CacheClient(server.url, timeout_s=60.0, shm=False) as tcp, \
+            CacheClient(server.url, timeout_s=60.0) as shm, \
+            tqdm(total=steps, desc="benchmark", unit="step", file=sys.stderr) as bar:
+        tcp.hello(NS, 1152)
+        shm.hello(NS, 1152)
+        if shm.transport != "shm":
+            raise RuntimeError(f"the server refused shared memory: {shm.shm_refusal}")
         for case in cases:
             bar.set_postfix_str(case.name)
-            mem = bench_memcpy(case, bar)
-            put, get = bench_socket(client, case, bar)
-            rows.append((case, mem, put, get))
+            res = bench_case(case, tcp, shm)
+            bar.update(4)
+            rows.append((case, res["memcpy"], res["checksum"], res["raw_zmq_get"], res["tcp_put"], res["tcp_get"],
+                         res["shm_put"], res["shm_get"]))
+            figures[case.label] = {mode: r.gbps for mode, r in res.items()}
+        rounds = 2 if args.quick else 4
+        concurrent = run_concurrency(server.url, counts, rounds, 40 * MB, bar, "server")
+        stats = shm.stats()
+        single: dict[str, dict[str, float]] | None = None
+        if args.compare_workers:  # the same clients against a server with one worker thread
+            with ServerProcess(*server_args, "--workers", "1") as one:
+                single = run_concurrency(one.url, counts, rounds, 40 * MB, bar, "1 worker")
 
     print()
-    print(f"glm-cache-server over TCP loopback vs in-process memcpy ({os.cpu_count()} cores; server and client "
-          "share them)")
-    header = (f"{'object':<17}{'n':>6} | {'memcpy GB/s':>11} {'p50 ms':>8} | {'put GB/s':>9} {'p50 ms':>8} "
-              f"{'p99 ms':>8} {'vs memcpy':>9} | {'get GB/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'vs memcpy':>9}")
+    print(f"glm-cache-server (real process, loopback) vs in-process memcpy and a bare pyzmq ROUTER/DEALER; "
+          f"{os.cpu_count()} cores shared by server and clients; server workers "
+          f"{stats['config']['workers']}, ZMQ I/O threads {stats['config']['io_threads']}")
+    header = (f"{'object':<16}{'n':>5} | {'memcpy':>7} {'blake3':>7} {'raw zmq':>8} | {'tcp put':>8} {'tcp get':>8} "
+              f"{'p50 ms':>7} {'p99 ms':>7} {'get/raw':>8} | {'shm put':>8} {'shm get':>8} {'p50 ms':>7} "
+              f"{'p99 ms':>7} {'get/memcpy':>10}")
+    print("GB/s" + " " * (len(header) - 4))
     print(header)
     print("-" * len(header))
-    for case, mem, put, get in rows:
-        print(f"{case.name:<17}{case.iters:>6} | {mem.gbps:>11.2f} {mem.p50_ms:>8.3f} | {put.gbps:>9.2f} "
-              f"{put.p50_ms:>8.3f} {put.p99_ms:>8.3f} {put.gbps / mem.gbps:>8.1%} | {get.gbps:>9.2f} "
-              f"{get.p50_ms:>8.3f} {get.p99_ms:>8.3f} {get.gbps / mem.gbps:>8.1%}")
+    for case, mem, csum, raw, tput, tget, sput, sget in rows:
+        print(f"{case.name:<16}{case.iters:>5} | {mem.gbps:>7.2f} {csum.gbps:>7.2f} {raw.gbps:>8.2f} | {tput.gbps:>8.2f} "
+              f"{tget.gbps:>8.2f} {tget.p50_ms:>7.2f} {tget.p99_ms:>7.2f} {tget.gbps / raw.gbps:>7.2f}x | "
+              f"{sput.gbps:>8.2f} {sget.gbps:>8.2f} {sget.p50_ms:>7.2f} {sget.p99_ms:>7.2f} "
+              f"{sget.gbps / mem.gbps:>9.2f}x")
+    print()
+    print(f"aggregate GB/s of N concurrent client processes, each getting 40 MB objects ({rounds * 4} gets per "
+          "client), and the p99 of a ping sent meanwhile")
+    sides = [(f"{stats['config']['workers']} workers", concurrent)] + ([("1 worker", single)] if single else [])
+    print(f"{'':>8} | " + " | ".join(f"{name:^42}" for name, _ in sides))
+    print(f"{'clients':>8} | " + " | ".join(f"{'tcp get':>8} {'vs 1':>6} {'ping p99':>8} {'shm get':>8} {'vs 1':>6} "
+                                             f"{'ping p99':>8}" for _ in sides))
+    first = str(counts[0])
+    for n in map(str, counts):
+        cells = []
+        for _, d in sides:
+            t, s_ = d["tcp_get"][n], d["shm_get"][n]
+            cells.append(f"{t:>8.2f} {t / d['tcp_get'][first]:>5.2f}x {d['tcp_ping_p99_ms'][n]:>6.1f}ms "
+                         f"{s_:>8.2f} {s_ / d['shm_get'][first]:>5.2f}x {d['shm_ping_p99_ms'][n]:>6.1f}ms")
+        print(f"{n:>8} | " + " | ".join(cells))
+    if args.json:
+        print(json.dumps({**{k: {m: round(v, 3) for m, v in d.items()} for k, d in figures.items()},
+                          "concurrent": {m: {n: round(v, 3) for n, v in d.items()} for m, d in concurrent.items()},
+                          **({"concurrent_1_worker": {m: {n: round(v, 3) for n, v in d.items()}
+                                                      for m, d in single.items()}} if single else {}),
+                          "cores": os.cpu_count(), "server_workers": stats["config"]["workers"]}))
     return 0
 
 

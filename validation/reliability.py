@@ -56,6 +56,16 @@ def rss_bytes(pid: int) -> int:
     raise RuntimeError(f"no VmRSS for pid {pid}")
 
 
+def shmem_bytes(pid: int) -> int:
+    """The resident shared memory in ``pid``'s RSS: for the server, the clients' /dev/shm
+    segments it maps (same-host payloads), pages the clients own, not its store."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("RssShmem:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
 # --- server-only faults ------------------------------------------------------------------
 
 
@@ -98,6 +108,7 @@ def churn_rss(seconds: float, budget_mb: int) -> Row:
         baseline = rss_bytes(srv.proc.pid)
         rng = random.Random(1)
         peak, puts, t0 = baseline, 0, time.monotonic()
+        shared = 0  # clients' shared-memory segments in the server's RSS at its peak
         blobs = [os.urandom(s * MIB) for s in (1, 2, 4, 8)]
         with CacheClient(srv.url, timeout_s=10) as client:
             while time.monotonic() - t0 < seconds:
@@ -105,15 +116,20 @@ def churn_rss(seconds: float, budget_mb: int) -> Row:
                 client.put(f"ns-{rng.randint(0, 3)}", items)
                 puts += len(items)
                 if puts % 16 == 0:
-                    peak = max(peak, rss_bytes(srv.proc.pid))
+                    rss, shm = rss_bytes(srv.proc.pid), shmem_bytes(srv.proc.pid)
+                    if rss - shm > peak:
+                        peak, shared = rss - shm, shm
                     if rng.random() < 0.1:
                         client.clear(f"ns-{rng.randint(0, 3)}")
             used = client.stats()["used_bytes"]
-        peak = max(peak, rss_bytes(srv.proc.pid))
+        rss, shm = rss_bytes(srv.proc.pid), shmem_bytes(srv.proc.pid)
+        if rss - shm > peak:
+            peak, shared = rss - shm, shm
     limit = baseline + budget_mb * MIB * 1.1
     return Row(f"churn {seconds:.0f} s, L1 {budget_mb} MiB",
-               f"{puts:,} puts, used {used / MIB:.0f} MiB, RSS peak {peak / MIB:.0f} MiB "
-               f"(baseline {baseline / MIB:.0f} + budget x 1.1 = {limit / MIB:.0f})", peak <= limit)
+               f"{puts:,} puts, used {used / MIB:.0f} MiB, RSS peak {peak / MIB:.0f} MiB without the client's "
+               f"shm segment ({shared / MIB:.0f} MiB) (baseline {baseline / MIB:.0f} + budget x 1.1 = "
+               f"{limit / MIB:.0f})", peak <= limit)
 
 
 # --- faults with a live engine -----------------------------------------------------------
