@@ -79,26 +79,31 @@ class CacheClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def request(self, header: dict[str, Any], payloads: Sequence[Payload] = ()) -> tuple[dict[str, Any], list[memoryview]]:
-        """Send one request and wait for its reply; raises on error replies and timeouts."""
+    def request(self, header: dict[str, Any], payloads: Sequence[Payload] = (),
+                timeout_s: float | None = None) -> tuple[dict[str, Any], list[memoryview]]:
+        """Send one request and wait for its reply; raises on error replies and timeouts.
+        ``timeout_s`` overrides the client's timeout for this request."""
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
         with self._lock:
             request_id = next(self._ids)
             header = {**header, "id": request_id}
             if self._auth_token is not None:
                 header[AUTH_FIELD] = self._auth_token
             sock = self._socket()
-            deadline_ms = int(self.timeout_s * 1000)
+            deadline_ms = int(timeout_s * 1000)
             try:
                 # With IMMEDIATE set, a send finds no peer while the server is down: poll for
                 # writability so that case also ends at the timeout.
                 if not sock.poll(deadline_ms, zmq.POLLOUT):
                     raise CacheServerUnavailable(f"glm-cache-server at {self.url} is not reachable "
-                                                 f"(no connection within {self.timeout_s:.1f}s)")
+                                                 f"(no connection within {timeout_s:.1f}s)")
                 sock.send_multipart([p.pack_header(header), *payloads], copy=False, flags=zmq.NOBLOCK)
                 while True:
                     if not sock.poll(deadline_ms, zmq.POLLIN):
                         raise CacheServerUnavailable(f"glm-cache-server at {self.url} did not answer "
-                                                     f"{header['op']!r} within {self.timeout_s:.1f}s")
+                                                     f"{header['op']!r} within {timeout_s:.1f}s")
                     frames = sock.recv_multipart(copy=False)
                     reply = p.unpack_header(frames[0].buffer)
                     if reply.get("id") == request_id:
@@ -143,7 +148,7 @@ class CacheClient:
 
     def put(self, namespace: str, items: Sequence[tuple[bytes, int, int, Payload]],
             prev: Sequence[bytes | None] | None = None,
-            parent: Sequence[bytes | None] | None = None) -> list[str]:
+            parent: Sequence[bytes | None] | None = None, timeout_s: float | None = None) -> list[str]:
         """Store objects ``(hash, group, rank, payload)``; one :class:`~cache_server.protocol.PutResult`
         value per item. ``prev`` gives, per item, the hash of the previous state stored on the
         same conversation path (state objects only), so the server evicts superseded
@@ -156,16 +161,18 @@ class CacheClient:
             header["prev"] = list(prev)
         if parent is not None:
             header["parent"] = list(parent)
-        reply, _ = self.request(header, [item[3] for item in items])
+        reply, _ = self.request(header, [item[3] for item in items], timeout_s=timeout_s)
         return reply["results"]
 
-    def get(self, namespace: str, keys: Sequence[tuple[bytes, int, int]]) -> list[memoryview | None]:
+    def get(self, namespace: str, keys: Sequence[tuple[bytes, int, int]],
+            timeout_s: float | None = None) -> list[memoryview | None]:
         """Payloads of ``(hash, group, rank)`` keys, None where absent.
 
         Every payload is checked against the checksum its writer stored with it; one that
         does not match is deleted on the server (``delete`` with reason ``checksum``, counted
         there) and answered as absent, so no corrupt byte ever reaches the caller."""
-        reply, frames = self.request({"op": "get", "ns": namespace, "keys": [list(k) for k in keys]})
+        reply, frames = self.request({"op": "get", "ns": namespace, "keys": [list(k) for k in keys]},
+                                     timeout_s=timeout_s)
         found, sums = reply["found"], reply.get("sums")
         if len(found) != len(keys) or sum(found) != len(frames) or not isinstance(sums, list) \
                 or len(sums) != len(frames):
