@@ -49,7 +49,6 @@ class Settings:
     auth_token: str | None = None
     auth_broken: bool = False  # the token file was unusable: no external cache at all
 
-    @classmethod
     def deadline_s(self, nbytes: int) -> float:
         """How long a transfer of ``nbytes`` may take: the floor plus the bytes at the
         slowest rate we accept."""
