@@ -154,13 +154,19 @@ def main(argv: list[str] | None = None) -> int:
             worker.shutdown()
             return None if "r0" in res.failed_recving else took
 
-        runs = []
-        for _ in range(args.repeat):
+        runs, failed_runs = [], 0
+        for _ in range(args.repeat + 2):  # a failed run (deadline missed) is counted, not timed
+            if len(runs) == args.repeat:
+                break
             took = reload(settings)
             if took is None:
-                print("load FAILED", file=sys.stderr)
-                return 1
+                failed_runs += 1
+                print("a reload missed its deadline (the worker fell back to recompute)", file=sys.stderr)
+                continue
             runs.append(took)
+        if not runs:
+            print("every reload FAILED", file=sys.stderr)
+            return 1
         load_s = sorted(runs)[len(runs) // 2]
         # Every page must be the bytes stored.
         pages = PagedKVCache(views, built.kv_cache_config, geo.groups)
@@ -209,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         "tokens": tokens, "requested_tokens": args.tokens, "scaled_down": scaled, "chunk_tokens": C,
         "chunks": chunks, "bytes": nbytes, "batch_bytes": settings.batch_bytes,
         "populate_s": round(populate_s, 3),
-        "reload_runs_s": [round(r, 3) for r in runs],
+        "reload_runs_s": [round(r, 3) for r in runs], "reload_failed_runs": failed_runs,
         "reload_s": round(load_s, 3), "reload_gbps": round(gb / load_s, 3),
         "scatter_s": round(scatter_s, 3), "scatter_gbps": round(gb / scatter_s, 3),
         "memcpy_s": round(memcpy_s, 3), "memcpy_gbps": round(gb / memcpy_s, 3),
@@ -218,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         "old_single_get_s": None if not args.old_path else (round(old, 3) if old is not None else "failed"),
         "new_deadline_per_batch_s": round(settings.deadline_s(settings.batch_bytes), 3),
     }
+    print(f"machine load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     print(f"reload  {load_s:7.3f} s  {gb / load_s:6.2f} GB/s  (server -> worker -> paged cache, verified)")
     print(f"scatter {scatter_s:7.3f} s  {gb / scatter_s:6.2f} GB/s  (PagedKVCache.write from memory)")
     print(f"memcpy  {memcpy_s:7.3f} s  {gb / memcpy_s:6.2f} GB/s  (contiguous copy, same bytes)")
