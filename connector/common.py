@@ -44,7 +44,7 @@ class Settings:
     # this is a batch of its own); each batch's deadline is timeout_s plus its bytes at
     # min_rate_mb_s, so a long prompt gets the time its size needs and a stalled server
     # still fails within a bounded time.
-    batch_bytes: int = 64 << 20
+    batch_bytes: int = 16 << 20
     min_rate_mb_s: float = 100.0
     auth_token: str | None = None
     auth_broken: bool = False  # the token file was unusable: no external cache at all

@@ -27,7 +27,7 @@ never a stalled engine. Extra config keys (``kv_connector_extra_config``):
 ``max_pending_save_bytes``  saves beyond this many queued bytes are not copied; they are
                      reported dropped and saved again later (default 1 GiB)
 ``batch_bytes``      loads and saves move in batches of about this many bytes, network
-                     overlapping the page copies (default 64 MiB)
+                     overlapping the page copies (default 16 MiB)
 ``min_rate_mb_s``    each batch's deadline is ``timeout_s`` plus its bytes at this rate
                      (MB/s, default 100): big transfers get the time their size needs
 ``auth_token_file``  file holding the server's shared secret (its ``--auth-token-file``),

@@ -53,7 +53,9 @@ def mem_available() -> int:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, default=300_000)
-    ap.add_argument("--batch-mb", type=float, default=64.0, help="worker batch_bytes in MiB")
+    ap.add_argument("--batch-mb", type=float, default=16.0, help="worker batch_bytes in MiB")
+    ap.add_argument("--compare-batch-mb", type=float, nargs="*", default=[],
+                    help="also time these batch sizes (MiB), interleaved with the main one")
     ap.add_argument("--repeat", type=int, default=3, help="reloads to time (median reported)")
     ap.add_argument("--old-path", action="store_true",
                     help="also time the previous path: one get of every object under timeout_s "
@@ -154,20 +156,29 @@ def main(argv: list[str] | None = None) -> int:
             worker.shutdown()
             return None if "r0" in res.failed_recving else took
 
-        runs, failed_runs = [], 0
-        for _ in range(args.repeat + 2):  # a failed run (deadline missed) is counted, not timed
-            if len(runs) == args.repeat:
-                break
-            took = reload(settings)
-            if took is None:
-                failed_runs += 1
-                print("a reload missed its deadline (the worker fell back to recompute)", file=sys.stderr)
-                continue
-            runs.append(took)
+        # Interleaved over the batch sizes compared, so that the machine's load (shared
+        # cores) falls on all of them alike; a failed run (deadline missed) is counted.
+        sizes_mb = [args.batch_mb, *args.compare_batch_mb]
+        by_size: dict[float, list[float]] = {mb: [] for mb in sizes_mb}
+        failed_by_size: dict[float, int] = {mb: 0 for mb in sizes_mb}
+        for _ in range(args.repeat):
+            for mb in sizes_mb:
+                took = reload(replace(settings, batch_bytes=int(mb * (1 << 20))))
+                if took is None:
+                    failed_by_size[mb] += 1
+                    print(f"a reload ({mb:g} MiB batches) missed its deadline (the worker fell back "
+                          "to recompute)", file=sys.stderr)
+                else:
+                    by_size[mb].append(took)
+        runs, failed_runs = by_size[args.batch_mb], failed_by_size[args.batch_mb]
         if not runs:
             print("every reload FAILED", file=sys.stderr)
             return 1
         load_s = sorted(runs)[len(runs) // 2]
+        # The last reload may have been another batch size: load once more to verify.
+        if sizes_mb[-1] != args.batch_mb and reload(settings) is None:
+            print("verification reload FAILED", file=sys.stderr)
+            return 1
         # Every page must be the bytes stored.
         pages = PagedKVCache(views, built.kv_cache_config, geo.groups)
         for k in range(chunks):
@@ -220,6 +231,10 @@ def main(argv: list[str] | None = None) -> int:
         "scatter_s": round(scatter_s, 3), "scatter_gbps": round(gb / scatter_s, 3),
         "memcpy_s": round(memcpy_s, 3), "memcpy_gbps": round(gb / memcpy_s, 3),
         "reload_vs_memcpy": round(memcpy_s / load_s, 3),
+        "reload_by_batch_mb": {f"{mb:g}": {"median_s": round(sorted(r)[len(r) // 2], 3) if r else None,
+                                           "gbps": round(gb / sorted(r)[len(r) // 2], 3) if r else None,
+                                           "runs_s": [round(x, 3) for x in r], "failed": failed_by_size[mb]}
+                               for mb, r in by_size.items()},
         "old_single_get_deadline_s": settings.timeout_s,
         "old_single_get_s": None if not args.old_path else (round(old, 3) if old is not None else "failed"),
         "new_deadline_per_batch_s": round(settings.deadline_s(settings.batch_bytes), 3),
@@ -228,6 +243,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"reload  {load_s:7.3f} s  {gb / load_s:6.2f} GB/s  (server -> worker -> paged cache, verified)")
     print(f"scatter {scatter_s:7.3f} s  {gb / scatter_s:6.2f} GB/s  (PagedKVCache.write from memory)")
     print(f"memcpy  {memcpy_s:7.3f} s  {gb / memcpy_s:6.2f} GB/s  (contiguous copy, same bytes)")
+    for mb, r in by_size.items():
+        if mb != args.batch_mb and r:
+            med = sorted(r)[len(r) // 2]
+            print(f"  reload with {mb:g} MiB batches: {med:.3f} s  {gb / med:.2f} GB/s "
+                  f"({failed_by_size[mb]} missed deadlines)")
     print(f"reload / memcpy throughput: {memcpy_s / load_s:.2f}x")
     if args.old_path:
         print("previous path (one get, one 2 s timeout): " + (f"{old:.3f} s" if old is not None else "FAILED (recompute)"))
