@@ -1,8 +1,10 @@
 """The worker side of :class:`~connector.glm_connector.GlmCacheConnector`: it moves bytes.
 
 It loads asynchronously (the request waits in WAITING_FOR_REMOTE_KVS, so vLLM's state
-pre-copy cannot race the load) and reports each request's load as finished or failed; it
-copies save pages out after the forward and sends them from a background thread.
+pre-copy cannot race the load), streaming in bounded batches whose fetches overlap the
+page writes, and reports each request's load as finished or failed; it copies save pages
+out after the forward in batches, sends them from a background thread, and reports every
+save that did not land back to the scheduler (``build_connector_worker_meta``).
 """
 
 from __future__ import annotations
@@ -147,8 +149,8 @@ class WorkerSide:
                 absent = [moves[j] for j, p in zip(idx, payloads) if p is None]
                 if absent:
                     raise LookupError(
-                        f"{len(absent)} of {len(moves)} objects did not arrive, first "
-                        f"{absent[0].chunk_hash.hex()[:16]} group {absent[0].group_id}"
+                        f"{len(absent)} object(s) of batch {i + 1}/{len(plan)} did not arrive, "
+                        f"first {absent[0].chunk_hash.hex()[:16]} group {absent[0].group_id}"
                     )
                 for j, payload in zip(idx, payloads):
                     self._check_size(moves[j], payload)
