@@ -9,7 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
 from vllm.logger import init_logger
 
 from cache_server.auth import TokenFileError, read_token_file
@@ -37,8 +40,19 @@ class Settings:
     save_decode: bool = False
     strict_prefix: bool = True
     max_pending_save_bytes: int = 1 << 30
+    # Loads and saves move in batches of about this many bytes (an object larger than
+    # this is a batch of its own); each batch's deadline is timeout_s plus its bytes at
+    # min_rate_mb_s, so a long prompt gets the time its size needs and a stalled server
+    # still fails within a bounded time.
+    batch_bytes: int = 16 << 20
+    min_rate_mb_s: float = 100.0
     auth_token: str | None = None
     auth_broken: bool = False  # the token file was unusable: no external cache at all
+
+    def deadline_s(self, nbytes: int) -> float:
+        """How long a transfer of ``nbytes`` may take: the floor plus the bytes at the
+        slowest rate we accept."""
+        return self.timeout_s + nbytes / (self.min_rate_mb_s * 1e6)
 
     @classmethod
     def from_config(cls, cfg: KVTransferConfig) -> Settings:
@@ -59,6 +73,8 @@ class Settings:
             save_decode=flag(get("save_decode", False)),
             strict_prefix=flag(get("strict_prefix", True)),
             max_pending_save_bytes=int(get("max_pending_save_bytes", cls.max_pending_save_bytes)),
+            batch_bytes=positive(get("batch_bytes", cls.batch_bytes), "batch_bytes", int),
+            min_rate_mb_s=positive(get("min_rate_mb_s", cls.min_rate_mb_s), "min_rate_mb_s", float),
             auth_token=auth_token,
             auth_broken=auth_broken,
         )
@@ -116,6 +132,32 @@ def parent_of(hashes: list[bytes], k: int) -> bytes | None:
     return hashes[k - 1] if k > 0 else None
 
 
+def positive(value: Any, name: str, kind: type) -> Any:
+    """A positive number from the extra config, or a clear error naming the key."""
+    try:
+        v = kind(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"kv_connector_extra_config {name} must be a number, got {value!r}") from None
+    if not v > 0:
+        raise ValueError(f"kv_connector_extra_config {name} must be positive, got {value!r}")
+    return v
+
+
+def batches(sizes: list[int], limit: int) -> list[range]:
+    """Consecutive index ranges whose sizes sum to at most ``limit`` each (an item
+    larger than ``limit`` is a range of its own); every index in exactly one range."""
+    out: list[range] = []
+    start, acc = 0, 0
+    for i, n in enumerate(sizes):
+        if i > start and acc + n > limit:
+            out.append(range(start, i))
+            start, acc = i, 0
+        acc += n
+    if start < len(sizes):
+        out.append(range(start, len(sizes)))
+    return out
+
+
 def flag(value: Any) -> bool:
     """A boolean setting from JSON or a CLI string ("false" is False)."""
     if isinstance(value, str):
@@ -142,6 +184,9 @@ class ObjectMove:
     # Saves only: the hash of the chunk before this one (None: the first chunk; b"": not
     # known), so the server knows which prefixes are resumable and what nothing can resume.
     parent: bytes | None = b""
+    # Saves only: the request whose blocks these are, so a failed save can be traced
+    # back to it ("" : none, e.g. a local state offered again; its failure is only logged).
+    req_id: str = ""
 
 
 @dataclass
@@ -155,6 +200,40 @@ class GlmConnectorMetadata(KVConnectorMetadata):
     namespace: str = ""
     loads: list[LoadJob] = field(default_factory=list)
     saves: list[ObjectMove] = field(default_factory=list)
+
+
+# --------------------------------------------------------------------------------------
+# Worker -> scheduler: save outcomes
+# --------------------------------------------------------------------------------------
+
+# Why a save did not land on the server. Transient ones are retried by the scheduler
+# while the request still holds its blocks; the others end this request's saves.
+SAVE_DROPPED = "drop"  # over max_pending_save_bytes: never copied, never sent
+SAVE_TIMEOUT = "timeout"  # the server did not answer within the batch's deadline
+SAVE_NO_SPACE = "no_space"  # the server's budget was held by leased objects
+SAVE_TOO_LARGE = "too_large"  # larger than the server accepts: retrying cannot help
+SAVE_SERVER_ERROR = "server_error"  # an error reply (unauthorized included)
+TRANSIENT_SAVE_FAILURES = frozenset({SAVE_DROPPED, SAVE_TIMEOUT, SAVE_NO_SPACE, SAVE_SERVER_ERROR})
+
+
+@dataclass(frozen=True)
+class SaveFailure:
+    req_id: str
+    chunk_hash: bytes
+    group_id: int
+    reason: str
+
+
+@dataclass
+class GlmWorkerMeta(KVConnectorWorkerMetadata):
+    """Saves that did not land since the last step, from every worker rank."""
+
+    failed_saves: list[SaveFailure] = field(default_factory=list)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if isinstance(other, GlmWorkerMeta):
+            return GlmWorkerMeta(self.failed_saves + other.failed_saves)
+        return self
 
 
 # --------------------------------------------------------------------------------------

@@ -21,10 +21,15 @@ A miss, a timeout, a dead server or a bad object is a cold compute: never a wron
 never a stalled engine. Extra config keys (``kv_connector_extra_config``):
 
 ``server``           ZMQ URL of glm-cache-server (default ``tcp://127.0.0.1:5555``)
-``timeout_s``        per-request timeout; no step waits on the server longer (default 2.0)
+``timeout_s``        per-request timeout, and the floor of a batch's deadline (default 2.0)
 ``retry_after_s``    after the server failed, skip it this long before trying again (5.0)
 ``save_decode``      also save whole chunks of generated tokens (default false)
-``max_pending_save_bytes``  drop saves beyond this many queued bytes (default 1 GiB)
+``max_pending_save_bytes``  saves beyond this many queued bytes are not copied; they are
+                     reported dropped and saved again later (default 1 GiB)
+``batch_bytes``      loads and saves move in batches of about this many bytes, network
+                     overlapping the page copies (default 16 MiB)
+``min_rate_mb_s``    each batch's deadline is ``timeout_s`` plus its bytes at this rate
+                     (MB/s, default 100): big transfers get the time their size needs
 ``auth_token_file``  file holding the server's shared secret (its ``--auth-token-file``),
                      read once at start-up; an unusable file, or a token the server
                      refuses, means no external cache (logged), never a request without it
@@ -46,6 +51,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    KVConnectorWorkerMetadata,
     SupportsHMA,
 )
 
@@ -171,6 +177,16 @@ class GlmCacheConnector(KVConnectorBase_V1, SupportsHMA):
         if self._worker is None:
             return KVConnectorTransferResults()
         return self._worker.get_transfer_results()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        # Never block ids: a failed load fails its whole request (see connector.worker:
+        # vLLM 0.32 refuses block-level errors with several KV cache groups, and a hybrid
+        # resume needs the state at the resume point, which a partial load lacks).
+        return set()
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        """Saves that did not land, for the scheduler side to save again."""
+        return self._worker.build_connector_worker_meta() if self._worker is not None else None
 
     @property
     def stats(self) -> dict[str, int]:

@@ -16,6 +16,7 @@ boundary is the strict-prefix boundary. With C > N, run vLLM with
 
 from __future__ import annotations
 
+import collections
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -24,9 +25,12 @@ from typing import TYPE_CHECKING, Any
 from connector.client import CacheClient
 from connector.common import (
     CLIENT_ERRORS,
+    TRANSIENT_SAVE_FAILURES,
     GlmConnectorMetadata,
+    GlmWorkerMeta,
     LoadJob,
     ObjectMove,
+    SaveFailure,
     Settings,
     logger,
     parent_of,
@@ -69,6 +73,17 @@ class _Tracked:
     saved_chunks: int = 0  # attention chunks [0, saved_chunks) are saved or on the server
     loaded_tokens: int = 0  # resume point of an external load (its states are on the server)
     state_chunk: int = 0  # chunks covered by the newest state on this path (0: none yet)
+    # Save outcomes (update_connector_output): corrections so far, when the holes may be
+    # saved again (monotonic time), and whether this request's saves were given up.
+    save_retries: int = 0
+    resave_at: float = 0.0
+    saves_given_up: bool = False
+
+
+# Attention holes are saved again at most this many times per request, after a back-off
+# that doubles from RESAVE_BACKOFF_S (a server out of space needs time to free some).
+MAX_SAVE_RETRIES = 6
+RESAVE_BACKOFF_S = 0.1
 
 
 class _ServerLink:
@@ -119,6 +134,13 @@ class _ServerLink:
 # --------------------------------------------------------------------------------------
 
 
+def _owned(req_id: str, moves: list[ObjectMove]) -> list[ObjectMove]:
+    """Tag save moves with their request, so their outcome can find it again."""
+    for m in moves:
+        m.req_id = req_id
+    return moves
+
+
 class SchedulerSide:
     """The connector's scheduler role (one per engine)."""
 
@@ -156,6 +178,7 @@ class SchedulerSide:
         self._warned_block_size = False
         self._warned_request_switch = False
         self._logged_uncacheable: set[str] = set()
+        self.save_stats: collections.Counter[str] = collections.Counter()  # see _saves_failed
         if not self._strict_prefix:
             logger.warning(
                 "GlmCacheConnector: strict_prefix=false (diagnosis only): full-prompt hits apply the last "
@@ -429,11 +452,11 @@ class SchedulerSide:
         for req_id, end in computed_after.items():
             tracked = self._tracked.get(req_id)
             if tracked is not None:
-                meta.saves.extend(self._attention_saves(tracked, end))
+                meta.saves.extend(_owned(req_id, self._attention_saves(tracked, end)))
         for req_id, entries in offloads.items():
             tracked = self._tracked.get(req_id)
             if tracked is not None:
-                meta.saves.extend(self._state_saves(tracked, entries))
+                meta.saves.extend(_owned(req_id, self._state_saves(tracked, entries)))
         return meta
 
     def _tokens_after_step(self, so: SchedulerOutput) -> dict[str, int]:
@@ -458,7 +481,7 @@ class SchedulerSide:
 
     def _attention_saves(self, tracked: _Tracked, computed: int) -> list[ObjectMove]:
         n = self._cacheable_chunks(tracked, computed)
-        if n <= tracked.saved_chunks:
+        if n <= tracked.saved_chunks or tracked.saves_given_up or time.monotonic() < tracked.resave_at:
             return []
         assert self._kv_cache_manager is not None
         block_ids = self._kv_cache_manager.get_block_ids(tracked.request.request_id)
@@ -501,6 +524,9 @@ class SchedulerSide:
         return moves
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        worker_meta = connector_output.kv_connector_worker_meta
+        if isinstance(worker_meta, GlmWorkerMeta) and worker_meta.failed_saves:
+            self._saves_failed(worker_meta.failed_saves)
         done = set(connector_output.finished_recving or ())
         for req_id in done:
             self._inflight_loads.discard(req_id)
@@ -513,6 +539,55 @@ class SchedulerSide:
                 # The scheduler recomputes from 0: those chunks are ours to save again.
                 tracked.saved_chunks = 0
                 tracked.loaded_tokens = 0
+
+    def _saves_failed(self, failures: list[SaveFailure]) -> None:
+        """Saves the workers report as not landed: move each request's saved depth back to
+        its first attention hole, so that later steps save the holes again from the blocks
+        the request still holds (after a back-off), or give its saves up cleanly.
+
+        A failed state save is not retried: vLLM (align mode) does not keep a request's
+        interior state blocks alive, so that block may hold other bytes by now. The server
+        then simply has no resume point there (a shallower hit, never a wrong one)."""
+        self.save_stats["failed"] += len(failures)
+        attn_ids = {g.group_id for g in self._geometry.attn_groups}
+        by_req: dict[str, list[SaveFailure]] = {}
+        for f in failures:
+            by_req.setdefault(f.req_id, []).append(f)
+            self.save_stats[f"failed_{f.reason}"] += 1
+        for req_id, fs in by_req.items():
+            tracked = self._tracked.get(req_id) if req_id else None
+            if tracked is None:  # finished (its blocks are gone) or not traceable
+                self.save_stats["lost"] += len(fs)
+                continue
+            index = {h: k for k, h in enumerate(tracked.hashes)}
+            holes = [index[f.chunk_hash] for f in fs
+                     if f.group_id in attn_ids and f.chunk_hash in index]
+            if not holes or tracked.saves_given_up:
+                self.save_stats["lost"] += len(fs)
+                continue
+            first = min(holes)
+            permanent = any(f.reason not in TRANSIENT_SAVE_FAILURES for f in fs)
+            if permanent or tracked.save_retries >= MAX_SAVE_RETRIES:
+                tracked.saves_given_up = True
+                tracked.saved_chunks = min(tracked.saved_chunks, first)
+                self.save_stats["given_up"] += 1
+                logger.warning(
+                    "GlmCacheConnector: %s: saves from chunk %d did not land (%s) after %d "
+                    "retries; not saving this request further", req_id, first,
+                    sorted({f.reason for f in fs}), tracked.save_retries,
+                )
+                continue
+            tracked.saved_chunks = min(tracked.saved_chunks, first)
+            now = time.monotonic()
+            if now < tracked.resave_at:
+                continue  # sent before the last correction: the same incident, not a new retry
+            tracked.resave_at = now + RESAVE_BACKOFF_S * (2 ** tracked.save_retries)
+            tracked.save_retries += 1
+            self.save_stats["corrected"] += 1
+            logger.info(
+                "GlmCacheConnector: %s: %d saves did not land (%s); saving again from chunk %d",
+                req_id, len(fs), sorted({f.reason for f in fs}), first,
+            )
 
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]

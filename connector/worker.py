@@ -1,25 +1,37 @@
 """The worker side of :class:`~connector.glm_connector.GlmCacheConnector`: it moves bytes.
 
 It loads asynchronously (the request waits in WAITING_FOR_REMOTE_KVS, so vLLM's state
-pre-copy cannot race the load) and reports each request's load as finished or failed; it
-copies save pages out after the forward and sends them from a background thread.
+pre-copy cannot race the load), streaming in bounded batches whose fetches overlap the
+page writes, and reports each request's load as finished or failed; it copies save pages
+out after the forward in batches, sends them from a background thread, and reports every
+save that did not land back to the scheduler (``build_connector_worker_meta``).
 """
 
 from __future__ import annotations
 
+import collections
 import threading
-from concurrent.futures import ThreadPoolExecutor
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
-from connector.client import CacheClient
+from connector.client import CacheClient, CacheServerUnavailable
 from connector.common import (
     CLIENT_ERRORS,
+    SAVE_DROPPED,
+    SAVE_NO_SPACE,
+    SAVE_SERVER_ERROR,
+    SAVE_TIMEOUT,
+    SAVE_TOO_LARGE,
     GlmConnectorMetadata,
+    GlmWorkerMeta,
     LoadJob,
     ObjectMove,
+    SaveFailure,
     Settings,
+    batches,
     logger,
     unauthorized,
 )
@@ -39,6 +51,7 @@ class WorkerSide:
         self._vllm_config = vllm_config
         self._kv_cache_config = kv_cache_config
         self._geometry = geometry
+        self._settings = settings
         self._refused_layout = refused_layout
         self._auth_broken = settings.auth_broken
         self._max_pending_save_bytes = settings.max_pending_save_bytes
@@ -54,6 +67,7 @@ class WorkerSide:
         except (AssertionError, RuntimeError):
             self._rank = self._tp_rank = 0
         self._replicated = {g.group_id for g in self._geometry.groups if g.replicated_across_tp}
+        self._state_ids = {g.group_id for g in self._geometry.state_groups}
         self._pages = None
         self._load_client = CacheClient(
             settings.url, timeout_s=settings.timeout_s, auth_token=settings.auth_token
@@ -63,13 +77,16 @@ class WorkerSide:
         )
         self._refused_logged = False
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="glm-load")
+        self._fetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="glm-fetch")
         self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="glm-save")
         self._lock = threading.Lock()
         self._loads_done: set[str] = set()
         self._loads_failed: set[str] = set()
         self._pending_save_bytes = 0
         self._dropped_saves = 0
-        self.stats = {"loaded_objects": 0, "saved_objects": 0, "load_failures": 0}
+        self._failed_saves: list[SaveFailure] = []
+        self.stats: collections.Counter[str] = collections.Counter(
+            loaded_objects=0, saved_objects=0, load_failures=0)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from connector.kv_pages import PagedKVCache
@@ -87,36 +104,86 @@ class WorkerSide:
         for job in meta.loads:
             self._loader.submit(self._run_load, meta.namespace, job)
 
+    # Loads ------------------------------------------------------------------------------
+    #
+    # A load streams in batches of about ``batch_bytes``: batch i+1 is fetched (network,
+    # on the fetch thread) while batch i is checked and written into the paged cache (on
+    # the load thread). Each batch has its own deadline, scaled by its bytes. State objects
+    # go first, so a missing resume state fails the load before any attention is moved.
+    #
+    # A load that fails part-way fails the whole request (``failed_recving``), and vLLM
+    # recomputes it from the start (its local prefix cache may still hit), never resuming
+    # on bytes that did not arrive. Why not report only the missing blocks
+    # (``get_block_ids_with_load_errors``): (1) in vLLM 0.32 the scheduler raises
+    # RuntimeError for block-level load errors when there is more than one KV cache group
+    # (block ids are per group), and this model always has several; (2) the KDA state at a
+    # resume point k exists only as the one state object we load, at the hit's end: if
+    # attention chunks [0, k) arrived but anything later did not, there is no state at k
+    # to resume from, so no partial resume is valid. The worker logs exactly which objects
+    # did not arrive (and counts them) so the operator sees what failed.
+
+    def _load_order(self, job: LoadJob) -> list[ObjectMove]:
+        return sorted(job.objects, key=lambda m: m.group_id not in self._state_ids)
+
     def _run_load(self, namespace: str, job: LoadJob) -> None:
         ok = False
+        fut: Future | None = None
+        moves = self._load_order(job)
+        written = 0
         try:
             assert self._pages is not None
             if self._auth_broken:
                 raise RuntimeError("no usable auth_token_file")
             if self._refused_layout is not None:
                 raise RuntimeError(f"external cache disabled: {self._refused_layout}")
-            keys = [(m.chunk_hash, m.group_id, self._key_rank(m.group_id)) for m in job.objects]
-            payloads = self._load_client.get(namespace, keys)
-            missing = [k for k, p in zip(keys, payloads) if p is None]
-            if missing:
-                raise LookupError(f"{len(missing)} of {len(keys)} objects missing")
-            # Check every object before writing any: a bad one fails the load untouched.
-            for move, payload in zip(job.objects, payloads):
-                self._check_size(move, payload)
-            for move, payload in zip(job.objects, payloads):
-                self._write(move, payload)
+            sizes = [self._pages.object_bytes(m.group_id, len(m.block_ids)) for m in moves]
+            plan = batches(sizes, self._settings.batch_bytes)
+            if plan:
+                fut = self._fetcher.submit(self._fetch, namespace, moves, sizes, plan[0])
+            for i, idx in enumerate(plan):
+                payloads = fut.result()
+                fut = None
+                if i + 1 < len(plan):  # the network works on the next batch meanwhile
+                    fut = self._fetcher.submit(self._fetch, namespace, moves, sizes, plan[i + 1])
+                # Check the whole batch before writing any of it.
+                absent = [moves[j] for j, p in zip(idx, payloads) if p is None]
+                if absent:
+                    raise LookupError(
+                        f"{len(absent)} object(s) of batch {i + 1}/{len(plan)} did not arrive, "
+                        f"first {absent[0].chunk_hash.hex()[:16]} group {absent[0].group_id}"
+                    )
+                for j, payload in zip(idx, payloads):
+                    self._check_size(moves[j], payload)
+                for j, payload in zip(idx, payloads):
+                    self._write(moves[j], payload)
+                written += len(idx)
+                self.stats["loaded_bytes"] += sum(sizes[j] for j in idx)
             ok = True
-            self.stats["loaded_objects"] += len(job.objects)
+            self.stats["loaded_objects"] += len(moves)
         except Exception as e:  # any failure is a recompute, never a crash
-            logger.warning("GlmCacheConnector: load for %s failed (%s); recomputing", job.req_id, e)
+            logger.warning(
+                "GlmCacheConnector: load for %s failed after %d of %d objects (%s); recomputing",
+                job.req_id, written, len(moves), e,
+            )
             self.stats["load_failures"] += 1
+            self.stats["load_objects_not_arrived"] += len(moves) - written
+        finally:
+            if fut is not None:  # a fetch still in flight: it only reads the network
+                fut.cancel()
         with self._lock:
             self._loads_done.add(job.req_id)
             if not ok:
                 self._loads_failed.add(job.req_id)
 
+    def _fetch(self, namespace: str, moves: list[ObjectMove], sizes: list[int],
+               idx: range) -> list[Any]:
+        keys = [(moves[j].chunk_hash, moves[j].group_id, self._key_rank(moves[j].group_id))
+                for j in idx]
+        nbytes = sum(sizes[j] for j in idx)
+        return self._load_client.get(namespace, keys, timeout_s=self._settings.deadline_s(nbytes))
+
     def _key_rank(self, group_id: int) -> int:
-        """The rank an object of ``group_id`` is stored under (see ``_init_worker``)."""
+        """The rank an object of ``group_id`` is stored under (see ``__init__``)."""
         return self._rank - self._tp_rank if group_id in self._replicated else self._rank
 
     def _check_size(self, move: ObjectMove, payload: Any) -> None:
@@ -132,47 +199,83 @@ class WorkerSide:
         # None blocks are held locally already: the pages skip them (each layer its own size).
         self._pages.write(move.group_id, move.block_ids, payload)
 
+    # Saves ------------------------------------------------------------------------------
+    #
+    # Pages are copied out after this step's forward (the blocks may be reused later) in
+    # batches of about ``batch_bytes``; each batch is handed to the send thread as soon as
+    # it is copied, so the network sends batch i while batch i+1 is copied. Saves beyond
+    # ``max_pending_save_bytes`` are not copied at all and are reported as dropped, like
+    # every save that does not land (timeout, no_space, too_large, error reply): the
+    # scheduler learns of them through ``build_connector_worker_meta`` and saves the
+    # holes again while the request still holds its blocks.
+
     def wait_for_save(self, meta: Any) -> None:
         if not isinstance(meta, GlmConnectorMetadata) or not meta.saves or self._pages is None:
             return
         if self._auth_broken or self._refused_layout is not None:
             return
-        # Copy the pages now (they are valid after this step's forward and may be reused
-        # later); the network send happens in the background.
-        items = []
-        prevs: list[bytes | None] = []
-        parents: list[bytes | None] = []
-        nbytes = 0
+        moves: list[ObjectMove] = []
         for move in meta.saves:
-            ids = [b for b in move.block_ids if b is not None]
-            if len(ids) != len(move.block_ids):
+            if any(b is None for b in move.block_ids):
                 continue
             if move.group_id in self._replicated and self._tp_rank != 0:
                 continue  # the TP group's first rank stores the one copy
-            data = self._pages.read(move.group_id, ids)
-            items.append((move.chunk_hash, move.group_id, self._key_rank(move.group_id), data))
-            prevs.append(move.prev)
-            parents.append(move.parent)
-            nbytes += len(data)
+            moves.append(move)
+        if not moves:
+            return
+        sizes = [self._pages.object_bytes(m.group_id, len(m.block_ids)) for m in moves]
         with self._lock:
-            if self._pending_save_bytes + nbytes > self._max_pending_save_bytes:
-                self._dropped_saves += len(items)
-                logger.warning(
-                    "GlmCacheConnector: %d save objects dropped (server too slow)", len(items)
-                )
-                return
-            self._pending_save_bytes += nbytes
-        self._saver.submit(self._run_save, meta.namespace, items, prevs, parents, nbytes)
+            room = self._max_pending_save_bytes - self._pending_save_bytes
+            admitted, total = 0, 0
+            for n in sizes:
+                # Always admit one object when nothing is pending, so that a budget
+                # below one object's size still makes progress.
+                if total + n > room and not (admitted == 0 and self._pending_save_bytes == 0):
+                    break
+                admitted += 1
+                total += n
+            self._pending_save_bytes += total
+            dropped = moves[admitted:]
+            if dropped:
+                self._dropped_saves += len(dropped)
+                self._record_failures(dropped, SAVE_DROPPED)
+        if dropped:
+            logger.warning(
+                "GlmCacheConnector: %d save objects dropped (%d bytes pending, limit %d); "
+                "the scheduler saves them again later", len(dropped), self._pending_save_bytes,
+                self._max_pending_save_bytes,
+            )
+        sizes = sizes[:admitted]
+        for idx in batches(sizes, self._settings.batch_bytes):
+            batch = [moves[j] for j in idx]
+            items = [(m.chunk_hash, m.group_id, self._key_rank(m.group_id),
+                      self._pages.read(m.group_id, list(m.block_ids))) for m in batch]
+            nbytes = sum(sizes[j] for j in idx)
+            self._saver.submit(self._run_save, meta.namespace, batch, items, nbytes)
 
-    def _run_save(self, namespace: str, items: list, prevs: list[bytes | None],
-                  parents: list[bytes | None], nbytes: int) -> None:
+    def _record_failures(self, moves: list[ObjectMove], reason: str) -> None:
+        """Caller holds ``_lock``."""
+        self.stats["save_failures"] += len(moves)
+        self._failed_saves.extend(SaveFailure(m.req_id, m.chunk_hash, m.group_id, reason)
+                                  for m in moves)
+
+    def _run_save(self, namespace: str, moves: list[ObjectMove], items: list,
+                  nbytes: int) -> None:
+        failed: list[tuple[ObjectMove, str]] = []
         try:
-            results = self._save_client.put(namespace, items, prev=prevs, parent=parents)
+            results = self._save_client.put(
+                namespace, items, prev=[m.prev for m in moves], parent=[m.parent for m in moves],
+                timeout_s=self._settings.deadline_s(nbytes),
+            )
             self.stats["saved_objects"] += sum(r == "stored" for r in results)
-            bad = [r for r in results if r not in ("stored", "exists")]
-            if bad:
-                logger.debug("GlmCacheConnector: put results %s", bad)
+            self.stats["saved_bytes"] += sum(len(it[3]) for it, r in zip(items, results)
+                                             if r == "stored")
+            failed = [(m, r) for m, r in zip(moves, results) if r not in ("stored", "exists")]
+            if failed:
+                logger.debug("GlmCacheConnector: put results %s", [r for _, r in failed])
         except CLIENT_ERRORS as e:
+            reason = SAVE_TIMEOUT if isinstance(e, CacheServerUnavailable) else SAVE_SERVER_ERROR
+            failed = [(m, reason) for m in moves]
             if unauthorized(e):
                 if not self._refused_logged:
                     logger.error(
@@ -185,6 +288,25 @@ class WorkerSide:
         finally:
             with self._lock:
                 self._pending_save_bytes -= nbytes
+                for m, reason in failed:
+                    known = reason in (SAVE_NO_SPACE, SAVE_TOO_LARGE, SAVE_TIMEOUT, SAVE_SERVER_ERROR)
+                    self._record_failures([m], reason if known else SAVE_SERVER_ERROR)
+
+    def build_connector_worker_meta(self) -> GlmWorkerMeta | None:
+        """Saves that did not land since the last call (None: all did)."""
+        with self._lock:
+            failed, self._failed_saves = self._failed_saves, []
+        return GlmWorkerMeta(failed) if failed else None
+
+    def wait_for_pending_saves(self, timeout_s: float = 30.0) -> bool:
+        """Block until every queued save was sent (benchmarks, tests); False on timeout."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with self._lock:
+                if self._pending_save_bytes == 0:
+                    return True
+            time.sleep(0.005)
+        return False
 
     def get_transfer_results(self) -> KVConnectorTransferResults:
         with self._lock:
@@ -194,6 +316,7 @@ class WorkerSide:
 
     def shutdown(self) -> None:
         self._loader.shutdown(wait=False, cancel_futures=True)
+        self._fetcher.shutdown(wait=False, cancel_futures=True)
         self._saver.shutdown(wait=True, cancel_futures=False)
         self._load_client.close()
         self._save_client.close()

@@ -1,0 +1,156 @@
+"""Save outcomes flow back from the worker to the scheduler, on a real vLLM CPU engine
+(the tiny GLM-5.3-Flash checkpoint: KDA state groups + sparse MLA) and a real
+glm-cache-server.
+
+The server's whole budget is pinned by a leased object of another namespace, so the
+engine's puts are answered ``no_space``. The worker reports each save that did not land
+(``build_connector_worker_meta``); the scheduler moves the request's saved depth back to
+the first hole and saves the holes again while the request still holds its blocks
+(``update_connector_output``), or gives its saves up after a bounded number of retries.
+Either way the outputs equal a cold compute.
+
+Engine set-up as in test_connector_glm.py (C = 2N = 256, prefill steps and states on
+chunk boundaries).
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import pytest
+
+from cache_server.process import ServerProcess
+from connector.client import CacheClient
+from engines import connector_engine
+
+pytestmark = pytest.mark.engine
+
+C = 256
+CONTINUATION = 64
+L1_GB = 0.05
+FILLER_GROUPS = (0, 1)
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(16, 512) for _ in range(n)]
+
+
+def _hash(i: int) -> bytes:
+    return i.to_bytes(4, "big") * 8
+
+
+@pytest.fixture(scope="module")
+def server():
+    with ServerProcess("--separate-object-groups", "--chunk-size", str(C), "--l1-size-gb", str(L1_GB),
+                       "--max-leased-fraction", "1") as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory, server):
+    from glm5next_plugin import tiny_checkpoint
+
+    ckpt = tmp_path_factory.mktemp("tiny_glm")
+    tiny_checkpoint.main([str(ckpt), "--seed", "3"])
+    engine = connector_engine(ckpt, server.url, dtype="float32", max_num_batched_tokens=C,
+                              prefix_cache_retention_interval=C, seed=0)
+    yield engine
+    del engine
+
+
+def _fill_and_pin(url: str, tag: int) -> int:
+    """Empty the server, fill its whole budget with a leased object of another
+    namespace, and return the lease: until it is released every put is no_space."""
+    with CacheClient(url) as cli:
+        cli.clear()
+        cap = cli.stats()["capacity_bytes"]
+        cli.hello("filler", C, attn_groups=[FILLER_GROUPS[0]], state_groups=[FILLER_GROUPS[1]])
+        big = cap - 1024
+        res = cli.put("filler", [(_hash(tag), FILLER_GROUPS[0], 0, bytes(big // 2)),
+                                 (_hash(tag), FILLER_GROUPS[1], 0, bytes(big - big // 2))], parent=[None, None])
+        assert res == ["stored", "stored"]
+        n, lease = cli.lookup("filler", [_hash(tag)], [FILLER_GROUPS[0]], [FILLER_GROUPS[1]])
+        assert n == 1 and lease is not None
+        return lease
+
+
+def _release_on_first_no_space(url: str, lease: int, stop: threading.Event) -> threading.Thread:
+    """Release the pin as soon as the server has refused a put: the saves of the first
+    step(s) fail, the later ones find space."""
+
+    def watch() -> None:
+        with CacheClient(url) as cli:
+            while not stop.is_set():
+                if cli.stats()["puts_no_space"] > 0:
+                    cli.release(lease)
+                    return
+                time.sleep(0.005)
+
+    t = threading.Thread(target=watch, daemon=True)
+    t.start()
+    return t
+
+
+def _run(llm, prompt, salt, max_tokens=CONTINUATION):
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=1, ignore_eos=True)
+    (o,) = llm.generate([TokensPrompt(prompt_token_ids=prompt, cache_salt=salt)], params,
+                        use_tqdm=False)
+    c = o.outputs[0]
+    return list(c.token_ids), c.logprobs[0][c.token_ids[0]].logprob, o.num_cached_tokens or 0
+
+
+def _stats(url: str) -> dict:
+    with CacheClient(url) as cli:
+        return cli.stats()
+
+
+def test_a_save_that_found_no_space_is_reported_and_saved_again(llm, server):
+    """Chunk 0's attention is refused (no_space) during the cold run. Without the report
+    and the re-save it stays a hole, and since a hit must cover every chunk from 0, the
+    reload would find nothing; with it, the reload resumes at the strict prefix."""
+    prompt = _prompt(5 * C + 10, seed=501)
+    lease = _fill_and_pin(server.url, 1)
+    stop = threading.Event()
+    watcher = _release_on_first_no_space(server.url, lease, stop)
+    before = _stats(server.url)
+    try:
+        cold = _run(llm, prompt, "save-outcome-1")
+    finally:
+        stop.set()
+        watcher.join(5)
+    after = _stats(server.url)
+    assert after["puts_no_space"] - before["puts_no_space"] >= 2  # attention and state of chunk 0 at least
+    llm.reset_prefix_cache()
+    reloaded = _run(llm, prompt, "save-outcome-1")
+    assert cold[2] == 0
+    assert reloaded[2] == 5 * C
+    assert reloaded[0] == cold[0] and reloaded[1] == cold[1]
+
+
+def test_saves_that_never_find_space_are_given_up_and_outputs_stay_cold_equal(llm, server):
+    """The pin is never released: each hole is retried a bounded number of times (with a
+    back-off), then the request's saves are given up. Nothing stalls, no output changes."""
+    prompt = _prompt(3 * C + 10, seed=502)
+    lease = _fill_and_pin(server.url, 2)
+    before = _stats(server.url)
+    t0 = time.monotonic()
+    cold = _run(llm, prompt, "save-outcome-2")
+    elapsed = time.monotonic() - t0
+    after = _stats(server.url)
+    refused = after["puts_no_space"] - before["puts_no_space"]
+    # 3 attention + 3 state objects on the first attempt; at most 6 retries of the 3
+    # attention objects (MAX_SAVE_RETRIES) beyond that.
+    assert 6 <= refused <= 6 + 6 * 3, refused
+    llm.reset_prefix_cache()
+    again = _run(llm, prompt, "save-outcome-2")
+    assert again[2] == 0  # nothing landed, so nothing to resume
+    assert again[0] == cold[0] and again[1] == cold[1]
+    assert elapsed < 60
+    with CacheClient(server.url) as cli:
+        cli.release(lease)

@@ -1,0 +1,298 @@
+"""The worker side's data path against a real glm-cache-server, no engine: loads stream in
+bounded batches with deadlines scaled by their bytes, a load that loses an object
+part-way fails its whole request (vLLM recomputes it), and saves that do not land are
+reported back per request and chunk with the reason."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from cache_server.process import ServerProcess
+from connector.client import CacheClient
+from connector.common import (
+    SAVE_DROPPED,
+    SAVE_NO_SPACE,
+    GlmConnectorMetadata,
+    GlmWorkerMeta,
+    LoadJob,
+    ObjectMove,
+    SaveFailure,
+    Settings,
+    batches,
+)
+from connector.geometry import CacheGroup, Geometry, LayerPage
+from connector.worker import WorkerSide
+
+vkv = pytest.importorskip("vllm.v1.kv_cache_interface")
+
+NB = 32  # blocks
+STRIDE = 8192
+PAGE_A = 4096  # attention page per layer per block
+PAGE_S = 8192  # state page (one layer)
+STATE, ATTN = 0, 1
+BLOCK = 16
+C = 2 * BLOCK  # a chunk is two attention blocks
+NS = "worker-stream"
+
+
+def _engine_cache():
+    """One shared buffer: two attention layers and one state layer, as vLLM places them."""
+    size = 3 * NB * STRIDE
+    ta = vkv.KVCacheTensor(size=size, layers=["a.0", "a.1"], layer_stride=NB * STRIDE, block_stride=STRIDE,
+                           offset=0)
+    ts = vkv.KVCacheTensor(size=size, layers=["s.0"], layer_stride=NB * STRIDE, block_stride=STRIDE,
+                           offset=2 * NB * STRIDE)
+    config = vkv.KVCacheConfig(num_blocks=NB, kv_cache_tensors=[ta, ts], kv_cache_groups=[])
+    buf = torch.zeros(size, dtype=torch.int8)
+    views = {"a.0": torch.as_strided(buf, (NB, PAGE_A), (STRIDE, 1), 0),
+             "a.1": torch.as_strided(buf, (NB, PAGE_A), (STRIDE, 1), NB * STRIDE),
+             "s.0": torch.as_strided(buf, (NB, PAGE_S), (STRIDE, 1), 2 * NB * STRIDE)}
+    groups = (
+        CacheGroup(STATE, True, BLOCK, (LayerPage("s.0", PAGE_S, "float32", BLOCK, 1, "MambaSpec"),)),
+        CacheGroup(ATTN, False, BLOCK, tuple(LayerPage(n, PAGE_A, "int8", BLOCK, BLOCK, "FullAttentionSpec")
+                                              for n in ("a.0", "a.1"))),
+    )
+    geo = Geometry(groups, (BLOCK, BLOCK), BLOCK, C)
+    return config, views, buf, geo
+
+
+def _worker(url: str, **settings) -> tuple[WorkerSide, torch.Tensor]:
+    config, views, buf, geo = _engine_cache()
+    vcfg = SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=1))
+    w = WorkerSide(vcfg, config, Settings(url=url, **settings), geo, None)
+    w.register_kv_caches(views)
+    return w, buf
+
+
+def _hash(k: int) -> bytes:
+    return k.to_bytes(4, "big") * 8
+
+
+def _attn_object(k: int) -> bytes:
+    g = torch.Generator().manual_seed(k)
+    return torch.randint(0, 256, (2 * 2 * PAGE_A,), dtype=torch.uint8, generator=g).numpy().tobytes()
+
+
+def _state_object() -> bytes:
+    return bytes(range(256)) * (PAGE_S // 256)
+
+
+def _populate(url: str, chunks: int) -> None:
+    with CacheClient(url) as cli:
+        cli.hello(NS, BLOCK, attn_groups=[ATTN], state_groups=[STATE])
+        items = [(_hash(k), ATTN, 0, _attn_object(k)) for k in range(chunks)]
+        ok = {"stored", "exists"}
+        assert set(cli.put(NS, items, parent=[_hash(k - 1) if k else None for k in range(chunks)])) <= ok
+        assert set(cli.put(NS, [(_hash(chunks - 1), STATE, 0, _state_object())], parent=[_hash(chunks - 2)])) <= ok
+
+
+def _load_job(chunks: int) -> LoadJob:
+    moves = [ObjectMove(_hash(k), ATTN, [2 * k, 2 * k + 1]) for k in range(chunks)]
+    moves.append(ObjectMove(_hash(chunks - 1), STATE, [NB - 1]))
+    return LoadJob("req-1", moves)
+
+
+def _wait_load(w: WorkerSide, req_id: str, timeout_s: float = 30.0) -> bool:
+    """True when the load finished, False when it failed."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        r = w.get_transfer_results()
+        if req_id in r.finished_recving:
+            return req_id not in r.failed_recving
+        time.sleep(0.005)
+    raise AssertionError("load never reported")
+
+
+@pytest.fixture(scope="module")
+def server():
+    with ServerProcess("--separate-object-groups", "--chunk-size", str(C), "--l1-size-gb", "0.05") as srv:
+        yield srv
+
+
+def test_batches_cover_every_item_once_and_respect_the_limit():
+    sizes = [5, 5, 5, 20, 1, 1, 9]
+    plan = batches(sizes, 10)
+    assert [list(r) for r in plan] == [[0, 1], [2], [3], [4, 5], [6]]
+    assert batches([], 10) == []
+
+
+def test_deadline_is_a_floor_plus_the_bytes_at_the_slowest_rate():
+    s = Settings(timeout_s=2.0, min_rate_mb_s=100.0)
+    assert s.deadline_s(0) == 2.0
+    assert s.deadline_s(1_000_000_000) == pytest.approx(12.0)  # 1 GB at 100 MB/s, plus the floor
+
+
+def test_load_streams_in_batches_with_scaled_deadlines_and_lands_every_page(server):
+    chunks = 6
+    _populate(server.url, chunks)
+    obj = 2 * 2 * PAGE_A
+    w, _ = _worker(server.url, batch_bytes=2 * obj, timeout_s=1.0, min_rate_mb_s=10.0)
+    calls: list[tuple[int, float]] = []
+    real_get = w._load_client.get
+
+    def counting_get(ns, keys, timeout_s=None):
+        calls.append((len(keys), timeout_s))
+        return real_get(ns, keys, timeout_s=timeout_s)
+
+    w._load_client.get = counting_get
+    try:
+        w.start_load_kv(GlmConnectorMetadata(namespace=NS, loads=[_load_job(chunks)]))
+        assert _wait_load(w, "req-1")
+    finally:
+        w.shutdown()
+    # The state goes first (a missing resume state fails before attention moves), then
+    # attention, at most two objects' bytes per batch: 4 gets, not one get of everything,
+    # each with a deadline of the floor plus its bytes at min_rate_mb_s.
+    assert [n for n, _ in calls] == [2, 2, 2, 1]
+    assert calls[0][1] == pytest.approx(1.0 + (PAGE_S + obj) / 10e6)
+    assert calls[1][1] == pytest.approx(1.0 + 2 * obj / 10e6)
+    pages = w._pages
+    for k in range(chunks):
+        assert pages.read(ATTN, [2 * k, 2 * k + 1]) == _attn_object(k)
+    assert pages.read(STATE, [NB - 1]) == _state_object()
+    assert w.stats["loaded_objects"] == chunks + 1
+
+
+def test_a_load_that_loses_an_object_part_way_fails_the_whole_request(server):
+    chunks = 6
+    _populate(server.url, chunks)
+    with CacheClient(server.url) as cli:
+        assert cli.delete(NS, [(_hash(4), ATTN, 0)]) == 1
+    w, _ = _worker(server.url, batch_bytes=2 * 2 * PAGE_A)
+    try:
+        w.start_load_kv(GlmConnectorMetadata(namespace=NS, loads=[_load_job(chunks)]))
+        assert _wait_load(w, "req-1") is False  # failed_recving: vLLM recomputes the request
+    finally:
+        w.shutdown()
+    assert w.stats["load_failures"] == 1
+    # State, then chunks 0-3 arrived (three batches); chunk 4's batch did not, nor did 5.
+    assert w.stats["load_objects_not_arrived"] == 2
+    from connector.glm_connector import GlmCacheConnector
+
+    # Never block ids: vLLM 0.32 refuses them with several KV cache groups.
+    assert GlmCacheConnector.get_block_ids_with_load_errors(None) == set()
+
+
+def _filled_server():
+    """A server whose whole budget is pinned by a leased object of another namespace:
+    every put of ours is answered no_space until the lease is released."""
+    srv = ServerProcess("--separate-object-groups", "--chunk-size", str(C), "--l1-size-gb", "0.0001",
+                        "--max-leased-fraction", "1").start()
+    cap = int(0.0001 * (1 << 30))
+    with CacheClient(srv.url) as cli:
+        cli.hello("filler", BLOCK, attn_groups=[ATTN], state_groups=[STATE])
+        big = cap - 4096
+        assert cli.put("filler", [(_hash(99), ATTN, 0, bytes(big // 2)),
+                                  (_hash(99), STATE, 0, bytes(big - big // 2))], parent=[None, None]) \
+            == ["stored", "stored"]
+        n, lease = cli.lookup("filler", [_hash(99)], [ATTN], [STATE])
+        assert n == 1 and lease is not None
+    return srv, lease
+
+
+def test_saves_that_do_not_land_are_reported_per_request_and_chunk():
+    srv, lease = _filled_server()
+    try:
+        w, buf = _worker(srv.url)
+        buf.copy_(torch.randint(-100, 100, buf.shape, dtype=torch.int8))
+        saves = [ObjectMove(_hash(k), ATTN, [2 * k, 2 * k + 1], parent=None, req_id="r-a") for k in range(2)]
+        saves.append(ObjectMove(_hash(1), STATE, [NB - 1], req_id="r-a"))
+        w.wait_for_save(GlmConnectorMetadata(namespace=NS, saves=saves))
+        assert w.wait_for_pending_saves()
+        meta = w.build_connector_worker_meta()
+        assert isinstance(meta, GlmWorkerMeta)
+        assert sorted((f.req_id, f.chunk_hash, f.group_id, f.reason) for f in meta.failed_saves) == sorted(
+            [("r-a", _hash(0), ATTN, SAVE_NO_SPACE), ("r-a", _hash(1), ATTN, SAVE_NO_SPACE),
+             ("r-a", _hash(1), STATE, SAVE_NO_SPACE)])
+        assert w.build_connector_worker_meta() is None  # reported once
+        # Space again: the same saves land, and nothing is reported.
+        with CacheClient(srv.url) as cli:
+            assert cli.release(lease)
+        w.wait_for_save(GlmConnectorMetadata(namespace=NS, saves=saves))
+        assert w.wait_for_pending_saves()
+        assert w.build_connector_worker_meta() is None
+        assert w.stats["saved_objects"] == 3
+        w.shutdown()
+    finally:
+        srv.stop()
+
+
+def test_saves_over_the_pending_budget_are_not_copied_and_are_reported_dropped(server):
+    obj = 2 * 2 * PAGE_A
+    w, buf = _worker(server.url, max_pending_save_bytes=obj + 1)
+    buf.copy_(torch.randint(-100, 100, buf.shape, dtype=torch.int8))
+    saves = [ObjectMove(_hash(100 + k), ATTN, [2 * k, 2 * k + 1], parent=None, req_id="r-b") for k in range(3)]
+    w.wait_for_save(GlmConnectorMetadata(namespace=NS, saves=saves))
+    assert w.wait_for_pending_saves()
+    w.shutdown()
+    meta = w.build_connector_worker_meta()
+    assert meta is not None
+    assert [(f.chunk_hash, f.reason) for f in meta.failed_saves] == [(_hash(101), SAVE_DROPPED),
+                                                                      (_hash(102), SAVE_DROPPED)]
+    with CacheClient(server.url) as cli:
+        got = cli.get(NS, [(_hash(100 + k), ATTN, 0) for k in range(3)])
+    assert got[0] is not None and got[1] is None and got[2] is None
+
+
+def test_worker_metadata_of_every_rank_is_kept_when_aggregated():
+    a = GlmWorkerMeta([SaveFailure("r", b"x", 1, "timeout")])
+    b = GlmWorkerMeta([SaveFailure("r", b"y", 1, "no_space")])
+    assert [f.chunk_hash for f in a.aggregate(b).failed_saves] == [b"x", b"y"]
+
+
+def _scheduler_with(tracked_chunks: int):
+    """A SchedulerSide holding one tracked request of ``tracked_chunks`` saved chunks
+    (only the save-outcome bookkeeping is exercised: no engine, no server)."""
+    from connector import scheduler as sched
+
+    _, _, _, geo = _engine_cache()
+    s = object.__new__(sched.SchedulerSide)
+    s._geometry = geo
+    s._save_decode = False
+    s._tracked = {}
+    s.save_stats = __import__("collections").Counter()
+    tokens = list(range(16, 16 + tracked_chunks * C + 5))
+    req = SimpleNamespace(request_id="r", num_tokens=len(tokens), num_prompt_tokens=len(tokens),
+                          all_token_ids=tokens, cache_salt=None)
+    from connector.keys import chunk_hashes
+
+    t = sched._Tracked(req, chunk_hashes(tokens, C), saved_chunks=tracked_chunks)
+    s._tracked["r"] = t
+    return s, t, sched
+
+
+def test_scheduler_moves_the_saved_depth_back_to_the_first_hole_and_backs_off():
+    s, t, sched = _scheduler_with(5)
+    s._saves_failed([SaveFailure("r", t.hashes[3], ATTN, SAVE_NO_SPACE),
+                     SaveFailure("r", t.hashes[1], ATTN, "timeout"),
+                     SaveFailure("r", t.hashes[4], STATE, SAVE_NO_SPACE)])
+    assert t.saved_chunks == 1 and t.save_retries == 1 and not t.saves_given_up
+    assert t.resave_at > time.monotonic()
+    assert s._attention_saves(t, 5 * C) == []  # backing off: nothing is re-sent yet
+    # A failure of a save sent before that correction is the same incident: no new retry.
+    s._saves_failed([SaveFailure("r", t.hashes[0], ATTN, SAVE_DROPPED)])
+    assert t.saved_chunks == 0 and t.save_retries == 1
+    # Failures of an unknown (finished) request, or of states only, change nothing.
+    s._saves_failed([SaveFailure("gone", t.hashes[0], ATTN, "timeout"),
+                     SaveFailure("r", t.hashes[2], STATE, "timeout")])
+    assert t.saved_chunks == 0 and s.save_stats["lost"] == 2
+
+
+def test_scheduler_gives_up_after_bounded_retries_or_a_permanent_failure():
+    s, t, sched = _scheduler_with(4)
+    for i in range(sched.MAX_SAVE_RETRIES):
+        t.resave_at = 0.0  # the back-off has passed
+        s._saves_failed([SaveFailure("r", t.hashes[2], ATTN, SAVE_NO_SPACE)])
+        assert not t.saves_given_up and t.save_retries == i + 1
+    t.resave_at = 0.0
+    s._saves_failed([SaveFailure("r", t.hashes[2], ATTN, SAVE_NO_SPACE)])
+    assert t.saves_given_up and t.saved_chunks == 2
+    assert s._attention_saves(t, 4 * C) == []  # given up: never sent again
+
+    s, t, _ = _scheduler_with(4)
+    s._saves_failed([SaveFailure("r", t.hashes[3], ATTN, "too_large")])
+    assert t.saves_given_up and t.save_retries == 0
