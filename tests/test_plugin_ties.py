@@ -100,19 +100,19 @@ def test_checkpoint_is_tie_heavy(ckpt):
     weights = {k: v for k, v in load_file(str(ckpt / "model.safetensors")).items() if k != "lm_head.weight"}
     load_by_name(holder, weights.items(), cfg.num_hidden_layers)
     zero_scores = []
-    real = sparse_mla.select_tokens
+    real = sparse_mla.select_pools
 
     def spy(index_q, head_w, pooled, positions, *args):
         scores = torch.relu(torch.einsum("thd,pd->thp", index_q.float(), pooled.float()) * index_q.shape[-1] ** -0.5)
         zero_scores.append((scores.amax(dim=1) == 0).float().mean().item())
         return real(index_q, head_w, pooled, positions, *args)
 
-    sparse_mla.select_tokens = spy
+    sparse_mla.select_pools = spy
     try:
         with torch.no_grad():
             holder.model.language_model(torch.tensor(_prompt(900, seed=0)))
     finally:
-        sparse_mla.select_tokens = real
+        sparse_mla.select_pools = real
     assert zero_scores and max(zero_scores) > 0.2, zero_scores
 
 
