@@ -72,6 +72,19 @@ def top_pools(index_scores: torch.Tensor, keep: int) -> torch.Tensor:
     return index_scores.sort(dim=-1, descending=True, stable=True).indices[:, :keep]
 
 
+def top_pool_set(index_scores: torch.Tensor, keep: int) -> torch.Tensor:
+    """The same pools as :func:`top_pools` (ties to the lower pool index), in ascending
+    pool order, from a partial selection instead of a full sort: everything above the
+    ``keep``-th best score, then as many of the pools equal to it as fit, lowest first."""
+    rows = index_scores.shape[0]
+    kth = index_scores.topk(keep, dim=-1, sorted=False).values.amin(dim=-1, keepdim=True)
+    above = index_scores > kth
+    at = index_scores == kth
+    room = keep - above.sum(dim=-1, keepdim=True)
+    take = above | (at & (at.cumsum(dim=-1) <= room))
+    return take.nonzero()[:, 1].view(rows, keep)
+
+
 def select_tokens(
     index_q: torch.Tensor,
     head_weights: torch.Tensor,
@@ -168,18 +181,20 @@ def select_pools(
     if sparse_rows.numel() == 0:
         return chosen
     hi, dk = index_q.shape[1], index_q.shape[2]
-    pooled_f = pooled.float()
+    pooled_t = pooled.float().t()  # [Dk, P]
     block = max(1, block_elems // max(1, hi * n_pools))
     pool_ids = torch.arange(n_pools, device=dev)
     for start in range(0, sparse_rows.numel(), block):
         rows = sparse_rows[start : start + block]
         n_vis = int(visible_count[rows].max())
-        scores = torch.einsum("thd,pd->thp", index_q[rows].float(), pooled_f[:n_vis])
-        scores = F.relu(scores * dk**-0.5)
-        idx = torch.einsum("th,thp->tp", head_weights[rows].float(), scores)
+        b = rows.numel()
+        # relu(q . p / sqrt(Dk)), weighted over heads: one matmul, relu in place, one bmm
+        scores = torch.mm(index_q[rows].float().reshape(b * hi, dk) * dk**-0.5, pooled_t[:, :n_vis])
+        scores = scores.relu_().view(b, hi, n_vis)
+        idx = torch.bmm(head_weights[rows].float().unsqueeze(1), scores).squeeze(1)  # [b, n_vis]
         hidden = pool_ids[None, :n_vis] >= visible_count[rows][:, None]
-        idx = idx.masked_fill(hidden, torch.finfo(idx.dtype).min)
-        chosen[rows] = top_pools(idx, keep)  # every row here sees more than `keep` pools
+        idx = idx.masked_fill_(hidden, torch.finfo(idx.dtype).min)
+        chosen[rows] = top_pool_set(idx, keep)  # every row here sees more than `keep` pools
     return chosen
 
 
@@ -229,3 +244,30 @@ def absorbed_attention(
         probs = logits.float().softmax(dim=-1).to(lat.dtype)
         out[start:end] = torch.bmm(probs, lat)
     return out
+
+
+def sparse_mla_absorbed(
+    q: torch.Tensor,
+    w_k: torch.Tensor,
+    w_v: torch.Tensor,
+    index_q: torch.Tensor,
+    head_weights: torch.Tensor,
+    pooled: torch.Tensor,
+    positions: torch.Tensor,
+    kpool: int,
+    topk: int,
+    latent_rows,
+) -> torch.Tensor:
+    """The whole sparse MLA core as the layers run it: select, gather, attend in latent space.
+
+    ``q``: ``[T, H, Dq]``; ``w_k``: ``[H, Dq, R]`` and ``w_v``: ``[H, Dv, R]`` (``kv_b_proj``'s
+    K and V parts per head); indexer inputs as in :func:`select_pools`; ``latent_rows(idx)``
+    returns the latents of token indices ``idx``. Returns ``[T, H, Dv]``, equal to
+    :func:`masked_attention` over ``k = c W_k^T``, ``v = c W_v^T`` with the
+    :func:`select_tokens` mask (scale ``Dq ** -0.5``).
+    """
+    q_latent = torch.bmm(q.transpose(0, 1), w_k).transpose(0, 1)  # [T, H, R]
+    chosen = select_pools(index_q, head_weights, pooled, positions, kpool, topk)
+    tokens, valid = gather_index(chosen, positions, kpool)
+    out_latent = absorbed_attention(q_latent, latent_rows, tokens, valid, q.shape[-1] ** -0.5)
+    return torch.bmm(out_latent.transpose(0, 1), w_v.transpose(1, 2)).transpose(0, 1)  # [T, H, Dv]

@@ -134,3 +134,13 @@ def test_chunked_kda_bf16_inputs_accumulate_in_float32():
     assert out.dtype == state.dtype == torch.float32
     torch.testing.assert_close(out, ref_out, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(state, ref_state, atol=1e-4, rtol=1e-4)
+
+
+def test_top_pool_set_is_top_pools_as_a_set_with_ties():
+    g = torch.Generator().manual_seed(7)
+    # coarse integer scores: many exact ties, incl. at the cut
+    scores = torch.randint(-3, 4, (200, 37), generator=g).float().relu()
+    for keep in (1, 5, 16, 37):
+        fast = sparse_mla.top_pool_set(scores, keep)
+        ref = sparse_mla.top_pools(scores, keep).sort(dim=-1).values
+        assert torch.equal(fast, ref), keep
