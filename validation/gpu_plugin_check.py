@@ -149,6 +149,19 @@ def check_mla(c: dict, dev: torch.device, rows: list, summary: dict) -> None:
             summary[name] = dict(dense_s=min(t_dense, t_dense2), absorbed_s=min(t_abs, t_abs2),
                                  speedup=min(t_dense, t_dense2) / min(t_abs, t_abs2), max_diff=d, ref_absmax=scale)
             del args, ref, out
+    # what rebuilding the pooled indexer keys costs a decode step (they are not stored)
+    g = torch.Generator(device="cpu").manual_seed(1)
+    keys, gates, ape = (torch.randn(*shape, generator=g).to(dev) for shape in
+                        ((c["mla_decode_ctx"], c["index_dim"]), (c["mla_decode_ctx"], c["index_dim"]),
+                         (c["kpool"], c["index_dim"])))
+    sparse_mla.pool_keys(keys, gates, ape)
+    t_pool, _ = timed(lambda: sparse_mla.pool_keys(keys, gates, ape), dev)
+    summary[f"pool_keys rebuild S={c['mla_decode_ctx']} s"] = t_pool
+
+
+def t_pool_msg(summary: dict) -> str:
+    (v,) = [v for k, v in summary.items() if k.startswith("pool_keys")]
+    return f"{v * 1e3:.2f} ms"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -172,8 +185,15 @@ def main(argv: list[str] | None = None) -> None:
     for name, t_ref, t_fast, agree in rows:
         print(f"{name:<34} {t_ref:>12.4f} {t_fast:>10.4f} {t_ref / t_fast:>8.1f}  {agree}")
     summary["total_s"] = time.perf_counter() - t0
+    # agreement: fp32 fast paths within 1e-4 of their references (relative to |ref| for MLA)
+    summary["ok_fp32"] = all(
+        (v["max_diff_out"] < 1e-4 and v["max_diff_state"] < 1e-4) if k.startswith("kda") else
+        v["max_diff"] < 1e-4 * max(1.0, v["ref_absmax"])
+        for k, v in summary.items() if isinstance(v, dict) and k.endswith("float32")
+    )
     if dev.type == "cuda":
         summary["peak_gpu_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    print(f"pool_keys rebuild at {c['mla_decode_ctx']} tokens: {t_pool_msg(summary)}; fp32 agreement ok: {summary['ok_fp32']}")
     print(f"reference = token loop (KDA) / dense-masked (MLA); total {summary['total_s']:.1f} s"
           + (f", peak GPU memory {summary['peak_gpu_gib']:.1f} GiB" if dev.type == "cuda" else ""))
     print(json.dumps(summary))
