@@ -310,17 +310,15 @@ class SparseMLALayer(SparseMLAProjections, _attention_layer_base()):
             if end == start:
                 continue
             seq_len = md.seq_lens[i]
-            pos = torch.arange(seq_len, device=x.device)
-            blocks = md.block_table[i, pos // bs].long()
-            offsets = pos % bs
+            row = md.block_table[i].long()
 
-            def fetch(idx, cols, blocks=blocks, offsets=offsets):
+            def fetch(idx, cols, row=row):
                 # only the requested tokens and columns leave the paged cache
-                return cache[blocks[idx], offsets[idx], cols]
+                return cache[row[idx // bs], idx % bs, cols]
 
-            def fetch_prefix(n, cols, row=md.block_table[i]):
+            def fetch_prefix(n, cols, row=row):
                 # whole blocks, one index per block: cheaper than one per token
-                picked = cache[row[: -(-n // bs)].long(), :, cols]
+                picked = cache[row[: -(-n // bs)], :, cols]
                 return picked.reshape(-1, picked.shape[-1])[:n]
 
             positions = torch.arange(seq_len - (end - start), seq_len, device=x.device)

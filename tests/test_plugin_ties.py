@@ -29,7 +29,10 @@ from glm5next_plugin import tiny_checkpoint
 pytestmark = pytest.mark.engine
 
 N = 128
-TOL = 1e-5
+# float32 summation-order noise between step splits (one-shot vs 128-token steps):
+# 9.5e-6 with the dense-masked attention, 1.0e-5 to 1.3e-5 with the absorbed sparse path
+# and the batched KDA chunks; a different tie pick moves log-probs by whole nats (15.6).
+TOL = 5e-5
 LENGTHS = [900, 1700]
 
 
