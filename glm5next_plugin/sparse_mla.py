@@ -72,6 +72,13 @@ def top_pools(index_scores: torch.Tensor, keep: int) -> torch.Tensor:
     return index_scores.sort(dim=-1, descending=True, stable=True).indices[:, :keep]
 
 
+def block_budget(device: torch.device) -> int:
+    """Values a query block's intermediate may hold: small enough on a CPU to stay in its
+    caches (one MLA layer's 32k-token selection at tiny sizes, one thread: 2.2 s with
+    2**24, 0.7 s with 2**20), large on an accelerator so launches stay few."""
+    return 1 << 20 if device.type == "cpu" else 1 << 26
+
+
 def top_pool_set(index_scores: torch.Tensor, keep: int) -> torch.Tensor:
     """The same pools as :func:`top_pools` (ties to the lower pool index), in ascending
     pool order, from a partial selection instead of a full sort: everything above the
@@ -156,12 +163,13 @@ def select_pools(
     positions: torch.Tensor,
     kpool: int,
     topk: int,
-    block_elems: int = 1 << 24,
+    block_elems: int | None = None,
 ) -> torch.Tensor:
     """The pools each query attends to: ``[T, topk // kpool]`` pool indices, ``-1`` in
     unused slots. Same choice as :func:`select_tokens` (visible pools only, ties to the
     lower pool index via :func:`top_pools`), computed in query blocks so the
-    ``[block, Hi, P]`` scores stay under ``block_elems`` values.
+    ``[block, Hi, P]`` scores stay under ``block_elems`` values (default
+    :func:`block_budget`).
 
     Queries that see no more complete pools than they may keep take all of them (no
     scoring needed: the chosen set does not depend on the scores).
@@ -181,6 +189,7 @@ def select_pools(
     if sparse_rows.numel() == 0:
         return chosen
     hi, dk = index_q.shape[1], index_q.shape[2]
+    block_elems = block_elems or block_budget(dev)
     pooled_t = pooled.float().t()  # [Dk, P]
     block = max(1, block_elems // max(1, hi * n_pools))
     pool_ids = torch.arange(n_pools, device=dev)
@@ -222,7 +231,7 @@ def absorbed_attention(
     tokens: torch.Tensor,
     valid: torch.Tensor,
     scale: float,
-    block_elems: int = 1 << 24,
+    block_elems: int | None = None,
 ) -> torch.Tensor:
     """Attention in the latent space over each query's own tokens.
 
@@ -230,10 +239,11 @@ def absorbed_attention(
     ``latent_rows(idx)`` returns the latents ``[..., R]`` of token indices ``idx``;
     ``tokens``/``valid``: ``[T, K]`` from :func:`gather_index`. Returns the
     probability-weighted latents ``[T, H, R]``; queries in blocks so the gathered
-    ``[block, K, R]`` latents stay under ``block_elems`` values.
+    ``[block, K, R]`` latents stay under ``block_elems`` values (default :func:`block_budget`).
     """
     t_len, heads, rank = q_latent.shape
     width = tokens.shape[1]
+    block_elems = block_elems or block_budget(q_latent.device)
     out = q_latent.new_empty(t_len, heads, rank)
     block = max(1, block_elems // max(1, width * rank))
     for start in range(0, t_len, block):

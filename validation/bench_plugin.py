@@ -212,7 +212,7 @@ def _run_worker(kind: str, args, lengths: list[int], timeout: float) -> list[dic
     results = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     done = {r["n"] for r in results}
     if proc.returncode != 0 or len(done) < len(lengths):
-        why = f"exit {proc.returncode}: " + (proc.stderr.strip().splitlines() or ["no stderr"])[-1][:120]
+        why = f"exit {proc.returncode}: " + (proc.stderr.strip().splitlines() or ["no stderr"])[-1][:300]
         results += [dict(system=kind, n=n, error=why) for n in lengths if n not in done]
     return results
 
