@@ -297,7 +297,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
 
     if args.kda:
-        bench_kda(args.kda_lengths, args.kda_chunks, repeats=3)
+        bench_kda(args.kda_lengths, args.kda_chunks, repeats=args.repeats + 1)
         return
     if args.worker == "plugin":
         worker_vllm(args)
