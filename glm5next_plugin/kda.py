@@ -110,6 +110,16 @@ def kda_decode_step(
     return torch.einsum("bhvk,bhk->bhv", s, q.float()), s
 
 
+# Chosen by measurement (validation/bench_plugin.py --kda-only; 64 heads x 128, fp32, one
+# CPU thread): see the README's KDA table. Also bounded by _MAX_CHUNK_DECAY below.
+DEFAULT_CHUNK = 32
+# Largest cumulative log-decay a chunk may span per channel: factors exp(+-span/2) stay
+# inside float32 (exp(88) overflows); the real gate (lower bound -5) allows 32 tokens.
+_MAX_CHUNK_DECAY = 160.0
+# Chunks whose intra-chunk matrices are built at once (bounds their memory).
+_SEGMENT_CHUNKS = 64
+
+
 def kda_chunked(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -117,12 +127,12 @@ def kda_chunked(
     g: torch.Tensor,
     beta: torch.Tensor,
     state: torch.Tensor | None = None,
-    chunk_size: int = 32,
+    chunk_size: int = DEFAULT_CHUNK,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The same recurrence, a chunk of ``C`` tokens at a time (prefill path).
+    """The same recurrence, a chunk of ``C`` tokens at a time, from matmuls (prefill path).
 
-    Inside a chunk, with ``G_t`` the cumulative log-decay and ``S0`` the state entering
-    the chunk, unrolling the loop gives (per head, ``s <= t``)::
+    Inside a chunk, with ``G_t`` the cumulative log-decay from the chunk start and ``S0``
+    the state entering it, unrolling the loop gives (per head, ``s < t``)::
 
         u_t + sum_{s<t} A[t,s] u_s = beta_t (v_t - S0 (k_t * exp(G_t)))
         A[t,s] = beta_t * sum_c k_t[c] k_s[c] exp(G_t[c] - G_s[c])
@@ -130,34 +140,63 @@ def kda_chunked(
         B[t,s] = sum_c q_t[c] k_s[c] exp(G_t[c] - G_s[c])
         S_C    = S0 * exp(G_C) + sum_s outer(u_s, k_s * exp(G_C - G_s))
 
-    so each chunk is one unit-lower-triangular solve plus matmuls. Only differences
-    ``G_t - G_s <= 0`` are exponentiated, so nothing overflows however long the chunk.
+    With ``T = (I + A)^-1`` (unit lower triangular) the state-free parts are
+    ``U = T (beta v)`` and ``W = T (beta k exp(G))`` (the WY / UT form), so only
+    ``u = U - W S0^T``, the output and the state update run chunk after chunk; ``A``,
+    ``B``, ``U`` and ``W`` are computed for many chunks in one batch. ``A`` and ``B`` are
+    products of ``k_t exp(G_t - m)`` and ``k_s exp(m - G_s)`` with ``m`` the middle of the
+    chunk's decay range, so the factors stay within ``exp(+-span/2)``; a gate steeper
+    than the chunk allows (span over ``_MAX_CHUNK_DECAY``) shrinks the chunk. Everything
+    is float32. Returns outputs ``[T, H, D]`` and the final state ``[H, V, K]``.
     """
     t_len, h, d = q.shape
     dev = q.device
     s = torch.zeros(h, d, d, device=dev) if state is None else state.float().clone()
-    out = torch.empty(t_len, h, d, device=dev)
+    if t_len == 0:
+        return torch.empty(0, h, d, device=dev), s
+    if t_len == 1:  # one token: the recurrence step itself is the cheapest exact form
+        out, s = kda_decode_step(q, k, v, g, beta, s.unsqueeze(0))
+        return out, s[0]
     q, k, v, g, beta = (x.float() for x in (q, k, v, g, beta))
-    for start in range(0, t_len, chunk_size):
-        end = min(start + chunk_size, t_len)
-        c = end - start
-        # head-major: [H, C, D]
-        qc, kc, vc = (x[start:end].transpose(0, 1) for x in (q, k, v))
-        gc = g[start:end].transpose(0, 1).cumsum(dim=1)  # G_t, [H, C, D]
-        bc = beta[start:end].transpose(0, 1)  # [H, C]
-        causal = torch.ones(c, c, dtype=torch.bool, device=dev).tril()
-        diff = gc.unsqueeze(2) - gc.unsqueeze(1)  # [H, t, s, D] = G_t - G_s
-        decay = torch.exp(diff.masked_fill(~causal[None, :, :, None], float("-inf")))
-        kk = torch.einsum("htc,hsc,htsc->hts", kc, kc, decay)
-        qk = torch.einsum("htc,hsc,htsc->hts", qc, kc, decay)
-        strict = torch.ones(c, c, dtype=torch.bool, device=dev).tril(-1)
-        a = (bc.unsqueeze(-1) * kk).masked_fill(~strict, 0.0)
-        eye = torch.eye(c, device=dev).expand(h, c, c)
-        rhs = bc.unsqueeze(-1) * (vc - torch.einsum("hvk,htk->htv", s, kc * torch.exp(gc)))
-        u = torch.linalg.solve_triangular(eye + a, rhs, upper=False, unitriangular=True)
-        o = torch.einsum("hvk,htk->htv", s, qc * torch.exp(gc)) + torch.einsum("hts,hsv->htv", qk, u)
-        out[start:end] = o.transpose(0, 1)
-        g_last = gc[:, -1:, :]  # [H, 1, D]
-        k_tail = kc * torch.exp(g_last - gc)  # k_s * exp(G_C - G_s)
-        s = s * torch.exp(g_last) + torch.einsum("hsv,hsk->hvk", u, k_tail)
-    return out, s
+    steepest = float(-g.min()) if g.numel() else 0.0
+    if steepest > 0:
+        chunk_size = max(1, min(chunk_size, int(_MAX_CHUNK_DECAY / steepest)))
+    c = min(chunk_size, t_len)
+    n_chunks = -(-t_len // c)
+    pad = n_chunks * c - t_len
+    if pad:
+        # padded tokens write nothing (beta 0, k 0) and do not decay (g 0)
+        q, k, v, g = (torch.cat([x, x.new_zeros(pad, h, d)]) for x in (q, k, v, g))
+        beta = torch.cat([beta, beta.new_zeros(pad, h)])
+    # [H, N, C, D] / [H, N, C], contiguous once so the batched matmuls copy nothing
+    q, k, v, g = (x.view(n_chunks, c, h, d).permute(2, 0, 1, 3).contiguous() for x in (q, k, v, g))
+    beta = beta.view(n_chunks, c, h).permute(2, 0, 1).unsqueeze(-1)
+    out = torch.empty(h, n_chunks, c, d, device=dev)
+    strict = torch.ones(c, c, dtype=torch.bool, device=dev).tril(-1)
+    causal = torch.ones(c, c, dtype=torch.bool, device=dev).tril()
+    eye = torch.eye(c, device=dev)
+    for seg in range(0, n_chunks, _SEGMENT_CHUNKS):
+        sl = slice(seg, min(seg + _SEGMENT_CHUNKS, n_chunks))
+        ks, bs = k[:, sl], beta[:, sl]
+        big_g = g[:, sl].cumsum(dim=2)  # G_t, [H, n, C, D]
+        g_last = big_g[:, :, -1:, :]  # G_C
+        mid = 0.5 * g_last  # G_0 = 0 >= G_t >= G_C
+        grow = torch.exp(big_g - mid)  # exp(G_t - m), within exp(+-span/2)
+        k_in = ks * grow
+        k_out = ks / grow  # k_s exp(m - G_s)
+        q_in = q[:, sl] * grow
+        a = (k_in @ k_out.transpose(-1, -2)).masked_fill_(~strict, 0.0).mul_(bs)
+        b = (q_in @ k_out.transpose(-1, -2)).masked_fill_(~causal, 0.0)
+        at_mid = torch.exp(mid)
+        rhs = torch.cat([v[:, sl], k_in.mul_(at_mid)], dim=-1).mul_(bs)  # beta [v | k exp(G)]
+        uw = torch.linalg.solve_triangular(a.add_(eye), rhs, upper=False, unitriangular=True)
+        u_free, w = uw[..., :d], uw[..., d:]
+        q_dec = q_in.mul_(at_mid)  # q exp(G_t)
+        k_tail = k_out.mul_(torch.exp(g_last - mid))  # k_s exp(G_C - G_s)
+        state_decay = torch.exp(g_last)  # [H, n, 1, D]
+        for i in range(uw.shape[1]):
+            st = s.transpose(1, 2)  # [H, K, V]
+            u = torch.baddbmm(u_free[:, i], w[:, i], st, alpha=-1.0)  # [H, C, V]
+            out[:, seg + i] = torch.baddbmm(torch.bmm(b[:, i], u), q_dec[:, i], st)
+            s = torch.baddbmm(s * state_decay[:, i], u.transpose(1, 2), k_tail[:, i])
+    return out.permute(1, 2, 0, 3).reshape(n_chunks * c, h, d)[:t_len], s

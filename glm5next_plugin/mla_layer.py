@@ -89,6 +89,40 @@ class SparseMLAProjections(nn.Module):
     def attend(self, x: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Queries ``x`` ``[T, hidden]`` at ``positions`` over the sequence's cached ``rows``
         ``[S, row_size]`` (the queries' own rows included)."""
+        return self.attend_rows(
+            x, positions, rows.shape[0], lambda idx, cols: rows[idx, cols], lambda n, cols: rows[:n, cols]
+        )
+
+    def attend_rows(self, x: torch.Tensor, positions: torch.Tensor, seq_len: int, fetch, fetch_prefix) -> torch.Tensor:
+        """Sparse absorbed attention of ``x`` ``[T, hidden]`` at ``positions`` over a sequence
+        of ``seq_len`` cached rows read through ``fetch(token_indices, column_slice)`` and
+        ``fetch_prefix(num_tokens, column_slice)`` (the first tokens, in order).
+
+        Only the index columns of complete pools and the latents of the chosen tokens are
+        read; ``kv_b_proj`` is never applied to cached rows (see :mod:`.sparse_mla`)."""
+        t = x.shape[0]
+        ix = self.indexer
+        r = self.kv_lora_rank
+        q_resid = self.q_a_layernorm(self.q_a_proj(x))
+        q = self.q_b_proj(q_resid).view(t, self.num_heads, self.qk_head_dim)
+        w = self.kv_b_proj.weight.view(self.num_heads, self.qk_head_dim + self.v_head_dim, r)
+        w_k, w_v = w[:, : self.qk_head_dim], w[:, self.qk_head_dim :]  # [H, Dq, R], [H, Dv, R]
+
+        n_full = (seq_len // self.kpool) * self.kpool
+        index_cols = fetch_prefix(n_full, slice(r, None)).to(x.dtype)
+        keys, gates = index_cols.split([ix.head_dim, ix.head_dim], dim=-1)
+        pooled = sparse_mla.pool_keys(keys, gates, ix.index_kpool_compress_ape)
+        index_q = ix.wq_b(q_resid).view(t, ix.n_heads, ix.head_dim)
+        head_w = ix.weights_proj(x).float() * ix.n_heads**-0.5
+        out = sparse_mla.sparse_mla_absorbed(
+            q, w_k, w_v, index_q, head_w, pooled, positions, self.kpool, self.index_topk,
+            lambda idx: fetch(idx, slice(0, r)),
+        )
+        return self.project_out(out.reshape(t, -1))
+
+    def attend_dense(self, x: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The dense-masked formulation (every row expanded through ``kv_b_proj``, a
+        ``[T, S]`` mask, full logits): the reference :meth:`attend` is tested against."""
         t = x.shape[0]
         s = rows.shape[0]
         ix = self.indexer
@@ -97,7 +131,6 @@ class SparseMLAProjections(nn.Module):
         latent, keys, gates = rows.split([self.kv_lora_rank, ix.head_dim, ix.head_dim], dim=-1)
         kv = self.kv_b_proj(latent).view(s, self.num_heads, self.qk_head_dim + self.v_head_dim)
         k, v = kv.split([self.qk_head_dim, self.v_head_dim], dim=-1)
-
         index_q = ix.wq_b(q_resid).view(t, ix.n_heads, ix.head_dim)
         head_w = ix.weights_proj(x).float() * ix.n_heads**-0.5
         pooled = sparse_mla.pool_keys(keys, gates, ix.index_kpool_compress_ape)
@@ -277,9 +310,17 @@ class SparseMLALayer(SparseMLAProjections, _attention_layer_base()):
             if end == start:
                 continue
             seq_len = md.seq_lens[i]
-            pos = torch.arange(seq_len, device=x.device)
-            blocks = md.block_table[i, pos // bs].long()
-            seq_rows = cache[blocks, pos % bs].to(x.dtype)
+            row = md.block_table[i].long()
+
+            def fetch(idx, cols, row=row):
+                # only the requested tokens and columns leave the paged cache
+                return cache[row[idx // bs], idx % bs, cols]
+
+            def fetch_prefix(n, cols, row=row):
+                # whole blocks, one index per block: cheaper than one per token
+                picked = cache[row[: -(-n // bs)], :, cols]
+                return picked.reshape(-1, picked.shape[-1])[:n]
+
             positions = torch.arange(seq_len - (end - start), seq_len, device=x.device)
-            out[start:end] = self.attend(x[start:end], seq_rows, positions)
+            out[start:end] = self.attend_rows(x[start:end], positions, seq_len, fetch, fetch_prefix)
         return out

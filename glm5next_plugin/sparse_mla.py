@@ -30,6 +30,21 @@ causal attention; past it, the selection matters.
 Pools are rebuilt from the cached per-token keys on every step rather than stored, so the
 cache holds whole tokens only: any block-aligned prefix of it is valid on its own, and
 nothing per-request (no tail buffer) has to live outside the prefix-cacheable pages.
+Rebuilding reads only the index columns (``2 * index_head_dim`` values a token, not the
+latent) and costs ``O(S * index_head_dim)`` a step, the same order as scoring one query
+against the pools, which no layout avoids.
+
+Two formulations of the attention live here:
+
+- the dense-masked one (:func:`select_tokens` + :func:`masked_attention`): a ``[T, S]``
+  mask and full ``[H, T, S]`` logits over K/V expanded through ``kv_b_proj``. Readable,
+  quadratic; kept as the reference the fast path is tested against.
+- the sparse absorbed one the layers run (:func:`select_pools` + :func:`gather_index` +
+  :func:`absorbed_attention`): each query gathers only its chosen pools and its tail
+  (at most ``index_topk + index_kpool`` latents) and attends in the latent space, with
+  ``kv_b_proj``'s K part folded into the query and its V part applied to the output
+  (``q.k_j = (W_k^T q) . c_j``, ``sum_j p_j W_v c_j = W_v sum_j p_j c_j``). Work and
+  memory per query are bounded by the top-k, not the context.
 """
 
 from __future__ import annotations
@@ -55,6 +70,26 @@ def top_pools(index_scores: torch.Tensor, keep: int) -> torch.Tensor:
     """Indices of the ``keep`` best pools per row of ``index_scores`` ``[T, P]``; equal
     scores rank the lower pool index first (see the module docstring)."""
     return index_scores.sort(dim=-1, descending=True, stable=True).indices[:, :keep]
+
+
+def block_budget(device: torch.device) -> int:
+    """Values a query block's intermediate may hold: small enough on a CPU to stay in its
+    caches (one MLA layer's 32k-token selection at tiny sizes, one thread: 2.2 s with
+    2**24, 0.7 s with 2**20), large on an accelerator so launches stay few."""
+    return 1 << 20 if device.type == "cpu" else 1 << 26
+
+
+def top_pool_set(index_scores: torch.Tensor, keep: int) -> torch.Tensor:
+    """The same pools as :func:`top_pools` (ties to the lower pool index), in ascending
+    pool order, from a partial selection instead of a full sort: everything above the
+    ``keep``-th best score, then as many of the pools equal to it as fit, lowest first."""
+    rows = index_scores.shape[0]
+    kth = index_scores.topk(keep, dim=-1, sorted=False).values.amin(dim=-1, keepdim=True)
+    above = index_scores > kth
+    at = index_scores == kth
+    room = keep - above.sum(dim=-1, keepdim=True)
+    take = above | (at & (at.cumsum(dim=-1) <= room))
+    return take.nonzero()[:, 1].view(rows, keep)
 
 
 def select_tokens(
@@ -119,3 +154,130 @@ def masked_attention(
         probs = logits.float().softmax(dim=-1).to(v.dtype)
         out.append(torch.einsum("hts,shd->thd", probs, v))
     return torch.cat(out, dim=0)
+
+
+def select_pools(
+    index_q: torch.Tensor,
+    head_weights: torch.Tensor,
+    pooled: torch.Tensor,
+    positions: torch.Tensor,
+    kpool: int,
+    topk: int,
+    block_elems: int | None = None,
+) -> torch.Tensor:
+    """The pools each query attends to: ``[T, topk // kpool]`` pool indices, ``-1`` in
+    unused slots. Same choice as :func:`select_tokens` (visible pools only, ties to the
+    lower pool index via :func:`top_pools`), computed in query blocks so the
+    ``[block, Hi, P]`` scores stay under ``block_elems`` values (default
+    :func:`block_budget`).
+
+    Queries that see no more complete pools than they may keep take all of them (no
+    scoring needed: the chosen set does not depend on the scores).
+    """
+    t_len = index_q.shape[0]
+    keep = topk // kpool
+    dev = index_q.device
+    chosen = torch.full((t_len, keep), -1, dtype=torch.long, device=dev)
+    if t_len == 0 or keep == 0:
+        return chosen
+    n_pools = pooled.shape[0]
+    visible_count = ((positions + 1) // kpool).clamp(max=n_pools)  # [T]
+    slot = torch.arange(keep, device=dev)
+    # the causal regime: every visible pool is kept
+    chosen = torch.where(slot[None, :] < visible_count[:, None], slot[None, :].expand(t_len, keep), chosen)
+    sparse_rows = (visible_count > keep).nonzero().flatten()
+    if sparse_rows.numel() == 0:
+        return chosen
+    hi, dk = index_q.shape[1], index_q.shape[2]
+    block_elems = block_elems or block_budget(dev)
+    pooled_t = pooled.float().t()  # [Dk, P]
+    block = max(1, block_elems // max(1, hi * n_pools))
+    pool_ids = torch.arange(n_pools, device=dev)
+    for start in range(0, sparse_rows.numel(), block):
+        rows = sparse_rows[start : start + block]
+        n_vis = int(visible_count[rows].max())
+        b = rows.numel()
+        # relu(q . p / sqrt(Dk)), weighted over heads: one matmul, relu in place, one bmm
+        scores = torch.mm(index_q[rows].float().reshape(b * hi, dk) * dk**-0.5, pooled_t[:, :n_vis])
+        scores = scores.relu_().view(b, hi, n_vis)
+        idx = torch.bmm(head_weights[rows].float().unsqueeze(1), scores).squeeze(1)  # [b, n_vis]
+        hidden = pool_ids[None, :n_vis] >= visible_count[rows][:, None]
+        idx = idx.masked_fill_(hidden, torch.finfo(idx.dtype).min)
+        chosen[rows] = top_pool_set(idx, keep)  # every row here sees more than `keep` pools
+    return chosen
+
+
+def gather_index(chosen: torch.Tensor, positions: torch.Tensor, kpool: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token indices each query attends to: its chosen pools' tokens then its tail.
+
+    Returns ``tokens`` ``[T, (keep + 1) * kpool]`` (clamped to valid indices) and
+    ``valid`` of the same shape (False for unused pool slots and tail slots past the query).
+    """
+    t_len, keep = chosen.shape
+    dev = chosen.device
+    within = torch.arange(kpool, device=dev)
+    pool_tok = (chosen.clamp(min=0)[:, :, None] * kpool + within).reshape(t_len, keep * kpool)
+    pool_ok = (chosen >= 0)[:, :, None].expand(t_len, keep, kpool).reshape(t_len, keep * kpool)
+    tail_start = positions + 1 - (positions + 1) % kpool
+    tail_tok = tail_start[:, None] + within[None, :]
+    tail_ok = tail_tok <= positions[:, None]
+    tokens = torch.cat([pool_tok, torch.where(tail_ok, tail_tok, torch.zeros_like(tail_tok))], dim=1)
+    return tokens, torch.cat([pool_ok, tail_ok], dim=1)
+
+
+def absorbed_attention(
+    q_latent: torch.Tensor,
+    latent_rows,
+    tokens: torch.Tensor,
+    valid: torch.Tensor,
+    scale: float,
+    block_elems: int | None = None,
+) -> torch.Tensor:
+    """Attention in the latent space over each query's own tokens.
+
+    ``q_latent``: ``[T, H, R]`` queries already multiplied into the latent space;
+    ``latent_rows(idx)`` returns the latents ``[..., R]`` of token indices ``idx``;
+    ``tokens``/``valid``: ``[T, K]`` from :func:`gather_index`. Returns the
+    probability-weighted latents ``[T, H, R]``; queries in blocks so the gathered
+    ``[block, K, R]`` latents stay under ``block_elems`` values (default :func:`block_budget`).
+    """
+    t_len, heads, rank = q_latent.shape
+    width = tokens.shape[1]
+    block_elems = block_elems or block_budget(q_latent.device)
+    out = q_latent.new_empty(t_len, heads, rank)
+    block = max(1, block_elems // max(1, width * rank))
+    for start in range(0, t_len, block):
+        end = min(start + block, t_len)
+        lat = latent_rows(tokens[start:end]).to(q_latent.dtype)  # [b, K, R]
+        logits = torch.bmm(q_latent[start:end], lat.transpose(1, 2)) * scale  # [b, H, K]
+        logits = logits.masked_fill(~valid[start:end, None, :], float("-inf"))
+        probs = logits.float().softmax(dim=-1).to(lat.dtype)
+        out[start:end] = torch.bmm(probs, lat)
+    return out
+
+
+def sparse_mla_absorbed(
+    q: torch.Tensor,
+    w_k: torch.Tensor,
+    w_v: torch.Tensor,
+    index_q: torch.Tensor,
+    head_weights: torch.Tensor,
+    pooled: torch.Tensor,
+    positions: torch.Tensor,
+    kpool: int,
+    topk: int,
+    latent_rows,
+) -> torch.Tensor:
+    """The whole sparse MLA core as the layers run it: select, gather, attend in latent space.
+
+    ``q``: ``[T, H, Dq]``; ``w_k``: ``[H, Dq, R]`` and ``w_v``: ``[H, Dv, R]`` (``kv_b_proj``'s
+    K and V parts per head); indexer inputs as in :func:`select_pools`; ``latent_rows(idx)``
+    returns the latents of token indices ``idx``. Returns ``[T, H, Dv]``, equal to
+    :func:`masked_attention` over ``k = c W_k^T``, ``v = c W_v^T`` with the
+    :func:`select_tokens` mask (scale ``Dq ** -0.5``).
+    """
+    q_latent = torch.bmm(q.transpose(0, 1), w_k).transpose(0, 1)  # [T, H, R]
+    chosen = select_pools(index_q, head_weights, pooled, positions, kpool, topk)
+    tokens, valid = gather_index(chosen, positions, kpool)
+    out_latent = absorbed_attention(q_latent, latent_rows, tokens, valid, q.shape[-1] ** -0.5)
+    return torch.bmm(out_latent.transpose(0, 1), w_v.transpose(1, 2)).transpose(0, 1)  # [T, H, Dv]

@@ -29,7 +29,10 @@ from glm5next_plugin import tiny_checkpoint
 pytestmark = pytest.mark.engine
 
 N = 128
-TOL = 1e-5
+# float32 summation-order noise between step splits (one-shot vs 128-token steps):
+# 9.5e-6 with the dense-masked attention, 1.0e-5 to 1.3e-5 with the absorbed sparse path
+# and the batched KDA chunks; a different tie pick moves log-probs by whole nats (15.6).
+TOL = 5e-5
 LENGTHS = [900, 1700]
 
 
@@ -100,19 +103,19 @@ def test_checkpoint_is_tie_heavy(ckpt):
     weights = {k: v for k, v in load_file(str(ckpt / "model.safetensors")).items() if k != "lm_head.weight"}
     load_by_name(holder, weights.items(), cfg.num_hidden_layers)
     zero_scores = []
-    real = sparse_mla.select_tokens
+    real = sparse_mla.select_pools
 
     def spy(index_q, head_w, pooled, positions, *args):
         scores = torch.relu(torch.einsum("thd,pd->thp", index_q.float(), pooled.float()) * index_q.shape[-1] ** -0.5)
         zero_scores.append((scores.amax(dim=1) == 0).float().mean().item())
         return real(index_q, head_w, pooled, positions, *args)
 
-    sparse_mla.select_tokens = spy
+    sparse_mla.select_pools = spy
     try:
         with torch.no_grad():
             holder.model.language_model(torch.tensor(_prompt(900, seed=0)))
     finally:
-        sparse_mla.select_tokens = real
+        sparse_mla.select_pools = real
     assert zero_scores and max(zero_scores) > 0.2, zero_scores
 
 
