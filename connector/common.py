@@ -46,6 +46,9 @@ class Settings:
     # still fails within a bounded time.
     batch_bytes: int = 16 << 20
     min_rate_mb_s: float = 100.0
+    # Payloads through shared memory when the server is on this host (negotiated; TCP
+    # otherwise). Off: always TCP.
+    shm: bool = True
     auth_token: str | None = None
     auth_broken: bool = False  # the token file was unusable: no external cache at all
 
@@ -75,6 +78,7 @@ class Settings:
             max_pending_save_bytes=int(get("max_pending_save_bytes", cls.max_pending_save_bytes)),
             batch_bytes=positive(get("batch_bytes", cls.batch_bytes), "batch_bytes", int),
             min_rate_mb_s=positive(get("min_rate_mb_s", cls.min_rate_mb_s), "min_rate_mb_s", float),
+            shm=flag(get("shm", True)),
             auth_token=auth_token,
             auth_broken=auth_broken,
         )

@@ -70,10 +70,12 @@ class WorkerSide:
         self._state_ids = {g.group_id for g in self._geometry.state_groups}
         self._pages = None
         self._load_client = CacheClient(
-            settings.url, timeout_s=settings.timeout_s, auth_token=settings.auth_token
+            settings.url, timeout_s=settings.timeout_s, auth_token=settings.auth_token,
+            shm=settings.shm
         )
         self._save_client = CacheClient(
-            settings.url, timeout_s=settings.timeout_s, auth_token=settings.auth_token
+            settings.url, timeout_s=settings.timeout_s, auth_token=settings.auth_token,
+            shm=settings.shm
         )
         self._refused_logged = False
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="glm-load")

@@ -161,7 +161,11 @@ def main(argv: list[str] | None = None) -> int:
         sizes_mb = [args.batch_mb, *args.compare_batch_mb]
         by_size: dict[float, list[float]] = {mb: [] for mb in sizes_mb}
         failed_by_size: dict[float, int] = {mb: 0 for mb in sizes_mb}
+        tcp_runs: list[float] = []
         for _ in range(args.repeat):
+            took = reload(replace(settings, shm=False))  # the same, with shared memory refused
+            if took is not None:
+                tcp_runs.append(took)
             for mb in sizes_mb:
                 took = reload(replace(settings, batch_bytes=int(mb * (1 << 20))))
                 if took is None:
@@ -187,8 +191,8 @@ def main(argv: list[str] | None = None) -> int:
             assert pages.read(s.group_id, [state_blocks[s.group_id]]) == state_src[s.group_id].numpy().tobytes()
         old = None
         if args.old_path:
-            # The previous path: one get of every object under one timeout_s.
-            old = reload(replace(settings, batch_bytes=1 << 62, min_rate_mb_s=1e15))
+            # The previous path: one get of every object under one timeout_s, over TCP.
+            old = reload(replace(settings, batch_bytes=1 << 62, min_rate_mb_s=1e15, shm=False))
 
     # Same bytes, no network: the page scatter from memory, and a plain memcpy.
     payloads = [chunk_payload(k).numpy().tobytes() for k in range(min(chunks, 4))]
@@ -228,6 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         "populate_s": round(populate_s, 3),
         "reload_runs_s": [round(r, 3) for r in runs], "reload_failed_runs": failed_runs,
         "reload_s": round(load_s, 3), "reload_gbps": round(gb / load_s, 3),
+        "reload_tcp_runs_s": [round(r, 3) for r in tcp_runs],
         "scatter_s": round(scatter_s, 3), "scatter_gbps": round(gb / scatter_s, 3),
         "memcpy_s": round(memcpy_s, 3), "memcpy_gbps": round(gb / memcpy_s, 3),
         "reload_vs_memcpy": round(memcpy_s / load_s, 3),
@@ -240,7 +245,12 @@ def main(argv: list[str] | None = None) -> int:
         "new_deadline_per_batch_s": round(settings.deadline_s(settings.batch_bytes), 3),
     }
     print(f"machine load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
-    print(f"reload  {load_s:7.3f} s  {gb / load_s:6.2f} GB/s  (server -> worker -> paged cache, verified)")
+    print(f"reload  {load_s:7.3f} s  {gb / load_s:6.2f} GB/s  (server -> worker -> paged cache, verified; "
+          "same-host shared memory)")
+    if tcp_runs:
+        tcp_s = sorted(tcp_runs)[len(tcp_runs) // 2]
+        print(f"  over TCP {tcp_s:7.3f} s  {gb / tcp_s:6.2f} GB/s  (same path, shm=false: "
+              f"{len(tcp_runs)} of {args.repeat} in time)")
     print(f"scatter {scatter_s:7.3f} s  {gb / scatter_s:6.2f} GB/s  (PagedKVCache.write from memory)")
     print(f"memcpy  {memcpy_s:7.3f} s  {gb / memcpy_s:6.2f} GB/s  (contiguous copy, same bytes)")
     for mb, r in by_size.items():
