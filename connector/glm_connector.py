@@ -30,6 +30,8 @@ never a stalled engine. Extra config keys (``kv_connector_extra_config``):
                      overlapping the page copies (default 16 MiB)
 ``min_rate_mb_s``    each batch's deadline is ``timeout_s`` plus its bytes at this rate
                      (MB/s, default 100): big transfers get the time their size needs
+``shm``              payloads through shared memory when glm-cache-server runs on this
+                     host (negotiated, TCP otherwise; default true)
 ``auth_token_file``  file holding the server's shared secret (its ``--auth-token-file``),
                      read once at start-up; an unusable file, or a token the server
                      refuses, means no external cache (logged), never a request without it
