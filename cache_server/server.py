@@ -291,7 +291,10 @@ class CacheServer:
             self.l2.count_answer(l1_depth, chunks, consulted)
         if lease and chunks and lease_id is None:  # its objects alone are over the leased-bytes cap
             self.metrics.limit_refusals.labels(limit="leased_bytes").inc()
-        return {"chunks": chunks, "lease_id": lease_id}, []
+        reply: dict[str, Any] = {"chunks": chunks, "lease_id": lease_id}
+        if p.field(h, "held", bool, default=False):  # asked for: older clients never see it
+            reply["held"] = self.store.held_depth(ns, hashes, attn, world_size, replicated)
+        return reply, []
 
     def _get(self, h: dict[str, Any], _: list[memoryview]) -> tuple[dict[str, Any], list[Any]]:
         ns = p.field(h, "ns", str)

@@ -612,6 +612,22 @@ class ObjectStore:
                     self._queue_locked(key, self._objects[key])
             return hit, lease_id
 
+    def held_depth(self, namespace: str, hashes: Sequence[bytes], attn_groups: Sequence[int],
+                   world_size: int, replicated_groups: Sequence[int] = ()) -> int:
+        """Chunks ``[0, d)`` of the prefix ``hashes`` for which every attention group holds an
+        object for every rank (rank 0 only for ``replicated_groups``): what a client need not
+        send again. Touches nothing (no LRU update, no counters)."""
+        replicated = frozenset(replicated_groups)
+        wanted = [(g, r) for g in attn_groups for r in (range(1) if g in replicated else range(world_size))]
+        with self._lock:
+            objects = self._objects
+            depth = 0
+            for h in hashes:
+                if not all((namespace, h, g, r) in objects for g, r in wanted):
+                    break
+                depth += 1
+            return depth
+
     def _grant_lease_locked(self, keys: list[StoreKey], owner: bytes | None) -> int | None:
         if sum(self._objects[k].nbytes for k in set(keys)) > self.max_leased_bytes:
             self.counters.leases_refused += 1

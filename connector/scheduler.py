@@ -17,8 +17,8 @@ boundary is the strict-prefix boundary. With C > N, run vLLM with
 from __future__ import annotations
 
 import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from connector.client import CacheClient
@@ -39,7 +39,7 @@ from connector.geometry import (
     engine_fingerprint,
     strict_prefix_chunks,
 )
-from connector.keys import chunk_hashes
+from connector.keys import extend_chunk_hashes
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -58,6 +58,26 @@ class _Hit:
     start_chunk: int
     end_chunk: int  # exclusive; the resume point is end_chunk * C
     local_tokens: int
+    held: int = 0  # attention chunks [0, held) the server already holds (all groups, ranks)
+
+
+@dataclass
+class _Answer:
+    """What the lookup thread brings back (``error`` set: the server failed, serve cold)."""
+
+    chunks: int = 0
+    lease_id: int | None = None
+    held: int | None = None  # None: a server that does not report it
+    error: BaseException | None = None
+
+
+@dataclass
+class _Lookup:
+    """A lookup submitted to the lookup thread for one waiting request."""
+
+    key: tuple[Any, ...]  # (namespace, chunk size, start chunk, chunks asked, lease)
+    future: Future[_Answer]
+    deadline: float  # past it without an answer: the request is admitted cold
 
 
 @dataclass
@@ -85,7 +105,14 @@ class _ServerLink:
         auth_token: str | None = None,
         disabled: bool = False,
     ) -> None:
+        # One client (socket and lock) per thread that talks to the server, so a slow
+        # lookup never holds a lock the scheduler thread or a release waits on:
+        # ``client`` for the start-up handshake and clear (scheduler thread),
+        # ``lookup_client`` for the lookup thread, ``release_client`` for the releaser.
         self.client = CacheClient(url, timeout_s=timeout_s, auth_token=auth_token)
+        self.lookup_client = CacheClient(url, timeout_s=timeout_s, auth_token=auth_token)
+        self.release_client = CacheClient(url, timeout_s=timeout_s, auth_token=auth_token)
+        self.timeout_s = timeout_s
         self.retry_after_s = retry_after_s
         self.disabled = disabled
         self._down_until = 0.0
@@ -94,6 +121,10 @@ class _ServerLink:
 
     def usable(self) -> bool:
         return not self.disabled and time.monotonic() >= self._down_until
+
+    def close(self) -> None:
+        for c in (self.client, self.lookup_client, self.release_client):
+            c.close()
 
     def failed(self, what: str, err: BaseException) -> None:
         if unauthorized(err):
@@ -161,27 +192,67 @@ class SchedulerSide:
                 "GlmCacheConnector: strict_prefix=false (diagnosis only): full-prompt hits apply the last "
                 "token to the KDA state twice and outputs drift (seed 004); this engine loads but never saves"
             )
-        # Lease releases go to a background thread: the scheduler never waits on them.
+        # Nothing on the scheduler thread waits on the network after start-up: lease
+        # releases go to one background thread, handshakes and lookups to another, each
+        # with its own client (see _ServerLink).
         self._releaser = ThreadPoolExecutor(max_workers=1, thread_name_prefix="glm-release")
-        self._negotiate()
+        self._lookup_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="glm-lookup")
+        self._lookups: dict[str, _Lookup] = {}  # waiting requests' lookups, answered or not
+        self._first_asked: dict[str, float] = {}  # when a request's current admission began
+        self._keys: dict[str, tuple[int, list[bytes]]] = {}  # req -> (C, chunk hashes so far)
+        self._handshake: tuple[Future[dict[str, Any]], float] | None = None  # (future, deadline)
+        # At start-up the handshake is synchronous, bounded by the client timeout: a dead
+        # server costs start-up timeout_s once, then the back-off applies.
+        if self._link.usable():
+            try:
+                self._apply_hello(self._hello_io(self._link.client))
+            except (*CLIENT_ERRORS, GeometryError, KeyError) as e:
+                self._link.failed("handshake", e)
 
-    def _negotiate(self) -> bool:
-        """Handshake; sets the chunk size and namespace. False while the server is away."""
+    def _hello_io(self, client: CacheClient) -> dict[str, Any]:
+        """The handshake's network part (no state changes: safe on the lookup thread)."""
+        geo = self._geometry
+        return client.hello(self._fingerprint(), geo.scheduler_block_size, self._world_size,
+                            self._replicated_groups(),
+                            attn_groups=[g.group_id for g in geo.attn_groups],
+                            state_groups=[g.group_id for g in geo.state_groups])
+
+    def _fingerprint(self) -> str:
+        return engine_fingerprint(self._vllm_config, self._kv_cache_config, self._geometry)
+
+    def _handshake_state(self) -> bool | None:
+        """True when negotiated; None while a background handshake is under way; False
+        while the server is away (serve cold). Starts a handshake when one is needed."""
+        if self._handshake is not None:
+            future, deadline = self._handshake
+            if future.done():
+                self._handshake = None
+                try:
+                    self._apply_hello(future.result())
+                except (*CLIENT_ERRORS, GeometryError, KeyError) as e:
+                    self._link.failed("handshake", e)
+                    return False
+            elif time.monotonic() < deadline:
+                return None
+            else:
+                return False  # its own timeout will end it; requests go on cold meanwhile
         if self._link.hello is not None:
             return True
         if not self._link.usable():
             return False
+        self._handshake = (self._lookup_pool.submit(self._hello_io, self._link.lookup_client),
+                           time.monotonic() + self._answer_wait_s())
+        return None
+
+    def _answer_wait_s(self) -> float:
+        """How long a request may wait for the lookup thread: the client's own timeout
+        (after which it gives up and the back-off starts) plus a little scheduling slack."""
+        return self._link.timeout_s * 1.25 + 0.05
+
+    def _apply_hello(self, hello: dict[str, Any]) -> None:
         geo = self._geometry
-        namespace = engine_fingerprint(self._vllm_config, self._kv_cache_config, geo)
-        try:
-            hello = self._link.client.hello(namespace, geo.scheduler_block_size, self._world_size,
-                                            self._replicated_groups(),
-                                            attn_groups=[g.group_id for g in geo.attn_groups],
-                                            state_groups=[g.group_id for g in geo.state_groups])
-            self._geometry = geo.with_chunk_size(int(hello["chunk_size"]))
-        except (*CLIENT_ERRORS, GeometryError, KeyError) as e:
-            self._link.failed("handshake", e)
-            return False
+        namespace = self._fingerprint()
+        self._geometry = geo.with_chunk_size(int(hello["chunk_size"]))
         self._link.hello = hello
         self._namespace = namespace
         if self._geometry != self._logged_geometry:  # once, unless a new server differs
@@ -195,7 +266,6 @@ class SchedulerSide:
             [g.group_id for g in self._geometry.state_groups],
             [g.group_id for g in self._geometry.attn_groups],
         )
-        return True
 
     def _replicated_groups(self) -> list[int]:
         """Groups stored once for the whole TP group (see ``CacheGroup.replicated_across_tp``)."""
@@ -279,17 +349,33 @@ class SchedulerSide:
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
+        """Tokens beyond ``num_computed_tokens`` the server can provide; ``None`` ("ask
+        again next step") while the answer is on its way from the lookup thread.
+
+        vLLM 0.32 keeps a request that gets ``None`` waiting (it is skipped for this step,
+        the requests behind it are still scheduled) and asks again next step, with the
+        local prefix hit computed afresh. The prefix is hashed once per request (kept for
+        the save path too); a lookup is sent once per admission and its answer kept until
+        used. An answer for a different local hit (vLLM's prefix cache changed between
+        steps) is dropped and asked again. No request waits longer than the client's
+        timeout plus slack: then it is admitted cold, and the failed lookup puts the link
+        in back-off, so the next requests do not wait at all."""
         self._align_scheduler_block_size()
-        self._drop_lease(request.request_id)
-        self._hits.pop(request.request_id, None)
-        if request.request_id in self._load_failed:
-            return 0, False
-        if not self._negotiate() or not self._link.usable():
-            return 0, False
+        req_id = request.request_id
+        # What the previous answer set up was not followed by an allocation: drop it.
+        self._drop_lease(req_id)
+        self._hits.pop(req_id, None)
+        if req_id in self._load_failed:
+            return self._cold(req_id)
+        ready = self._handshake_state()
+        if ready is None and self._within_wait(req_id):
+            return None, False
+        if not ready or not self._link.usable():
+            return self._cold(req_id)
         C = self._geometry.chunk_size
         self._warn_if_request_asks_for_non_strict(request)
         if self._skip_uncacheable(request):
-            return 0, False
+            return self._cold(req_id)
         if self._strict_prefix:
             max_chunks = strict_prefix_chunks(request.num_tokens, C)
         else:
@@ -300,38 +386,110 @@ class SchedulerSide:
         want_load = max_chunks * C > num_computed_tokens
         max_chunks = max(max_chunks, start_chunk)
         if max_chunks == 0:
+            return self._cold(req_id)
+        start = start_chunk if want_load else 0
+        key = (self._namespace, C, start, max_chunks, want_load)
+        pending = self._lookups.get(req_id)
+        if pending is not None and pending.key != key:
+            self._discard_lookup(req_id)  # asked for another local hit: ask again
+            pending = None
+        if pending is None:
+            if not self._within_wait(req_id):
+                return self._cold(req_id)
+            hashes = self._hashes(request, max_chunks)[:max_chunks]
+            future = self._lookup_pool.submit(self._lookup_io, self._namespace, hashes, start,
+                                              want_load)
+            self._lookups[req_id] = _Lookup(key, future,
+                                            time.monotonic() + self._answer_wait_s())
+            return None, False
+        if not pending.future.done():
+            if time.monotonic() < pending.deadline:
+                return None, False
+            return self._cold(req_id)  # no answer in time: cold, never held
+        del self._lookups[req_id]
+        self._first_asked.pop(req_id, None)
+        answer = pending.future.result()
+        if answer.error is not None:
             return 0, False
-        hashes = chunk_hashes(
-            request.all_token_ids[: max_chunks * C], C, request.cache_salt
+        n = answer.chunks
+        if answer.lease_id is not None:
+            self._leases[req_id] = answer.lease_id
+        self._hits[req_id] = _Hit(start, n, num_computed_tokens,
+                                  self._held_chunks(answer, start, n))
+        if n * C <= num_computed_tokens:
+            self._drop_lease(req_id)
+            return 0, False
+        logger.debug(
+            "GlmCacheConnector: %s hit %d chunks (%d tokens beyond local %d of %d)",
+            req_id, n, n * C - num_computed_tokens, num_computed_tokens, request.num_tokens,
         )
+        return n * C - num_computed_tokens, True
+
+    @staticmethod
+    def _held_chunks(answer: _Answer, start: int, n: int) -> int:
+        """Attention chunks from 0 known to be on the server: the reported depth, or, from
+        a server that does not report it, the hit itself when it started at chunk 0."""
+        if answer.held is not None:
+            return answer.held
+        return n if start == 0 else 0
+
+    def _within_wait(self, req_id: str) -> bool:
+        """True while the request's current admission is younger than the answer wait
+        (starting it now if it had not started): no request waits on us longer."""
+        now = time.monotonic()
+        first = self._first_asked.setdefault(req_id, now)
+        return now - first < self._answer_wait_s()
+
+    def _cold(self, req_id: str) -> tuple[int, bool]:
+        """Answer "nothing external" and end the request's admission."""
+        self._discard_lookup(req_id)
+        self._first_asked.pop(req_id, None)
+        return 0, False
+
+    def _discard_lookup(self, req_id: str) -> None:
+        """Forget a request's lookup; a lease it got (or will get) is released."""
+        pending = self._lookups.pop(req_id, None)
+        if pending is not None:
+            pending.future.add_done_callback(self._release_unused)
+
+    def _release_unused(self, future: Future[_Answer]) -> None:
+        if future.cancelled():
+            return
+        lease_id = future.result().lease_id
+        if lease_id is not None:
+            self._submit_release(lease_id)
+
+    def _lookup_io(self, namespace: str, hashes: list[bytes], start: int, lease: bool) -> _Answer:
+        """The lookup thread's part: one lookup RPC (skipped while the link backs off)."""
+        if not self._link.usable():
+            return _Answer(error=ConnectionError("server in back-off"))
+        geo = self._geometry
         try:
-            n, lease_id = self._link.client.lookup(
-                self._namespace,
-                hashes,
-                [g.group_id for g in self._geometry.attn_groups],
-                [g.group_id for g in self._geometry.state_groups],
-                self._world_size,
-                start_chunk if want_load else 0,
-                lease=want_load,
+            n, lease_id, held = self._link.lookup_client.lookup_held(
+                namespace, hashes,
+                [g.group_id for g in geo.attn_groups],
+                [g.group_id for g in geo.state_groups],
+                self._world_size, start, lease=lease,
                 replicated_groups=self._replicated_groups(),
             )
         except CLIENT_ERRORS as e:
             self._link.failed("lookup", e)
-            return 0, False
-        if lease_id is not None:
-            self._leases[request.request_id] = lease_id
-        self._hits[request.request_id] = _Hit(
-            start_chunk if want_load else 0, n, num_computed_tokens
-        )
-        if n * C <= num_computed_tokens:
-            self._drop_lease(request.request_id)
-            return 0, False
-        logger.debug(
-            "GlmCacheConnector: %s hit %d chunks (%d tokens beyond local %d of %d)",
-            request.request_id, n, n * C - num_computed_tokens, num_computed_tokens,
-            request.num_tokens,
-        )
-        return n * C - num_computed_tokens, True
+            return _Answer(error=e)
+        return _Answer(n, lease_id, held)
+
+    def _hashes(self, request: Request, n_chunks: int) -> list[bytes]:
+        """The request's chunk hashes, at least ``n_chunks`` of them (if it has the
+        tokens): computed once per request and extended as it grows."""
+        C = self._geometry.chunk_size
+        entry = self._keys.get(request.request_id)
+        if entry is None or entry[0] != C:
+            entry = (C, [])
+            self._keys[request.request_id] = entry
+        hashes = entry[1]
+        if len(hashes) < n_chunks:
+            extend_chunk_hashes(hashes, request.all_token_ids, C, request.cache_salt,
+                                max_chunks=n_chunks)
+        return hashes
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -346,11 +504,11 @@ class SchedulerSide:
         C = self._geometry.chunk_size
         if hit.local_tokens and hit.local_tokens % C == 0:
             tracked.state_chunk = max(tracked.state_chunk, hit.local_tokens // C)  # resumed locally there
+        # The server holds attention for chunks [0, held): don't send them again (a local
+        # hit used to re-upload its whole prefix: the lookup started past it).
+        tracked.saved_chunks = max(tracked.saved_chunks, hit.held)
         if num_external_tokens == 0:
             self._drop_lease(req_id)
-            if hit.start_chunk == 0:
-                # The server holds attention for chunks [0, end_chunk): don't send them again.
-                tracked.saved_chunks = max(tracked.saved_chunks, hit.end_chunk)
             self._resave_local_state(request, blocks, hit)
             return
         resume = hit.local_tokens + num_external_tokens
@@ -374,16 +532,17 @@ class SchedulerSide:
         local = hit.local_tokens
         if local == 0 or local % C or local // C <= hit.end_chunk:
             return
-        hashes = chunk_hashes(request.all_token_ids[:local], C, request.cache_salt)
+        k = local // C
+        hashes = self._hashes(request, k)
         for g in self._geometry.state_groups:
             blk = blocks.blocks[g.group_id][local // g.block_size - 1]
             if not blk.is_null:
-                self._pending_saves.append(ObjectMove(hashes[-1], g.group_id, [blk.block_id],
-                                                      parent=parent_of(hashes, len(hashes) - 1)))
+                self._pending_saves.append(ObjectMove(hashes[k - 1], g.group_id, [blk.block_id],
+                                                      parent=parent_of(hashes, k - 1)))
 
     def _load_moves(self, request: Request, blocks: KVCacheBlocks, hit: _Hit) -> list[ObjectMove]:
         C = self._geometry.chunk_size
-        hashes = chunk_hashes(request.all_token_ids[: hit.end_chunk * C], C, request.cache_salt)
+        hashes = self._hashes(request, hit.end_chunk)
         moves: list[ObjectMove] = []
         for g in self._geometry.attn_groups:
             per_chunk = C // g.block_size
@@ -453,7 +612,7 @@ class SchedulerSide:
         C = self._geometry.chunk_size
         n = min(computed, limit) // C
         if n > len(tracked.hashes):
-            tracked.hashes = chunk_hashes(req.all_token_ids[: n * C], C, req.cache_salt)
+            tracked.hashes = self._hashes(req, n)  # the request's one list (may be longer)
         return n
 
     def _attention_saves(self, tracked: _Tracked, computed: int) -> list[ObjectMove]:
@@ -521,6 +680,9 @@ class SchedulerSide:
         self._hits.pop(req_id, None)
         self._tracked.pop(req_id, None)
         self._load_failed.discard(req_id)
+        self._keys.pop(req_id, None)
+        self._discard_lookup(req_id)  # finished (aborted) while its lookup was out
+        self._first_asked.pop(req_id, None)
         if req_id in self._inflight_loads:
             # A worker is still writing into these blocks: keep them until it reports.
             return True, None
@@ -534,20 +696,30 @@ class SchedulerSide:
 
     def _drop_lease(self, req_id: str) -> None:
         lease_id = self._leases.pop(req_id, None)
-        if lease_id is None:
-            return
+        if lease_id is not None:
+            self._submit_release(lease_id)
+
+    def _submit_release(self, lease_id: int) -> None:
+        """Release a lease from the releaser thread (its own client: never waits behind a
+        lookup). Safe from any thread."""
 
         def release() -> None:
+            if not self._link.usable():
+                return  # the lease expires on its own; don't queue timeouts behind a dead server
             try:
-                self._link.client.release(lease_id)
+                self._link.release_client.release(lease_id)
             except CLIENT_ERRORS as e:  # the lease expires on its own
                 logger.debug("GlmCacheConnector: release of lease %s failed: %s", lease_id, e)
 
-        self._releaser.submit(release)
+        try:
+            self._releaser.submit(release)
+        except RuntimeError:  # shut down
+            pass
 
     def shutdown(self) -> None:
+        self._lookup_pool.shutdown(wait=False, cancel_futures=True)
         self._releaser.shutdown(wait=False)
-        self._link.client.close()
+        self._link.close()
 
     def reset_cache(self) -> bool | None:
         if self._link.hello is None:
