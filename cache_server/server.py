@@ -293,7 +293,8 @@ class CacheServer:
             self.metrics.limit_refusals.labels(limit="leased_bytes").inc()
         reply: dict[str, Any] = {"chunks": chunks, "lease_id": lease_id}
         if p.field(h, "held", bool, default=False):  # asked for: older clients never see it
-            reply["held"] = self.store.held_depth(ns, hashes, attn, world_size, replicated)
+            reply["held"], reply["start_state"] = self.store.held(ns, hashes, attn, state, world_size, start,
+                                                                  replicated)
         return reply, []
 
     def _get(self, h: dict[str, Any], _: list[memoryview]) -> tuple[dict[str, Any], list[Any]]:

@@ -59,6 +59,7 @@ class _Hit:
     end_chunk: int  # exclusive; the resume point is end_chunk * C
     local_tokens: int
     held: int = 0  # attention chunks [0, held) the server already holds (all groups, ranks)
+    start_state: bool = False  # the server holds the states at chunk start_chunk - 1
 
 
 @dataclass
@@ -68,6 +69,7 @@ class _Answer:
     chunks: int = 0
     lease_id: int | None = None
     held: int | None = None  # None: a server that does not report it
+    start_state: bool = False
     error: BaseException | None = None
 
 
@@ -415,7 +417,7 @@ class SchedulerSide:
         if answer.lease_id is not None:
             self._leases[req_id] = answer.lease_id
         self._hits[req_id] = _Hit(start, n, num_computed_tokens,
-                                  self._held_chunks(answer, start, n))
+                                  self._held_chunks(answer, start, n), answer.start_state)
         if n * C <= num_computed_tokens:
             self._drop_lease(req_id)
             return 0, False
@@ -465,7 +467,7 @@ class SchedulerSide:
             return _Answer(error=ConnectionError("server in back-off"))
         geo = self._geometry
         try:
-            n, lease_id, held = self._link.lookup_client.lookup_held(
+            n, lease_id, held, start_state = self._link.lookup_client.lookup_held(
                 namespace, hashes,
                 [g.group_id for g in geo.attn_groups],
                 [g.group_id for g in geo.state_groups],
@@ -475,7 +477,7 @@ class SchedulerSide:
         except CLIENT_ERRORS as e:
             self._link.failed("lookup", e)
             return _Answer(error=e)
-        return _Answer(n, lease_id, held)
+        return _Answer(n, lease_id, held, start_state)
 
     def _hashes(self, request: Request, n_chunks: int) -> list[bytes]:
         """The request's chunk hashes, at least ``n_chunks`` of them (if it has the
@@ -532,6 +534,8 @@ class SchedulerSide:
         local = hit.local_tokens
         if local == 0 or local % C or local // C <= hit.end_chunk:
             return
+        if hit.start_chunk == local // C and hit.start_state:
+            return  # the lookup started there and found the states present: nothing lost
         k = local // C
         hashes = self._hashes(request, k)
         for g in self._geometry.state_groups:

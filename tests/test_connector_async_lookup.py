@@ -134,8 +134,11 @@ def test_lookup_reports_what_the_server_holds_from_chunk_zero(server, side):
     _store_prefix(server, side._namespace, tokens, "held", 3)
     hashes = chunk_hashes(tokens, C, "held")
     with CacheClient(server.url) as c:
-        n, lease, held = c.lookup_held(side._namespace, hashes[:5], [1], [0], 1, start_chunk=3, lease=False)
-        assert (n, lease, held) == (0, None, 3)
+        n, lease, held, state = c.lookup_held(side._namespace, hashes[:5], [1], [0], 1, start_chunk=3,
+                                              lease=False)
+        assert (n, lease, held, state) == (0, None, 3, True)  # chunks 0-2 and the state at 2
+        assert c.lookup_held(side._namespace, hashes[:5], [1], [0], 1, start_chunk=2,
+                             lease=False)[3] is False  # no state at chunk 1
         # Older clients do not ask and get the old reply.
         reply, _ = c.request({"op": "lookup", "ns": side._namespace, "hashes": hashes[:5],
                               "attn_groups": [1], "state_groups": [0], "world_size": 1, "start_chunk": 3})
@@ -143,4 +146,4 @@ def test_lookup_reports_what_the_server_holds_from_chunk_zero(server, side):
     req = request("held", tokens, "held")
     out, _ = _ask_until_answered(side, req, computed=3 * C)
     assert out == (0, False)
-    assert side._hits["held"].held == 3
+    assert side._hits["held"].held == 3 and side._hits["held"].start_state
