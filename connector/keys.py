@@ -62,12 +62,13 @@ def extend_chunk_hashes(hashes: list[bytes], token_ids: Sequence[int], chunk_siz
         n_chunks = min(n_chunks, max_chunks)
     if n_chunks <= done:
         return hashes
-    data = _pack_be_u32(token_ids[done * chunk_size:n_chunks * chunk_size])
+    data = memoryview(_pack_be_u32(token_ids[done * chunk_size:n_chunks * chunk_size]))
     step = 4 * chunk_size
     prev = hashes[-1] if hashes else chain_seed(cache_salt)
     append = hashes.append
     for off in range(0, len(data), step):
-        # One contiguous input per chunk: measured faster than hashing prev then a view.
+        # One contiguous input per chunk (prev + a view of the chunk): measured faster
+        # than two update() calls, and than slicing the bytes.
         prev = blake3(prev + data[off:off + step]).digest()
         append(prev)
     return hashes

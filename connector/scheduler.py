@@ -17,8 +17,9 @@ boundary is the strict-prefix boundary. With C > N, run vLLM with
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from connector.client import CacheClient
@@ -91,6 +92,54 @@ class _Tracked:
     saved_chunks: int = 0  # attention chunks [0, saved_chunks) are saved or on the server
     loaded_tokens: int = 0  # resume point of an external load (its states are on the server)
     state_chunk: int = 0  # chunks covered by the newest state on this path (0: none yet)
+
+
+class _ChunkMemo:
+    """Our chunk hashes of recently seen prefixes, keyed by vLLM's own block hash at the
+    chunk's end (issue 10: a 300k-token prompt took milliseconds to hash, and every turn
+    of a conversation hashed its whole history again).
+
+    vLLM hashes every request's blocks when it arrives (``Request.block_hashes``: a chain
+    over the whole prefix, the cache salt included, that its prefix cache already trusts
+    to identify the tokens), so a prefix whose end-of-chunk block hash was seen before has
+    the same chunk hash as then. Only chunks not seen are hashed from their tokens. Our
+    keys do not change: the memo only skips recomputing them. Bounded (LRU); the scheduler
+    thread alone uses it."""
+
+    def __init__(self, max_entries: int = 1 << 16) -> None:
+        self._entries: OrderedDict[tuple[bytes, int], bytes] = OrderedDict()
+        self._max = max_entries
+
+    @staticmethod
+    def _vllm_hash(request: Request, C: int, k: int, hash_block: int | None) -> bytes | None:
+        """vLLM's block hash at the end of chunk ``k`` (None if not known)."""
+        if hash_block is None or C % hash_block:
+            return None
+        i = (k + 1) * C // hash_block - 1
+        block_hashes = request.block_hashes
+        vh = block_hashes[i] if i < len(block_hashes) else None
+        return vh if isinstance(vh, bytes) else None
+
+    def extend(self, hashes: list[bytes], request: Request, C: int, n_chunks: int,
+               hash_block: int | None) -> None:
+        """Append the memo's hashes for chunks ``len(hashes)`` onwards while it has them."""
+        while len(hashes) < n_chunks:
+            vh = self._vllm_hash(request, C, len(hashes), hash_block)
+            ours = self._entries.get((vh, C)) if vh is not None else None
+            if ours is None:
+                return
+            self._entries.move_to_end((vh, C))
+            hashes.append(ours)
+
+    def remember(self, hashes: list[bytes], request: Request, C: int, start: int,
+                 hash_block: int | None) -> None:
+        for k in range(start, len(hashes)):
+            vh = self._vllm_hash(request, C, k, hash_block)
+            if vh is None:
+                return
+            self._entries[(vh, C)] = hashes[k]
+        while len(self._entries) > self._max:
+            self._entries.popitem(last=False)
 
 
 class _ServerLink:
@@ -202,6 +251,7 @@ class SchedulerSide:
         self._lookups: dict[str, _Lookup] = {}  # waiting requests' lookups, answered or not
         self._first_asked: dict[str, float] = {}  # when a request's current admission began
         self._keys: dict[str, tuple[int, list[bytes]]] = {}  # req -> (C, chunk hashes so far)
+        self._memo = _ChunkMemo()
         self._handshake: tuple[Future[dict[str, Any]], float] | None = None  # (future, deadline)
         # At start-up the handshake is synchronous, bounded by the client timeout: a dead
         # server costs start-up timeout_s once, then the back-off applies.
@@ -481,7 +531,9 @@ class SchedulerSide:
 
     def _hashes(self, request: Request, n_chunks: int) -> list[bytes]:
         """The request's chunk hashes, at least ``n_chunks`` of them (if it has the
-        tokens): computed once per request and extended as it grows."""
+        tokens): computed once per request and extended as it grows; chunks an earlier
+        request already hashed (the previous turn of a conversation) are taken from
+        :class:`_ChunkMemo` instead of hashed again."""
         C = self._geometry.chunk_size
         entry = self._keys.get(request.request_id)
         if entry is None or entry[0] != C:
@@ -489,9 +541,18 @@ class SchedulerSide:
             self._keys[request.request_id] = entry
         hashes = entry[1]
         if len(hashes) < n_chunks:
+            done = len(hashes)
+            self._memo.extend(hashes, request, C, n_chunks, self._hash_block_size())
             extend_chunk_hashes(hashes, request.all_token_ids, C, request.cache_salt,
                                 max_chunks=n_chunks)
+            self._memo.remember(hashes, request, C, done, self._hash_block_size())
         return hashes
+
+    def _hash_block_size(self) -> int | None:
+        """The token span of ``request.block_hashes`` (vLLM sets it on the scheduler's
+        KV cache config at start-up); None where unknown."""
+        size = getattr(self._kv_cache_config, "hash_block_size", None)
+        return size if isinstance(size, int) and size > 0 else None
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int

@@ -17,7 +17,7 @@ import pytest
 from cache_server.process import ServerProcess
 from connector.client import CacheClient
 from connector.keys import chunk_hashes
-from sched_fixtures import request, scheduler_side
+from validation.sched_harness import request, scheduler_side
 
 C = 256
 TIMEOUT_S = 1.0
@@ -147,3 +147,23 @@ def test_lookup_reports_what_the_server_holds_from_chunk_zero(server, side):
     out, _ = _ask_until_answered(side, req, computed=3 * C)
     assert out == (0, False)
     assert side._hits["held"].held == 3 and side._hits["held"].start_state
+
+
+def test_next_turn_takes_its_history_hashes_from_the_memo(server, side):
+    """A conversation's next turn: the chunks the previous turn hashed come from the
+    memo (keyed by vLLM's own block hashes), only the new ones are hashed; the keys are
+    exactly those of a fresh hash."""
+    turn1 = list(range(7000, 8000))
+    turn2 = turn1 + list(range(9000, 9600))
+    r1 = request("t1", turn1, "memo", hash_block=C)
+    assert side._hashes(r1, 3) == chunk_hashes(turn1, C, "memo")
+    r2 = request("t2", turn2, "memo", hash_block=C)
+    memo = side._memo
+    taken = []
+    memo.extend(taken, r2, C, 6, C)
+    assert taken == chunk_hashes(turn1, C, "memo")  # the 3 chunks turn 1 hashed
+    assert side._hashes(r2, 6) == chunk_hashes(turn2, C, "memo")
+    # Another salt shares nothing (vLLM's block hash covers the salt).
+    other = []
+    memo.extend(other, request("t3", turn2, "other", hash_block=C), C, 6, C)
+    assert other == []

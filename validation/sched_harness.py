@@ -1,5 +1,5 @@
-"""A connector scheduler side without an engine: hand-built vLLM configs (the shapes
-vLLM hands the connector), real ``vllm.v1.request.Request`` objects, a real server."""
+"""A connector scheduler side without an engine, for tests and benchmarks: hand-built vLLM
+configs (the shapes vLLM hands the connector), real ``vllm.v1.request.Request`` objects."""
 
 from __future__ import annotations
 
@@ -35,13 +35,25 @@ def scheduler_side(url: str, *, block: int = 256, tp: int = 1, timeout_s: float 
         scheduler_config=SimpleNamespace(max_num_batched_tokens=block),
         kv_transfer_config=SimpleNamespace(kv_load_failure_policy="recompute"),
     )
+    kv.hash_block_size = block  # what vLLM's engine core sets at start-up
     geo = resolve_geometry(vllm, kv)
     settings = Settings(url=url, timeout_s=timeout_s, retry_after_s=retry_after_s)
     return SchedulerSide(vllm, kv, settings, geo, None)
 
 
-def request(req_id: str, token_ids: list[int], salt: str | None = None):
+def request(req_id: str, token_ids: list[int], salt: str | None = None, hash_block: int | None = None):
+    """A vLLM request; with ``hash_block``, its ``block_hashes`` computed as vLLM's engine
+    does on arrival (sha256, the default algorithm), at that many tokens per block."""
     from vllm import SamplingParams
     from vllm.v1.request import Request
 
-    return Request(req_id, token_ids, SamplingParams(max_tokens=1), None, cache_salt=salt)
+    hasher = None
+    if hash_block is not None:
+        from vllm.utils.hashing import get_hash_fn_by_name
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+
+        fn = get_hash_fn_by_name("sha256")
+        init_none_hash(fn)
+        hasher = get_request_block_hasher(hash_block, fn)
+    return Request(req_id, token_ids, SamplingParams(max_tokens=1), None, cache_salt=salt,
+                   block_hasher=hasher)
