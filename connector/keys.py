@@ -62,7 +62,15 @@ def extend_chunk_hashes(hashes: list[bytes], token_ids: Sequence[int], chunk_siz
         n_chunks = min(n_chunks, max_chunks)
     if n_chunks <= done:
         return hashes
-    data = memoryview(_pack_be_u32(token_ids[done * chunk_size:n_chunks * chunk_size]))
+    if done == 0 and isinstance(token_ids, list) and len(token_ids) - n_chunks * chunk_size < chunk_size:
+        # The whole list (at most a partial chunk more): packing it directly saves a copy
+        # of every item reference; the tail is cut off the bytes.
+        try:
+            data = memoryview(_pack_be_u32(token_ids))[:4 * n_chunks * chunk_size]
+        except ValueError:  # an invalid id, maybe in the unhashed tail: the exact path says
+            data = memoryview(_pack_be_u32(token_ids[:n_chunks * chunk_size]))
+    else:
+        data = memoryview(_pack_be_u32(token_ids[done * chunk_size:n_chunks * chunk_size]))
     step = 4 * chunk_size
     prev = hashes[-1] if hashes else chain_seed(cache_salt)
     append = hashes.append

@@ -104,40 +104,43 @@ class _ChunkMemo:
     to identify the tokens), so a prefix whose end-of-chunk block hash was seen before has
     the same chunk hash as then. Only chunks not seen are hashed from their tokens. Our
     keys do not change: the memo only skips recomputing them. Bounded (LRU); the scheduler
-    thread alone uses it."""
+    thread alone uses it. Entries are plain bytes (key: vLLM's hash and the chunk size),
+    which the garbage collector does not track: 260 tuples per admission were enough to
+    set off collections costing milliseconds."""
 
     def __init__(self, max_entries: int = 1 << 16) -> None:
-        self._entries: OrderedDict[tuple[bytes, int], bytes] = OrderedDict()
+        self._entries: OrderedDict[bytes, bytes] = OrderedDict()
         self._max = max_entries
 
     @staticmethod
     def _vllm_hash(request: Request, C: int, k: int, hash_block: int | None) -> bytes | None:
-        """vLLM's block hash at the end of chunk ``k`` (None if not known)."""
+        """The memo key of chunk ``k``: vLLM's block hash at its end and the chunk size
+        (None if not known)."""
         if hash_block is None or C % hash_block:
             return None
         i = (k + 1) * C // hash_block - 1
         block_hashes = request.block_hashes
         vh = block_hashes[i] if i < len(block_hashes) else None
-        return vh if isinstance(vh, bytes) else None
+        return vh + C.to_bytes(4, "little") if isinstance(vh, bytes) else None
 
     def extend(self, hashes: list[bytes], request: Request, C: int, n_chunks: int,
                hash_block: int | None) -> None:
         """Append the memo's hashes for chunks ``len(hashes)`` onwards while it has them."""
         while len(hashes) < n_chunks:
-            vh = self._vllm_hash(request, C, len(hashes), hash_block)
-            ours = self._entries.get((vh, C)) if vh is not None else None
+            key = self._vllm_hash(request, C, len(hashes), hash_block)
+            ours = self._entries.get(key) if key is not None else None
             if ours is None:
                 return
-            self._entries.move_to_end((vh, C))
+            self._entries.move_to_end(key)
             hashes.append(ours)
 
     def remember(self, hashes: list[bytes], request: Request, C: int, start: int,
                  hash_block: int | None) -> None:
         for k in range(start, len(hashes)):
-            vh = self._vllm_hash(request, C, k, hash_block)
-            if vh is None:
+            key = self._vllm_hash(request, C, k, hash_block)
+            if key is None:
                 return
-            self._entries[(vh, C)] = hashes[k]
+            self._entries[key] = hashes[k]
         while len(self._entries) > self._max:
             self._entries.popitem(last=False)
 
@@ -543,8 +546,12 @@ class SchedulerSide:
         if len(hashes) < n_chunks:
             done = len(hashes)
             self._memo.extend(hashes, request, C, n_chunks, self._hash_block_size())
-            extend_chunk_hashes(hashes, request.all_token_ids, C, request.cache_salt,
-                                max_chunks=n_chunks)
+            # The prompt is a plain list (all_token_ids a read-only view that copies on
+            # slicing); take it when the chunks lie in the prompt.
+            prompt = request.prompt_token_ids
+            tokens = prompt if isinstance(prompt, list) and len(prompt) >= n_chunks * C \
+                else request.all_token_ids
+            extend_chunk_hashes(hashes, tokens, C, request.cache_salt, max_chunks=n_chunks)
             self._memo.remember(hashes, request, C, done, self._hash_block_size())
         return hashes
 

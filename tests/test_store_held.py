@@ -48,3 +48,15 @@ def test_held_touches_nothing():
     store.held(NS, H, [ATTN], [STATE], 1, 1)
     after = store.snapshot()
     assert after["lookups"] == before["lookups"] and after["get_hits"] == before["get_hits"]
+
+
+def test_chunk_hashes_ignore_an_unhashed_tail_and_extend_incrementally():
+    """keys.chunk_hashes packs a whole list at once when only a partial chunk follows;
+    an invalid id there (never hashed) must not fail it, and extending a chain equals
+    hashing from scratch."""
+    from connector.keys import chunk_hashes, extend_chunk_hashes
+
+    assert chunk_hashes([1, 2, 3, 4, -1], 4) == chunk_hashes([1, 2, 3, 4], 4)
+    tokens = list(range(100, 140))
+    chain = chunk_hashes(tokens[:16], 4, "s")
+    assert extend_chunk_hashes(chain, tokens, 4, "s", max_chunks=9) == chunk_hashes(tokens[:36], 4, "s")
