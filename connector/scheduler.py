@@ -74,6 +74,20 @@ class _Answer:
     error: BaseException | None = None
 
 
+# How long an answer given to vLLM stays good for the same request asking again without
+# having been allocated (its lease keeps the objects meanwhile; the server's TTL is 60 s).
+_REUSE_ANSWER_S = 1.0
+
+
+@dataclass
+class _Answered:
+    """An answer given to vLLM for a request not allocated yet."""
+
+    key: tuple[Any, ...]
+    answer: _Answer
+    at: float
+
+
 @dataclass
 class _Lookup:
     """A lookup submitted to the lookup thread for one waiting request."""
@@ -252,6 +266,7 @@ class SchedulerSide:
         self._releaser = ThreadPoolExecutor(max_workers=1, thread_name_prefix="glm-release")
         self._lookup_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="glm-lookup")
         self._lookups: dict[str, _Lookup] = {}  # waiting requests' lookups, answered or not
+        self._answered: dict[str, _Answered] = {}  # answers given, kept until allocation
         self._first_asked: dict[str, float] = {}  # when a request's current admission began
         self._keys: dict[str, tuple[int, list[bytes]]] = {}  # req -> (C, chunk hashes so far)
         self._memo = _ChunkMemo()
@@ -410,15 +425,16 @@ class SchedulerSide:
         vLLM 0.32 keeps a request that gets ``None`` waiting (it is skipped for this step,
         the requests behind it are still scheduled) and asks again next step, with the
         local prefix hit computed afresh. The prefix is hashed once per request (kept for
-        the save path too); a lookup is sent once per admission and its answer kept until
-        used. An answer for a different local hit (vLLM's prefix cache changed between
-        steps) is dropped and asked again. No request waits longer than the client's
-        timeout plus slack: then it is admitted cold, and the failed lookup puts the link
-        in back-off, so the next requests do not wait at all."""
+        the save path too); a lookup is sent once per admission. Its answer (and lease) is
+        kept for :data:`_REUSE_ANSWER_S` while vLLM asks again without allocating (no token
+        budget or blocks this step), so a request at the head of a busy queue does not
+        alternate between a lookup and a step of "not yet". An answer for a different
+        local hit (vLLM's prefix cache changed between steps) is dropped and asked again.
+        No request waits longer than the client's timeout plus slack: then it is admitted
+        cold, and the failed lookup puts the link in back-off, so the next requests do not
+        wait at all."""
         self._align_scheduler_block_size()
         req_id = request.request_id
-        # What the previous answer set up was not followed by an allocation: drop it.
-        self._drop_lease(req_id)
         self._hits.pop(req_id, None)
         if req_id in self._load_failed:
             return self._cold(req_id)
@@ -444,6 +460,11 @@ class SchedulerSide:
             return self._cold(req_id)
         start = start_chunk if want_load else 0
         key = (self._namespace, C, start, max_chunks, want_load)
+        done = self._answered.get(req_id)
+        if done is not None:
+            if done.key == key and time.monotonic() - done.at < _REUSE_ANSWER_S:
+                return self._use_answer(request, done.answer, start, num_computed_tokens)
+            self._forget_answer(req_id)  # stale: its lease goes, ask again
         pending = self._lookups.get(req_id)
         if pending is not None and pending.key != key:
             self._discard_lookup(req_id)  # asked for another local hit: ask again
@@ -466,9 +487,16 @@ class SchedulerSide:
         answer = pending.future.result()
         if answer.error is not None:
             return 0, False
-        n = answer.chunks
         if answer.lease_id is not None:
             self._leases[req_id] = answer.lease_id
+        self._answered[req_id] = _Answered(key, answer, time.monotonic())
+        return self._use_answer(request, answer, start, num_computed_tokens)
+
+    def _use_answer(self, request: Request, answer: _Answer, start: int,
+                    num_computed_tokens: int) -> tuple[int, bool]:
+        req_id = request.request_id
+        C = self._geometry.chunk_size
+        n = answer.chunks
         self._hits[req_id] = _Hit(start, n, num_computed_tokens,
                                   self._held_chunks(answer, start, n), answer.start_state)
         if n * C <= num_computed_tokens:
@@ -479,6 +507,11 @@ class SchedulerSide:
             req_id, n, n * C - num_computed_tokens, num_computed_tokens, request.num_tokens,
         )
         return n * C - num_computed_tokens, True
+
+    def _forget_answer(self, req_id: str) -> None:
+        """The request's kept answer is not used: drop it and release its lease."""
+        self._answered.pop(req_id, None)
+        self._drop_lease(req_id)
 
     @staticmethod
     def _held_chunks(answer: _Answer, start: int, n: int) -> int:
@@ -497,6 +530,7 @@ class SchedulerSide:
 
     def _cold(self, req_id: str) -> tuple[int, bool]:
         """Answer "nothing external" and end the request's admission."""
+        self._forget_answer(req_id)
         self._discard_lookup(req_id)
         self._first_asked.pop(req_id, None)
         return 0, False
@@ -565,6 +599,7 @@ class SchedulerSide:
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         req_id = request.request_id
+        self._answered.pop(req_id, None)  # used: its lease is the load's (or dropped below)
         if self._skip_uncacheable(request):
             return  # never tracked: nothing of it is saved
         tracked = self._track(request)
@@ -753,6 +788,7 @@ class SchedulerSide:
         self._tracked.pop(req_id, None)
         self._load_failed.discard(req_id)
         self._keys.pop(req_id, None)
+        self._answered.pop(req_id, None)  # its lease is dropped below (or after the load)
         self._discard_lookup(req_id)  # finished (aborted) while its lookup was out
         self._first_asked.pop(req_id, None)
         if req_id in self._inflight_loads:

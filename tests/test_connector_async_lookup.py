@@ -167,3 +167,30 @@ def test_next_turn_takes_its_history_hashes_from_the_memo(server, side):
     other = []
     memo.extend(other, request("t3", turn2, "other", hash_block=C), C, 6, C)
     assert other == []
+
+
+def test_answer_is_reused_while_the_request_waits_for_budget(server, side):
+    """vLLM asks again when it could not allocate the request (no token budget this
+    step): the answer given is reused for a while, without a new lookup or a step of
+    "not yet", and its one lease is kept; later it is asked afresh."""
+    from connector.scheduler import _REUSE_ANSWER_S
+
+    tokens = list(range(11000, 12000))
+    _store_prefix(server, side._namespace, tokens, "reuse", 3)
+    req = request("reuse", tokens, "reuse")
+    out, _ = _ask_until_answered(side, req)
+    assert out == (768, True)
+    with CacheClient(server.url) as c:
+        lookups, leases = c.stats()["lookups"], c.stats()["active_leases"]
+        for _ in range(3):
+            assert _timed(side, req)[0] == (768, True)
+        assert c.stats()["lookups"] == lookups and c.stats()["active_leases"] == leases
+        time.sleep(_REUSE_ANSWER_S + 0.1)
+        assert _timed(side, req)[0] == (None, False)  # stale: asked again, old lease released
+        out, _ = _ask_until_answered(side, req)
+        assert out == (768, True)
+        side.request_finished(req, [])
+        deadline = time.monotonic() + 5
+        while c.stats()["active_leases"] > leases - 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert c.stats()["active_leases"] == leases - 1
