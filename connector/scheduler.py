@@ -2,7 +2,11 @@
 
 It resolves the cache geometry, negotiates the chunk size, looks prefixes up under the
 strict-prefix rule, and each step writes a plain :class:`~connector.common.GlmConnectorMetadata`:
-which objects to load into which blocks, which blocks to save under which keys.
+which objects to load into which blocks, which blocks to save under which keys. It never
+waits on the network after start-up: lookups and re-handshakes run on a background thread
+(``get_num_new_matched_tokens`` answers "not yet" meanwhile), lease releases on another.
+Saves start where the server's contiguous attention ends (the lookup reports it), so no
+chunk is sent twice.
 
 Which recurrent states exist: vLLM (align mode) snapshots the state where a prefill step
 ends on its block grid and keeps the snapshots its retention policy names (by default the
