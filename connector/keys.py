@@ -36,8 +36,9 @@ def chain_seed(cache_salt: str | None = None) -> bytes:
     return blake3(NONE_HASH + _SALT_TAG + cache_salt.encode("utf-8")).digest()
 
 
-def _pack_be_u32(token_ids: Sequence[int]) -> bytes:
-    """``token_ids`` as big-endian uint32 bytes; ValueError for ids outside uint32."""
+def _pack_be_u32(token_ids: Sequence[int]) -> memoryview:
+    """``token_ids`` as big-endian uint32 bytes (a byte view of the packed array: no
+    second 4-bytes-per-token copy); ValueError for ids outside uint32."""
     if not isinstance(token_ids, (list, tuple)):
         token_ids = list(token_ids)  # vLLM's ConstantList and other sequences
     try:
@@ -46,7 +47,7 @@ def _pack_be_u32(token_ids: Sequence[int]) -> bytes:
         raise ValueError(f"token ids must fit in uint32: {e}") from None
     if sys.byteorder == "little":
         packed.byteswap()
-    return packed.tobytes()
+    return memoryview(packed).cast("B")
 
 
 def extend_chunk_hashes(hashes: list[bytes], token_ids: Sequence[int], chunk_size: int,
@@ -66,11 +67,11 @@ def extend_chunk_hashes(hashes: list[bytes], token_ids: Sequence[int], chunk_siz
         # The whole list (at most a partial chunk more): packing it directly saves a copy
         # of every item reference; the tail is cut off the bytes.
         try:
-            data = memoryview(_pack_be_u32(token_ids))[:4 * n_chunks * chunk_size]
+            data = _pack_be_u32(token_ids)[:4 * n_chunks * chunk_size]
         except ValueError:  # an invalid id, maybe in the unhashed tail: the exact path says
-            data = memoryview(_pack_be_u32(token_ids[:n_chunks * chunk_size]))
+            data = _pack_be_u32(token_ids[:n_chunks * chunk_size])
     else:
-        data = memoryview(_pack_be_u32(token_ids[done * chunk_size:n_chunks * chunk_size]))
+        data = _pack_be_u32(token_ids[done * chunk_size:n_chunks * chunk_size])
     step = 4 * chunk_size
     prev = hashes[-1] if hashes else chain_seed(cache_salt)
     append = hashes.append
