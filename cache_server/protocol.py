@@ -29,7 +29,11 @@ geometry; objects never cross namespaces):
              ``attn_groups``, ``state_groups`` (lists of group ids), ``world_size``,
              optional ``start_chunk`` (default 0), optional ``replicated_groups`` (groups
              identical on every tensor-parallel rank, stored once under rank 0: only that
-             copy is needed) -> ``chunks`` (hit depth), ``lease_id``
+             copy is needed), optional ``held`` (bool) -> ``chunks`` (hit depth),
+             ``lease_id``, and with ``held`` true also ``held``: the chunks ``[0, held)``
+             whose attention objects the server holds for every group and rank, and
+             ``start_state``: whether it holds every state object at chunk
+             ``start_chunk - 1`` (what a client need not send again)
 ``get``      ``ns``, ``keys`` (list of [hash, group, rank]) -> ``found`` (list of bool),
              ``sums`` (the stored checksum of each found object, in order), one payload
              frame per found key, in order

@@ -359,7 +359,11 @@ class CacheServer:
             self.l2.count_answer(l1_depth, chunks, consulted)
         if lease and chunks and lease_id is None:  # its objects alone are over the leased-bytes cap
             self.metrics.limit_refusals.labels(limit="leased_bytes").inc()
-        return {"chunks": chunks, "lease_id": lease_id}, []
+        reply: dict[str, Any] = {"chunks": chunks, "lease_id": lease_id}
+        if p.field(h, "held", bool, default=False):  # asked for: older clients never see it
+            reply["held"], reply["start_state"] = self.store.held(ns, hashes, attn, state, world_size, start,
+                                                                  replicated)
+        return reply, []
 
     def _shm_segment(self, spec: Any) -> np.ndarray:
         """The mapped bytes of the segment a request names (``shm_unknown`` if none)."""

@@ -747,6 +747,31 @@ class ObjectStore:
                     self._queue_locked(key, self._objects[key])
             return hit, lease_id
 
+    def held(self, namespace: str, hashes: Sequence[bytes], attn_groups: Sequence[int],
+             state_groups: Sequence[int], world_size: int, start_chunk: int = 0,
+             replicated_groups: Sequence[int] = ()) -> tuple[int, bool]:
+        """What a client need not send again: ``(d, state)`` where chunks ``[0, d)`` of the
+        prefix ``hashes`` have an object of every attention group for every rank (rank 0
+        only for ``replicated_groups``), and ``state`` says whether every state group's
+        objects are present at chunk ``start_chunk - 1`` (False for ``start_chunk`` 0).
+        Touches nothing (no LRU update, no counters)."""
+        replicated = frozenset(replicated_groups)
+
+        def wanted(groups: Sequence[int]) -> list[tuple[int, int]]:
+            return [(g, r) for g in groups for r in (range(1) if g in replicated else range(world_size))]
+
+        attn, state = wanted(attn_groups), wanted(state_groups)
+        with self._lock:
+            objects = self._objects
+            depth = 0
+            for h in hashes:
+                if not all((namespace, h, g, r) in objects for g, r in attn):
+                    break
+                depth += 1
+            at_start = 0 < start_chunk <= len(hashes) and bool(state) and all(
+                (namespace, hashes[start_chunk - 1], g, r) in objects for g, r in state)
+            return depth, at_start
+
     def _grant_lease_locked(self, keys: list[StoreKey], owner: bytes | None) -> int | None:
         if sum(self._objects[k].nbytes for k in set(keys)) > self.max_leased_bytes:
             self.counters.leases_refused += 1

@@ -295,6 +295,22 @@ class CacheClient:
                                  "replicated_groups": list(replicated_groups)})
         return reply["chunks"], reply["lease_id"]
 
+    def lookup_held(self, namespace: str, hashes: Sequence[bytes], attn_groups: Sequence[int],
+                    state_groups: Sequence[int], world_size: int = 1, start_chunk: int = 0,
+                    lease: bool = True, replicated_groups: Sequence[int] = ()
+                    ) -> tuple[int, int | None, int | None, bool]:
+        """:meth:`lookup`, plus what need not be sent again: how many chunks from chunk 0
+        the server holds all attention objects of (every group and rank; None from a
+        server that does not report it), and whether it holds every state object at
+        chunk ``start_chunk - 1``."""
+        reply, _ = self.request({"op": "lookup", "ns": namespace, "hashes": list(hashes),
+                                 "attn_groups": list(attn_groups), "state_groups": list(state_groups),
+                                 "world_size": world_size, "start_chunk": start_chunk, "lease": lease,
+                                 "replicated_groups": list(replicated_groups), "held": True})
+        held = reply.get("held")
+        return (reply["chunks"], reply["lease_id"], held if isinstance(held, int) else None,
+                reply.get("start_state") is True)
+
     def put(self, namespace: str, items: Sequence[tuple[bytes, int, int, Payload]],
             prev: Sequence[bytes | None] | None = None,
             parent: Sequence[bytes | None] | None = None, *, timeout_s: float | None = None) -> list[str]:

@@ -2,7 +2,11 @@
 
 It resolves the cache geometry, negotiates the chunk size, looks prefixes up under the
 strict-prefix rule, and each step writes a plain :class:`~connector.common.GlmConnectorMetadata`:
-which objects to load into which blocks, which blocks to save under which keys.
+which objects to load into which blocks, which blocks to save under which keys. It never
+waits on the network after start-up: lookups and re-handshakes run on a background thread
+(``get_num_new_matched_tokens`` answers "not yet" meanwhile), lease releases on another.
+Saves start where the server's contiguous attention ends (the lookup reports it), so no
+chunk is sent twice.
 
 Which recurrent states exist: vLLM (align mode) snapshots the state where a prefill step
 ends on its block grid and keeps the snapshots its retention policy names (by default the
@@ -18,7 +22,8 @@ from __future__ import annotations
 
 import collections
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -43,7 +48,7 @@ from connector.geometry import (
     engine_fingerprint,
     strict_prefix_chunks,
 )
-from connector.keys import chunk_hashes
+from connector.keys import extend_chunk_hashes
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -62,6 +67,42 @@ class _Hit:
     start_chunk: int
     end_chunk: int  # exclusive; the resume point is end_chunk * C
     local_tokens: int
+    held: int = 0  # attention chunks [0, held) the server already holds (all groups, ranks)
+    start_state: bool = False  # the server holds the states at chunk start_chunk - 1
+
+
+@dataclass
+class _Answer:
+    """What the lookup thread brings back (``error`` set: the server failed, serve cold)."""
+
+    chunks: int = 0
+    lease_id: int | None = None
+    held: int | None = None  # None: a server that does not report it
+    start_state: bool = False
+    error: BaseException | None = None
+
+
+# How long an answer given to vLLM stays good for the same request asking again without
+# having been allocated (its lease keeps the objects meanwhile; the server's TTL is 60 s).
+_REUSE_ANSWER_S = 1.0
+
+
+@dataclass
+class _Answered:
+    """An answer given to vLLM for a request not allocated yet."""
+
+    key: tuple[Any, ...]
+    answer: _Answer
+    at: float
+
+
+@dataclass
+class _Lookup:
+    """A lookup submitted to the lookup thread for one waiting request."""
+
+    key: tuple[Any, ...]  # (namespace, chunk size, start chunk, chunks asked, lease)
+    future: Future[_Answer]
+    deadline: float  # past it without an answer: the request is admitted cold
 
 
 @dataclass
@@ -86,6 +127,57 @@ MAX_SAVE_RETRIES = 6
 RESAVE_BACKOFF_S = 0.1
 
 
+class _ChunkMemo:
+    """Our chunk hashes of recently seen prefixes, keyed by vLLM's own block hash at the
+    chunk's end (issue 10: a 300k-token prompt took milliseconds to hash, and every turn
+    of a conversation hashed its whole history again).
+
+    vLLM hashes every request's blocks when it arrives (``Request.block_hashes``: a chain
+    over the whole prefix, the cache salt included, that its prefix cache already trusts
+    to identify the tokens), so a prefix whose end-of-chunk block hash was seen before has
+    the same chunk hash as then. Only chunks not seen are hashed from their tokens. Our
+    keys do not change: the memo only skips recomputing them. Bounded (LRU); the scheduler
+    thread alone uses it. Entries are plain bytes (key: vLLM's hash and the chunk size),
+    which the garbage collector does not track: 260 tuples per admission were enough to
+    set off collections costing milliseconds."""
+
+    def __init__(self, max_entries: int = 1 << 16) -> None:
+        self._entries: OrderedDict[bytes, bytes] = OrderedDict()
+        self._max = max_entries
+
+    @staticmethod
+    def _vllm_hash(request: Request, C: int, k: int, hash_block: int | None) -> bytes | None:
+        """The memo key of chunk ``k``: vLLM's block hash at its end and the chunk size
+        (None if not known)."""
+        if hash_block is None or C % hash_block:
+            return None
+        i = (k + 1) * C // hash_block - 1
+        block_hashes = request.block_hashes
+        vh = block_hashes[i] if i < len(block_hashes) else None
+        return vh + C.to_bytes(4, "little") if isinstance(vh, bytes) else None
+
+    def extend(self, hashes: list[bytes], request: Request, C: int, n_chunks: int,
+               hash_block: int | None) -> None:
+        """Append the memo's hashes for chunks ``len(hashes)`` onwards while it has them."""
+        while len(hashes) < n_chunks:
+            key = self._vllm_hash(request, C, len(hashes), hash_block)
+            ours = self._entries.get(key) if key is not None else None
+            if ours is None:
+                return
+            self._entries.move_to_end(key)
+            hashes.append(ours)
+
+    def remember(self, hashes: list[bytes], request: Request, C: int, start: int,
+                 hash_block: int | None) -> None:
+        for k in range(start, len(hashes)):
+            key = self._vllm_hash(request, C, k, hash_block)
+            if key is None:
+                return
+            self._entries[key] = hashes[k]
+        while len(self._entries) > self._max:
+            self._entries.popitem(last=False)
+
+
 class _ServerLink:
     """The scheduler's connection state: negotiated chunk size, back-off after failures.
 
@@ -100,7 +192,14 @@ class _ServerLink:
         auth_token: str | None = None,
         disabled: bool = False,
     ) -> None:
+        # One client (socket and lock) per thread that talks to the server, so a slow
+        # lookup never holds a lock the scheduler thread or a release waits on:
+        # ``client`` for the start-up handshake and clear (scheduler thread),
+        # ``lookup_client`` for the lookup thread, ``release_client`` for the releaser.
         self.client = CacheClient(url, timeout_s=timeout_s, auth_token=auth_token)
+        self.lookup_client = CacheClient(url, timeout_s=timeout_s, auth_token=auth_token)
+        self.release_client = CacheClient(url, timeout_s=timeout_s, auth_token=auth_token)
+        self.timeout_s = timeout_s
         self.retry_after_s = retry_after_s
         self.disabled = disabled
         self._down_until = 0.0
@@ -109,6 +208,10 @@ class _ServerLink:
 
     def usable(self) -> bool:
         return not self.disabled and time.monotonic() >= self._down_until
+
+    def close(self) -> None:
+        for c in (self.client, self.lookup_client, self.release_client):
+            c.close()
 
     def failed(self, what: str, err: BaseException) -> None:
         if unauthorized(err):
@@ -184,27 +287,69 @@ class SchedulerSide:
                 "GlmCacheConnector: strict_prefix=false (diagnosis only): full-prompt hits apply the last "
                 "token to the KDA state twice and outputs drift (seed 004); this engine loads but never saves"
             )
-        # Lease releases go to a background thread: the scheduler never waits on them.
+        # Nothing on the scheduler thread waits on the network after start-up: lease
+        # releases go to one background thread, handshakes and lookups to another, each
+        # with its own client (see _ServerLink).
         self._releaser = ThreadPoolExecutor(max_workers=1, thread_name_prefix="glm-release")
-        self._negotiate()
+        self._lookup_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="glm-lookup")
+        self._lookups: dict[str, _Lookup] = {}  # waiting requests' lookups, answered or not
+        self._answered: dict[str, _Answered] = {}  # answers given, kept until allocation
+        self._first_asked: dict[str, float] = {}  # when a request's current admission began
+        self._keys: dict[str, tuple[int, list[bytes]]] = {}  # req -> (C, chunk hashes so far)
+        self._memo = _ChunkMemo()
+        self._handshake: tuple[Future[dict[str, Any]], float] | None = None  # (future, deadline)
+        # At start-up the handshake is synchronous, bounded by the client timeout: a dead
+        # server costs start-up timeout_s once, then the back-off applies.
+        if self._link.usable():
+            try:
+                self._apply_hello(self._hello_io(self._link.client))
+            except (*CLIENT_ERRORS, GeometryError, KeyError) as e:
+                self._link.failed("handshake", e)
 
-    def _negotiate(self) -> bool:
-        """Handshake; sets the chunk size and namespace. False while the server is away."""
+    def _hello_io(self, client: CacheClient) -> dict[str, Any]:
+        """The handshake's network part (no state changes: safe on the lookup thread)."""
+        geo = self._geometry
+        return client.hello(self._fingerprint(), geo.scheduler_block_size, self._world_size,
+                            self._replicated_groups(),
+                            attn_groups=[g.group_id for g in geo.attn_groups],
+                            state_groups=[g.group_id for g in geo.state_groups])
+
+    def _fingerprint(self) -> str:
+        return engine_fingerprint(self._vllm_config, self._kv_cache_config, self._geometry)
+
+    def _handshake_state(self) -> bool | None:
+        """True when negotiated; None while a background handshake is under way; False
+        while the server is away (serve cold). Starts a handshake when one is needed."""
+        if self._handshake is not None:
+            future, deadline = self._handshake
+            if future.done():
+                self._handshake = None
+                try:
+                    self._apply_hello(future.result())
+                except (*CLIENT_ERRORS, GeometryError, KeyError) as e:
+                    self._link.failed("handshake", e)
+                    return False
+            elif time.monotonic() < deadline:
+                return None
+            else:
+                return False  # its own timeout will end it; requests go on cold meanwhile
         if self._link.hello is not None:
             return True
         if not self._link.usable():
             return False
+        self._handshake = (self._lookup_pool.submit(self._hello_io, self._link.lookup_client),
+                           time.monotonic() + self._answer_wait_s())
+        return None
+
+    def _answer_wait_s(self) -> float:
+        """How long a request may wait for the lookup thread: the client's own timeout
+        (after which it gives up and the back-off starts) plus a little scheduling slack."""
+        return self._link.timeout_s * 1.25 + 0.05
+
+    def _apply_hello(self, hello: dict[str, Any]) -> None:
         geo = self._geometry
-        namespace = engine_fingerprint(self._vllm_config, self._kv_cache_config, geo)
-        try:
-            hello = self._link.client.hello(namespace, geo.scheduler_block_size, self._world_size,
-                                            self._replicated_groups(),
-                                            attn_groups=[g.group_id for g in geo.attn_groups],
-                                            state_groups=[g.group_id for g in geo.state_groups])
-            self._geometry = geo.with_chunk_size(int(hello["chunk_size"]))
-        except (*CLIENT_ERRORS, GeometryError, KeyError) as e:
-            self._link.failed("handshake", e)
-            return False
+        namespace = self._fingerprint()
+        self._geometry = geo.with_chunk_size(int(hello["chunk_size"]))
         self._link.hello = hello
         self._namespace = namespace
         if self._geometry != self._logged_geometry:  # once, unless a new server differs
@@ -218,7 +363,6 @@ class SchedulerSide:
             [g.group_id for g in self._geometry.state_groups],
             [g.group_id for g in self._geometry.attn_groups],
         )
-        return True
 
     def _replicated_groups(self) -> list[int]:
         """Groups stored once for the whole TP group (see ``CacheGroup.replicated_across_tp``)."""
@@ -302,17 +446,34 @@ class SchedulerSide:
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
+        """Tokens beyond ``num_computed_tokens`` the server can provide; ``None`` ("ask
+        again next step") while the answer is on its way from the lookup thread.
+
+        vLLM 0.32 keeps a request that gets ``None`` waiting (it is skipped for this step,
+        the requests behind it are still scheduled) and asks again next step, with the
+        local prefix hit computed afresh. The prefix is hashed once per request (kept for
+        the save path too); a lookup is sent once per admission. Its answer (and lease) is
+        kept for :data:`_REUSE_ANSWER_S` while vLLM asks again without allocating (no token
+        budget or blocks this step), so a request at the head of a busy queue does not
+        alternate between a lookup and a step of "not yet". An answer for a different
+        local hit (vLLM's prefix cache changed between steps) is dropped and asked again.
+        No request waits longer than the client's timeout plus slack: then it is admitted
+        cold, and the failed lookup puts the link in back-off, so the next requests do not
+        wait at all."""
         self._align_scheduler_block_size()
-        self._drop_lease(request.request_id)
-        self._hits.pop(request.request_id, None)
-        if request.request_id in self._load_failed:
-            return 0, False
-        if not self._negotiate() or not self._link.usable():
-            return 0, False
+        req_id = request.request_id
+        self._hits.pop(req_id, None)
+        if req_id in self._load_failed:
+            return self._cold(req_id)
+        ready = self._handshake_state()
+        if ready is None and self._within_wait(req_id):
+            return None, False
+        if not ready or not self._link.usable():
+            return self._cold(req_id)
         C = self._geometry.chunk_size
         self._warn_if_request_asks_for_non_strict(request)
         if self._skip_uncacheable(request):
-            return 0, False
+            return self._cold(req_id)
         if self._strict_prefix:
             max_chunks = strict_prefix_chunks(request.num_tokens, C)
         else:
@@ -323,43 +484,149 @@ class SchedulerSide:
         want_load = max_chunks * C > num_computed_tokens
         max_chunks = max(max_chunks, start_chunk)
         if max_chunks == 0:
+            return self._cold(req_id)
+        start = start_chunk if want_load else 0
+        key = (self._namespace, C, start, max_chunks, want_load)
+        done = self._answered.get(req_id)
+        if done is not None:
+            if done.key == key and time.monotonic() - done.at < _REUSE_ANSWER_S:
+                return self._use_answer(request, done.answer, start, num_computed_tokens)
+            self._forget_answer(req_id)  # stale: its lease goes, ask again
+        pending = self._lookups.get(req_id)
+        if pending is not None and pending.key != key:
+            self._discard_lookup(req_id)  # asked for another local hit: ask again
+            pending = None
+        if pending is None:
+            if not self._within_wait(req_id):
+                return self._cold(req_id)
+            hashes = self._hashes(request, max_chunks)[:max_chunks]
+            future = self._lookup_pool.submit(self._lookup_io, self._namespace, hashes, start,
+                                              want_load)
+            self._lookups[req_id] = _Lookup(key, future,
+                                            time.monotonic() + self._answer_wait_s())
+            return None, False
+        if not pending.future.done():
+            if time.monotonic() < pending.deadline:
+                return None, False
+            return self._cold(req_id)  # no answer in time: cold, never held
+        del self._lookups[req_id]
+        self._first_asked.pop(req_id, None)
+        answer = pending.future.result()
+        if answer.error is not None:
             return 0, False
-        hashes = chunk_hashes(
-            request.all_token_ids[: max_chunks * C], C, request.cache_salt
+        if answer.lease_id is not None:
+            self._leases[req_id] = answer.lease_id
+        self._answered[req_id] = _Answered(key, answer, time.monotonic())
+        return self._use_answer(request, answer, start, num_computed_tokens)
+
+    def _use_answer(self, request: Request, answer: _Answer, start: int,
+                    num_computed_tokens: int) -> tuple[int, bool]:
+        req_id = request.request_id
+        C = self._geometry.chunk_size
+        n = answer.chunks
+        self._hits[req_id] = _Hit(start, n, num_computed_tokens,
+                                  self._held_chunks(answer, start, n), answer.start_state)
+        if n * C <= num_computed_tokens:
+            self._drop_lease(req_id)
+            return 0, False
+        logger.debug(
+            "GlmCacheConnector: %s hit %d chunks (%d tokens beyond local %d of %d)",
+            req_id, n, n * C - num_computed_tokens, num_computed_tokens, request.num_tokens,
         )
+        return n * C - num_computed_tokens, True
+
+    def _forget_answer(self, req_id: str) -> None:
+        """The request's kept answer is not used: drop it and release its lease."""
+        self._answered.pop(req_id, None)
+        self._drop_lease(req_id)
+
+    @staticmethod
+    def _held_chunks(answer: _Answer, start: int, n: int) -> int:
+        """Attention chunks from 0 known to be on the server: the reported depth, or, from
+        a server that does not report it, the hit itself when it started at chunk 0."""
+        if answer.held is not None:
+            return answer.held
+        return n if start == 0 else 0
+
+    def _within_wait(self, req_id: str) -> bool:
+        """True while the request's current admission is younger than the answer wait
+        (starting it now if it had not started): no request waits on us longer."""
+        now = time.monotonic()
+        first = self._first_asked.setdefault(req_id, now)
+        return now - first < self._answer_wait_s()
+
+    def _cold(self, req_id: str) -> tuple[int, bool]:
+        """Answer "nothing external" and end the request's admission."""
+        self._forget_answer(req_id)
+        self._discard_lookup(req_id)
+        self._first_asked.pop(req_id, None)
+        return 0, False
+
+    def _discard_lookup(self, req_id: str) -> None:
+        """Forget a request's lookup; a lease it got (or will get) is released."""
+        pending = self._lookups.pop(req_id, None)
+        if pending is not None:
+            pending.future.add_done_callback(self._release_unused)
+
+    def _release_unused(self, future: Future[_Answer]) -> None:
+        if future.cancelled():
+            return
+        lease_id = future.result().lease_id
+        if lease_id is not None:
+            self._submit_release(lease_id)
+
+    def _lookup_io(self, namespace: str, hashes: list[bytes], start: int, lease: bool) -> _Answer:
+        """The lookup thread's part: one lookup RPC (skipped while the link backs off)."""
+        if not self._link.usable():
+            return _Answer(error=ConnectionError("server in back-off"))
+        geo = self._geometry
         try:
-            n, lease_id = self._link.client.lookup(
-                self._namespace,
-                hashes,
-                [g.group_id for g in self._geometry.attn_groups],
-                [g.group_id for g in self._geometry.state_groups],
-                self._world_size,
-                start_chunk if want_load else 0,
-                lease=want_load,
+            n, lease_id, held, start_state = self._link.lookup_client.lookup_held(
+                namespace, hashes,
+                [g.group_id for g in geo.attn_groups],
+                [g.group_id for g in geo.state_groups],
+                self._world_size, start, lease=lease,
                 replicated_groups=self._replicated_groups(),
             )
         except CLIENT_ERRORS as e:
             self._link.failed("lookup", e)
-            return 0, False
-        if lease_id is not None:
-            self._leases[request.request_id] = lease_id
-        self._hits[request.request_id] = _Hit(
-            start_chunk if want_load else 0, n, num_computed_tokens
-        )
-        if n * C <= num_computed_tokens:
-            self._drop_lease(request.request_id)
-            return 0, False
-        logger.debug(
-            "GlmCacheConnector: %s hit %d chunks (%d tokens beyond local %d of %d)",
-            request.request_id, n, n * C - num_computed_tokens, num_computed_tokens,
-            request.num_tokens,
-        )
-        return n * C - num_computed_tokens, True
+            return _Answer(error=e)
+        return _Answer(n, lease_id, held, start_state)
+
+    def _hashes(self, request: Request, n_chunks: int) -> list[bytes]:
+        """The request's chunk hashes, at least ``n_chunks`` of them (if it has the
+        tokens): computed once per request and extended as it grows; chunks an earlier
+        request already hashed (the previous turn of a conversation) are taken from
+        :class:`_ChunkMemo` instead of hashed again."""
+        C = self._geometry.chunk_size
+        entry = self._keys.get(request.request_id)
+        if entry is None or entry[0] != C:
+            entry = (C, [])
+            self._keys[request.request_id] = entry
+        hashes = entry[1]
+        if len(hashes) < n_chunks:
+            done = len(hashes)
+            self._memo.extend(hashes, request, C, n_chunks, self._hash_block_size())
+            # The prompt is a plain list (all_token_ids a read-only view that copies on
+            # slicing); take it when the chunks lie in the prompt.
+            prompt = request.prompt_token_ids
+            tokens = prompt if isinstance(prompt, list) and len(prompt) >= n_chunks * C \
+                else request.all_token_ids
+            extend_chunk_hashes(hashes, tokens, C, request.cache_salt, max_chunks=n_chunks)
+            self._memo.remember(hashes, request, C, done, self._hash_block_size())
+        return hashes
+
+    def _hash_block_size(self) -> int | None:
+        """The token span of ``request.block_hashes`` (vLLM sets it on the scheduler's
+        KV cache config at start-up); None where unknown."""
+        size = getattr(self._kv_cache_config, "hash_block_size", None)
+        return size if isinstance(size, int) and size > 0 else None
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         req_id = request.request_id
+        self._answered.pop(req_id, None)  # used: its lease is the load's (or dropped below)
         if self._skip_uncacheable(request):
             return  # never tracked: nothing of it is saved
         tracked = self._track(request)
@@ -369,11 +636,11 @@ class SchedulerSide:
         C = self._geometry.chunk_size
         if hit.local_tokens and hit.local_tokens % C == 0:
             tracked.state_chunk = max(tracked.state_chunk, hit.local_tokens // C)  # resumed locally there
+        # The server holds attention for chunks [0, held): don't send them again (a local
+        # hit used to re-upload its whole prefix: the lookup started past it).
+        tracked.saved_chunks = max(tracked.saved_chunks, hit.held)
         if num_external_tokens == 0:
             self._drop_lease(req_id)
-            if hit.start_chunk == 0:
-                # The server holds attention for chunks [0, end_chunk): don't send them again.
-                tracked.saved_chunks = max(tracked.saved_chunks, hit.end_chunk)
             self._resave_local_state(request, blocks, hit)
             return
         resume = hit.local_tokens + num_external_tokens
@@ -397,16 +664,19 @@ class SchedulerSide:
         local = hit.local_tokens
         if local == 0 or local % C or local // C <= hit.end_chunk:
             return
-        hashes = chunk_hashes(request.all_token_ids[:local], C, request.cache_salt)
+        if hit.start_chunk == local // C and hit.start_state:
+            return  # the lookup started there and found the states present: nothing lost
+        k = local // C
+        hashes = self._hashes(request, k)
         for g in self._geometry.state_groups:
             blk = blocks.blocks[g.group_id][local // g.block_size - 1]
             if not blk.is_null:
-                self._pending_saves.append(ObjectMove(hashes[-1], g.group_id, [blk.block_id],
-                                                      parent=parent_of(hashes, len(hashes) - 1)))
+                self._pending_saves.append(ObjectMove(hashes[k - 1], g.group_id, [blk.block_id],
+                                                      parent=parent_of(hashes, k - 1)))
 
     def _load_moves(self, request: Request, blocks: KVCacheBlocks, hit: _Hit) -> list[ObjectMove]:
         C = self._geometry.chunk_size
-        hashes = chunk_hashes(request.all_token_ids[: hit.end_chunk * C], C, request.cache_salt)
+        hashes = self._hashes(request, hit.end_chunk)
         moves: list[ObjectMove] = []
         for g in self._geometry.attn_groups:
             per_chunk = C // g.block_size
@@ -476,7 +746,7 @@ class SchedulerSide:
         C = self._geometry.chunk_size
         n = min(computed, limit) // C
         if n > len(tracked.hashes):
-            tracked.hashes = chunk_hashes(req.all_token_ids[: n * C], C, req.cache_salt)
+            tracked.hashes = self._hashes(req, n)  # the request's one list (may be longer)
         return n
 
     def _attention_saves(self, tracked: _Tracked, computed: int) -> list[ObjectMove]:
@@ -596,6 +866,10 @@ class SchedulerSide:
         self._hits.pop(req_id, None)
         self._tracked.pop(req_id, None)
         self._load_failed.discard(req_id)
+        self._keys.pop(req_id, None)
+        self._answered.pop(req_id, None)  # its lease is dropped below (or after the load)
+        self._discard_lookup(req_id)  # finished (aborted) while its lookup was out
+        self._first_asked.pop(req_id, None)
         if req_id in self._inflight_loads:
             # A worker is still writing into these blocks: keep them until it reports.
             return True, None
@@ -609,20 +883,30 @@ class SchedulerSide:
 
     def _drop_lease(self, req_id: str) -> None:
         lease_id = self._leases.pop(req_id, None)
-        if lease_id is None:
-            return
+        if lease_id is not None:
+            self._submit_release(lease_id)
+
+    def _submit_release(self, lease_id: int) -> None:
+        """Release a lease from the releaser thread (its own client: never waits behind a
+        lookup). Safe from any thread."""
 
         def release() -> None:
+            if not self._link.usable():
+                return  # the lease expires on its own; don't queue timeouts behind a dead server
             try:
-                self._link.client.release(lease_id)
+                self._link.release_client.release(lease_id)
             except CLIENT_ERRORS as e:  # the lease expires on its own
                 logger.debug("GlmCacheConnector: release of lease %s failed: %s", lease_id, e)
 
-        self._releaser.submit(release)
+        try:
+            self._releaser.submit(release)
+        except RuntimeError:  # shut down
+            pass
 
     def shutdown(self) -> None:
+        self._lookup_pool.shutdown(wait=False, cancel_futures=True)
         self._releaser.shutdown(wait=False)
-        self._link.client.close()
+        self._link.close()
 
     def reset_cache(self) -> bool | None:
         if self._link.hello is None:

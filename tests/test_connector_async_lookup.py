@@ -1,0 +1,196 @@
+"""The scheduler never waits on the network (issue 10, item 2): lookups run on a
+background thread and ``get_num_new_matched_tokens`` answers ``None`` ("ask again next
+step", which vLLM 0.32 handles by leaving the request waiting) until the answer is in.
+
+A real glm-cache-server process, stopped with SIGSTOP to play a server that accepts
+connections but answers nothing; the scheduler side is built without an engine from
+hand-made vLLM configs and real vLLM requests (see sched_fixtures)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from cache_server.process import ServerProcess
+from connector.client import CacheClient
+from connector.keys import chunk_hashes
+from validation.sched_harness import request, scheduler_side
+
+C = 256
+TIMEOUT_S = 1.0
+RETRY_S = 1.0
+PROMPT = list(range(16, 1016))  # 1000 tokens: strict prefix 3 chunks (768)
+PROMPT_CALL_S = 0.05  # what one scheduler call may cost, server dead or alive
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = ServerProcess("--separate-object-groups", "--chunk-size", str(C), "--l1-size-gb", "1")
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture()
+def side(server):
+    s = scheduler_side(server.url, block=C, timeout_s=TIMEOUT_S, retry_after_s=RETRY_S)
+    yield s
+    s.shutdown()
+
+
+def _store_prefix(server, namespace: str, tokens: list[int], salt: str, chunks: int) -> None:
+    """Attention objects (group 1) for chunks [0, chunks) and a state (group 0) at the last."""
+    hashes = chunk_hashes(tokens, C, salt)[:chunks]
+    items = [(h, 1, 0, b"a" * 64) for h in hashes] + [(hashes[-1], 0, 0, b"s" * 64)]
+    parents = [None, *hashes[:-1], hashes[-2] if chunks > 1 else None]
+    with CacheClient(server.url) as c:
+        assert set(c.put(namespace, items, parent=parents)) == {"stored"}
+
+
+def _timed(side, req, computed=0):
+    t0 = time.perf_counter()
+    out = side.get_num_new_matched_tokens(req, computed)
+    return out, time.perf_counter() - t0
+
+
+def _ask_until_answered(side, req, computed=0, limit_s=10.0):
+    """Call as vLLM does (once per step) until the answer is not None; every call timed."""
+    calls = []
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        out, dt = _timed(side, req, computed)
+        calls.append(dt)
+        if out[0] is not None:
+            return out, calls
+        time.sleep(0.005)  # a scheduler step
+    raise AssertionError(f"no answer within {limit_s}s")
+
+
+def test_answer_arrives_on_a_later_call(server, side):
+    _store_prefix(server, side._namespace, PROMPT, "live", 3)
+    req = request("live", PROMPT, "live")
+    first, dt = _timed(side, req)
+    assert first == (None, False)  # the lookup is out; the request waits this step
+    out, calls = _ask_until_answered(side, req)
+    assert out == (768, True)
+    assert max([dt, *calls]) < PROMPT_CALL_S
+    # Hashed once for the request: the save path reuses the same list.
+    assert side._keys["live"][1] == chunk_hashes(PROMPT, C, "live")[:3]
+
+
+def test_stopped_server_never_holds_the_scheduler_and_the_hit_returns(server, side):
+    _store_prefix(server, side._namespace, PROMPT, "stop", 3)
+    os.kill(server.proc.pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        out, calls = _ask_until_answered(side, request("stopped", PROMPT, "stop"))
+        waited = time.monotonic() - t0
+        assert out == (0, False)  # no answer in time: cold
+        assert max(calls) < PROMPT_CALL_S, f"a call took {max(calls) * 1e3:.1f} ms"
+        assert waited < TIMEOUT_S * 1.25 + 0.05 + 0.5, f"the request waited {waited:.2f}s"
+        # In back-off now: the next request is cold at once, without waiting a step.
+        out, dt = _timed(side, request("behind", PROMPT, "stop"))
+        assert out == (0, False) and dt < PROMPT_CALL_S
+        # Finishing a request whose lease must be released does not wait either.
+        t1 = time.perf_counter()
+        side.request_finished(request("stopped", PROMPT, "stop"), [])
+        assert time.perf_counter() - t1 < PROMPT_CALL_S
+    finally:
+        os.kill(server.proc.pid, signal.SIGCONT)
+    time.sleep(RETRY_S + 0.2)  # the back-off passes
+    out, calls = _ask_until_answered(side, request("after", PROMPT, "stop"))
+    assert out == (768, True)
+    assert max(calls) < PROMPT_CALL_S
+
+
+def test_answer_for_another_local_hit_is_asked_again(server, side):
+    """vLLM's local prefix hit grew between two steps: the answer computed for the old
+    one is not used (its lease is released); the request is asked again."""
+    tokens = list(range(3000, 4800))  # 1800 tokens: strict prefix 7 chunks
+    _store_prefix(server, side._namespace, tokens, "grow", 5)
+    with CacheClient(server.url) as c:
+        before = c.stats()["active_leases"]  # earlier tests' (the stopped one's expires later)
+    req = request("grow", tokens, "grow")
+    assert _timed(side, req, 0)[0] == (None, False)
+    time.sleep(0.2)  # the answer (5 chunks, leased) is in
+    out, calls = _ask_until_answered(side, req, computed=2 * C)
+    assert out == (5 * C - 2 * C, True)
+    assert len(calls) >= 2  # the first answer was for another start: asked again
+    side.request_finished(req, [])
+    deadline = time.monotonic() + 5
+    with CacheClient(server.url) as c:
+        while c.stats()["active_leases"] > before and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert c.stats()["active_leases"] == before  # both leases released
+
+
+def test_lookup_reports_what_the_server_holds_from_chunk_zero(server, side):
+    """A lookup from past a local hit that finds nothing deeper still says how deep the
+    server's attention goes: those chunks are not saved again."""
+    tokens = list(range(5000, 6300))  # 1300 tokens
+    _store_prefix(server, side._namespace, tokens, "held", 3)
+    hashes = chunk_hashes(tokens, C, "held")
+    with CacheClient(server.url) as c:
+        n, lease, held, state = c.lookup_held(side._namespace, hashes[:5], [1], [0], 1, start_chunk=3,
+                                              lease=False)
+        assert (n, lease, held, state) == (0, None, 3, True)  # chunks 0-2 and the state at 2
+        assert c.lookup_held(side._namespace, hashes[:5], [1], [0], 1, start_chunk=2,
+                             lease=False)[3] is False  # no state at chunk 1
+        # Older clients do not ask and get the old reply.
+        reply, _ = c.request({"op": "lookup", "ns": side._namespace, "hashes": hashes[:5],
+                              "attn_groups": [1], "state_groups": [0], "world_size": 1, "start_chunk": 3})
+        assert "held" not in reply
+    req = request("held", tokens, "held")
+    out, _ = _ask_until_answered(side, req, computed=3 * C)
+    assert out == (0, False)
+    assert side._hits["held"].held == 3 and side._hits["held"].start_state
+
+
+def test_next_turn_takes_its_history_hashes_from_the_memo(server, side):
+    """A conversation's next turn: the chunks the previous turn hashed come from the
+    memo (keyed by vLLM's own block hashes), only the new ones are hashed; the keys are
+    exactly those of a fresh hash."""
+    turn1 = list(range(7000, 8000))
+    turn2 = turn1 + list(range(9000, 9600))
+    r1 = request("t1", turn1, "memo", hash_block=C)
+    assert side._hashes(r1, 3) == chunk_hashes(turn1, C, "memo")
+    r2 = request("t2", turn2, "memo", hash_block=C)
+    memo = side._memo
+    taken = []
+    memo.extend(taken, r2, C, 6, C)
+    assert taken == chunk_hashes(turn1, C, "memo")  # the 3 chunks turn 1 hashed
+    assert side._hashes(r2, 6) == chunk_hashes(turn2, C, "memo")
+    # Another salt shares nothing (vLLM's block hash covers the salt).
+    other = []
+    memo.extend(other, request("t3", turn2, "other", hash_block=C), C, 6, C)
+    assert other == []
+
+
+def test_answer_is_reused_while_the_request_waits_for_budget(server, side):
+    """vLLM asks again when it could not allocate the request (no token budget this
+    step): the answer given is reused for a while, without a new lookup or a step of
+    "not yet", and its one lease is kept; later it is asked afresh."""
+    from connector.scheduler import _REUSE_ANSWER_S
+
+    tokens = list(range(11000, 12000))
+    _store_prefix(server, side._namespace, tokens, "reuse", 3)
+    req = request("reuse", tokens, "reuse")
+    out, _ = _ask_until_answered(side, req)
+    assert out == (768, True)
+    with CacheClient(server.url) as c:
+        lookups, leases = c.stats()["lookups"], c.stats()["active_leases"]
+        for _ in range(3):
+            assert _timed(side, req)[0] == (768, True)
+        assert c.stats()["lookups"] == lookups and c.stats()["active_leases"] == leases
+        time.sleep(_REUSE_ANSWER_S + 0.1)
+        assert _timed(side, req)[0] == (None, False)  # stale: asked again, old lease released
+        out, _ = _ask_until_answered(side, req)
+        assert out == (768, True)
+        side.request_finished(req, [])
+        deadline = time.monotonic() + 5
+        while c.stats()["active_leases"] > leases - 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert c.stats()["active_leases"] == leases - 1

@@ -1,0 +1,96 @@
+"""No byte is sent twice (issue 10, item 3): on a turn that resumes from vLLM's own prefix
+cache, the connector learns from the lookup what the server already holds (attention from
+chunk 0, the states at the local boundary) and sends only the new chunks.
+
+Before: the lookup started past the local hit, found nothing deeper, and every chunk from
+0 (and the state at the local boundary) was copied and sent again; the server answered
+EXISTS for each, which its ``puts_existing`` counter counts.
+
+Tiny GLM-5.3-Flash checkpoint (KDA state groups + sparse MLA), C = 2N = 256, a real
+glm-cache-server, one engine for the module (see test_connector_glm.py for the settings).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+
+from connector.client import CacheClient
+from connector.keys import chunk_hashes
+from engines import connector_engine
+
+pytestmark = pytest.mark.engine
+
+C = 256
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(16, 512) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory, server):
+    from glm5next_plugin import tiny_checkpoint
+
+    ckpt = tmp_path_factory.mktemp("tiny_glm")
+    tiny_checkpoint.main([str(ckpt), "--seed", "3"])
+    engine = connector_engine(ckpt, server.url, dtype="float32", max_num_batched_tokens=C,
+                              prefix_cache_retention_interval=C, seed=0)
+    yield engine
+    del engine
+
+
+def _run(llm, prompt, salt, max_tokens=2):
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    (o,) = llm.generate([TokensPrompt(prompt_token_ids=prompt, cache_salt=salt)], params, use_tqdm=False)
+    return list(o.outputs[0].token_ids), o.num_cached_tokens or 0
+
+
+def _settled(client):
+    """Server stats once background saves stopped changing them."""
+    seen = [client.stats()]
+    while len(seen) < 4 or seen[-1]["stored_bytes_total"] != seen[-3]["stored_bytes_total"]:
+        time.sleep(0.25)
+        seen.append(client.stats())
+    return seen[-1]
+
+
+@pytest.mark.parametrize(("n1", "local"), [(1000, 896), (1025, 1024)])
+def test_local_hit_turn_sends_only_new_chunks(llm, server, n1, local):
+    """Turn 1 saves attention chunks 0-2 (0-3 for 1025 tokens) and states on the chunk
+    grid; turn 2 extends it and resumes from vLLM's local cache at its replay boundary:
+    896 (mid-chunk: only attention could be re-sent) or 1024 (a chunk boundary: the
+    state there was re-offered too)."""
+    client = CacheClient(server.url)
+    salt = f"turns-{n1}"
+    turn1 = _prompt(n1, seed=n1)
+    turn2 = turn1 + _prompt(500, seed=n1 + 1)
+    _run(llm, turn1, salt)
+    s1 = _settled(client)
+    namespace = next(iter(s1["namespaces"]))
+    out2, cached2 = _run(llm, turn2, salt)  # vLLM's prefix cache still holds turn 1
+    s2 = _settled(client)
+    assert cached2 == local, "turn 2 should resume from vLLM's local cache"
+    # Nothing was sent that the server already had...
+    assert s2["puts_existing"] == s1["puts_existing"]
+    # ...and the new chunks were sent and stored.
+    assert s2["puts_stored"] > s1["puts_stored"]
+    assert s2["stored_bytes_total"] > s1["stored_bytes_total"]
+    groups = sorted(int(g) for g in s2["bytes_by_group"])
+    hashes = chunk_hashes(turn2, C, salt)[:5]
+    present = [{g for g, x in zip(groups, client.get(namespace, [(h, g, 0) for g in groups])) if x is not None}
+               for h in hashes]
+    # Every chunk up to the strict prefix has its attention (states exist only where a
+    # prefill step ended on the chunk grid, which a local hit at 896 shifts).
+    assert all(present) and all(p <= present[0] for p in present)
+    # A third turn loads from the server (prefix cache reset) and matches turn 2's output.
+    llm.reset_prefix_cache()
+    out3, cached3 = _run(llm, turn2, salt)
+    assert cached3 >= 3 * C and out3 == out2
+    client.close()

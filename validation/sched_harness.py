@@ -1,0 +1,59 @@
+"""A connector scheduler side without an engine, for tests and benchmarks: hand-built vLLM
+configs (the shapes vLLM hands the connector), real ``vllm.v1.request.Request`` objects."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+
+def scheduler_side(url: str, *, block: int = 256, tp: int = 1, timeout_s: float = 1.0,
+                   retry_after_s: float = 1.0):
+    """A :class:`connector.scheduler.SchedulerSide` for one state group and one attention
+    group of ``block`` tokens, TP ``tp``, talking to the server at ``url``."""
+    from vllm.v1 import kv_cache_interface as vkv
+
+    from connector.common import Settings
+    from connector.geometry import resolve_geometry
+    from connector.scheduler import SchedulerSide
+
+    state = vkv.MambaSpec(block_size=block, shapes=((3, 64), (2, 16, 16)),
+                          dtypes=(torch.float32, torch.float32), mamba_cache_mode="align")
+    attn = vkv.FullAttentionSpec(block_size=block, num_kv_heads=1, head_size=64, dtype=torch.float32)
+    kv = vkv.KVCacheConfig(
+        num_blocks=64, kv_cache_tensors=[],
+        kv_cache_groups=[vkv.KVCacheGroupSpec(["layers.0"], state), vkv.KVCacheGroupSpec(["layers.1"], attn)],
+    )
+    vllm = SimpleNamespace(
+        cache_config=SimpleNamespace(enable_prefix_caching=True, cache_dtype="auto", mamba_cache_dtype="auto",
+                                     mamba_ssm_cache_dtype="auto", block_size=block, mamba_block_size=block),
+        parallel_config=SimpleNamespace(decode_context_parallel_size=1, tensor_parallel_size=tp,
+                                        pipeline_parallel_size=1),
+        model_config=SimpleNamespace(model="/ckpt/tiny-sched", revision=None, dtype=torch.float32,
+                                     served_model_name=None),
+        scheduler_config=SimpleNamespace(max_num_batched_tokens=block),
+        kv_transfer_config=SimpleNamespace(kv_load_failure_policy="recompute"),
+    )
+    kv.hash_block_size = block  # what vLLM's engine core sets at start-up
+    geo = resolve_geometry(vllm, kv)
+    settings = Settings(url=url, timeout_s=timeout_s, retry_after_s=retry_after_s)
+    return SchedulerSide(vllm, kv, settings, geo, None)
+
+
+def request(req_id: str, token_ids: list[int], salt: str | None = None, hash_block: int | None = None):
+    """A vLLM request; with ``hash_block``, its ``block_hashes`` computed as vLLM's engine
+    does on arrival (sha256, the default algorithm), at that many tokens per block."""
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    hasher = None
+    if hash_block is not None:
+        from vllm.utils.hashing import get_hash_fn_by_name
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+
+        fn = get_hash_fn_by_name("sha256")
+        init_none_hash(fn)
+        hasher = get_request_block_hasher(hash_block, fn)
+    return Request(req_id, token_ids, SamplingParams(max_tokens=1), None, cache_salt=salt,
+                   block_hasher=hasher)
