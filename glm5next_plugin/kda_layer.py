@@ -26,7 +26,6 @@ import torch
 from torch import nn
 
 from . import kda
-from .blocks import RMSNorm
 from .tp import TP1, Shard, TPInfo, tp_info
 
 

@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
 import subprocess
 import sys
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 import msgpack
 import pytest

@@ -10,7 +10,6 @@ import time
 import urllib.request
 
 import pytest
-import redis
 from redis.cluster import ClusterNode, RedisCluster
 
 from cache_server import protocol as p

@@ -286,7 +286,7 @@ def main() -> None:
         print(f"{label:18} {budget_gb:6.0f}G {name:16} {per_gb:17,.0f} {ratio:>6} "
               f"{'' if warm is None else f'{warm} of 6':>11} {by['attention'] / GB:12.2f} {by['state'] / GB:9.2f}")
     if args.sweep_gb:
-        print(f"\nseed 000 at smaller budgets (probes warm of 6 / resumable tokens per GB):")
+        print("\nseed 000 at smaller budgets (probes warm of 6 / resumable tokens per GB):")
         print(f"{'budget':>7} {'lmcache':>16} {'ours-lru':>16} {'ours-value':>16}")
     for budget_gb in args.sweep_gb:
         budget = int(budget_gb * GB)
