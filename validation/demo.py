@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import sys
 import time
@@ -67,8 +68,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"      {server.url} (HTTP {server.http_url})")
         print("[3/5] starting vllm serve with GlmCacheConnector (first start compiles; minutes on 2 cores) ...",
               flush=True)
+        # vLLM-CPU reserves one more core per rank for any KV connector (meant for NIXL); on
+        # a small machine that leaves the engine's worker spinning on too few cores. One
+        # reserved core, as without a connector (recipes/cpu-demo.md).
+        reserved = {"VLLM_CPU_NUM_OF_RESERVED_CPU": os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")}
+        print(f"      VLLM_CPU_NUM_OF_RESERVED_CPU={reserved['VLLM_CPU_NUM_OF_RESERVED_CPU']}")
         engine = VllmServer(ckpt, "--enforce-eager", "--max-num-batched-tokens", str(args.max_batched_tokens),
-                            kv_transfer_config=connector_config(server.url), max_model_len=args.max_model_len)
+                            kv_transfer_config=connector_config(server.url), max_model_len=args.max_model_len,
+                            env=reserved)
         with engine:
             geometry = [line.split("Resolved geometry:")[1].strip() for line in engine.log().splitlines()
                         if "Resolved geometry:" in line]
