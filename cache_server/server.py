@@ -232,6 +232,8 @@ class CacheServer:
             reply_header.update(ok=True, id=request_id if isinstance(request_id, int) else None)
             out = [p.pack_header(reply_header), *payloads]
         except p.ProtocolError as e:
+            if request_id is None and frames:  # refused unparsed: still answer the client's id
+                request_id = p.peek_request_id(_buffer(frames[0]))
             self.metrics.errors.labels(code=e.code.value).inc()
             out = [p.pack_header(p.error_reply(request_id, e.code, e.message))]
         except Exception as e:  # a bug must cost one request, never the server
@@ -422,11 +424,15 @@ class CacheServer:
             if frames:
                 raise p.ProtocolError(p.ErrorCode.BAD_REQUEST, "a put through shared memory carries no payload frames")
             view = self._shm_segment(h["shm"])
+            # Offset then length per key, little-endian uint64s in one bin: arrays of small
+            # integers would spend an element every few header bytes, which the header bound
+            # (protocol.unpack_header) refuses for a put of more than a few dozen objects.
             at = h["shm"].get("at")
-            if not isinstance(at, list) or len(at) != len(keys) or \
-                    not all(isinstance(x, list) and len(x) == 2 for x in at):
-                raise p.ProtocolError(p.ErrorCode.BAD_REQUEST, "shm.at must list one [offset, length] per key")
-            spans = [self._shm_span(view, off, n, f"shm.at[{i}]") for i, (off, n) in enumerate(at)]
+            if not isinstance(at, bytes) or len(at) != 16 * len(keys):
+                raise p.ProtocolError(p.ErrorCode.BAD_REQUEST,
+                                      "shm.at must be 16 bytes per key: offset and length, uint64 little-endian")
+            pairs = np.frombuffer(at, dtype="<u8").reshape(-1, 2).tolist()
+            spans = [self._shm_span(view, off, n, f"shm.at[{i}]") for i, (off, n) in enumerate(pairs)]
             total = sum(n for _, n in spans)
             if total > self.config.message_limit_bytes:  # the same bound on what one put makes us copy
                 self.metrics.limit_refusals.labels(limit="message_bytes").inc()

@@ -340,9 +340,10 @@ class CacheClient:
                     for v in payloads:
                         if v.nbytes:
                             np.copyto(seg.view[cursor:cursor + v.nbytes], np.frombuffer(v, dtype=np.uint8))
-                        at.append([cursor, v.nbytes])
+                        at += (cursor, v.nbytes)  # packed below: one bin, not an array
                         cursor = align_up(cursor + v.nbytes)
-                    reply, _ = self._request_locked({**header, "shm": {"seg": seg.seg_id, "at": at}}, (), timeout_s)
+                    reply, _ = self._request_locked(
+                        {**header, "shm": {"seg": seg.seg_id, "at": np.asarray(at, dtype="<u8").tobytes()}}, (), timeout_s)
                     return reply["results"]
                 except CacheServerError as e:
                     if not self._shm_retry_locked(e):

@@ -259,3 +259,14 @@ def test_client_timeout_after_a_dropped_message_is_unavailable_not_a_hang(server
             c.request({"op": "put", "ns": NS, "keys": [[h(3), 0, 0]]}, [b"\0" * (MAX_MESSAGE + 1)])
         assert time.monotonic() - t0 < 2.0
         c.ping()  # the same client is served after its reconnect
+
+
+def test_a_header_refused_unparsed_for_its_shape_answers_the_clients_id(server, client):
+    """A header the bound refuses while parsing (too many containers for its size) is an
+    error reply the client receives, not a silence it waits out as a dead server (which
+    would put the connector in back-off)."""
+    crowded = {"op": "ping", "pad": [[i] for i in range(4096)]}  # one array per ~3 bytes
+    with pytest.raises(CacheServerError) as e:
+        client.request(crowded)
+    assert e.value.code == "bad_request" and "not valid msgpack" in e.value.message
+    client.ping()

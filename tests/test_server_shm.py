@@ -203,7 +203,7 @@ def test_bad_shared_memory_requests_get_clear_answers(shm_server):
         seg = client._segments[0]
         with pytest.raises(CacheServerError) as e:
             client.request({"op": "put", "ns": NS, "keys": [list(_key(1))], "sums": [b"0" * 16],
-                            "shm": {"seg": seg.seg_id, "at": [[seg.size - 10, 20]]}})
+                            "shm": {"seg": seg.seg_id, "at": np.asarray([seg.size - 10, 20], dtype="<u8").tobytes()}})
         assert e.value.code == "bad_request" and "within the segment" in e.value.message
         assert client.get(NS, [_key(1)]) == [None]  # nothing was stored
 
@@ -263,3 +263,18 @@ def test_a_client_that_never_says_hello_offers_shm_at_its_first_transfer(shm_ser
     with CacheClient(shm_server.url, timeout_s=10, shm=False) as client:
         client.put(NS, [(*_key(2, 10), payload)])
         assert client.transport == "tcp"
+
+
+def test_a_put_of_many_small_objects_through_shm_is_answered(shm_server):
+    """A save batch of many small objects (a TP 4 chunk of tiny pages, or a bench filling
+    a namespace) must fit the header bound: the offsets travel packed in one bin. Before,
+    one [offset, length] array per key crossed the header bound at about 100 keys, and
+    the refusal went unanswered (no id), so the client waited out its timeout."""
+    keys = [_key(i, 0xA7) for i in range(2048)]
+    payloads = [os.urandom(64) for _ in keys]
+    with CacheClient(shm_server.url, timeout_s=10) as client:
+        client.hello(NS, 16)
+        assert client.transport == "shm"
+        assert client.put(NS, [(*k, v) for k, v in zip(keys, payloads)]) == ["stored"] * len(keys)
+        got = client.get(NS, keys)
+        assert all(g is not None and bytes(g) == v for g, v in zip(got, payloads))
