@@ -127,6 +127,10 @@ MAX_SAVE_RETRIES = 6
 RESAVE_BACKOFF_S = 0.1
 
 
+# vLLM's block hash algorithms we let the memo trust (vllm.config.cache.PrefixCachingHashAlgo).
+_CRYPTO_BLOCK_HASHES = frozenset({"sha256", "sha256_cbor"})
+
+
 class _ChunkMemo:
     """Our chunk hashes of recently seen prefixes, keyed by vLLM's own block hash at the
     chunk's end (issue 10: a 300k-token prompt took milliseconds to hash, and every turn
@@ -618,7 +622,13 @@ class SchedulerSide:
 
     def _hash_block_size(self) -> int | None:
         """The token span of ``request.block_hashes`` (vLLM sets it on the scheduler's
-        KV cache config at start-up); None where unknown."""
+        KV cache config at start-up); None where unknown, and None (no memo) unless vLLM
+        hashes blocks with a cryptographic hash: with ``xxhash`` a block-hash collision
+        would hand one prompt another's chunk keys, and so its KV from the shared cache
+        on every replica, not only a wrong local prefix hit."""
+        algo = getattr(self._vllm_config.cache_config, "prefix_caching_hash_algo", None)
+        if algo not in _CRYPTO_BLOCK_HASHES:
+            return None
         size = getattr(self._kv_cache_config, "hash_block_size", None)
         return size if isinstance(size, int) and size > 0 else None
 

@@ -169,6 +169,21 @@ def test_next_turn_takes_its_history_hashes_from_the_memo(server, side):
     assert other == []
 
 
+def test_no_memo_unless_vllm_hashes_blocks_with_a_cryptographic_hash(server):
+    """With ``--prefix-caching-hash-algo xxhash`` a block-hash collision would give one
+    prompt another's chunk keys (and its KV on every replica): the memo is not used, and
+    every chunk is hashed from its tokens."""
+    side = scheduler_side(server.url, block=C, hash_algo="xxhash")
+    try:
+        turn1 = list(range(7000, 8000))
+        assert side._hashes(request("x1", turn1, "memo", hash_block=C), 3) == chunk_hashes(turn1, C, "memo")
+        assert len(side._memo._entries) == 0
+        turn2 = turn1 + list(range(9000, 9600))
+        assert side._hashes(request("x2", turn2, "memo", hash_block=C), 6) == chunk_hashes(turn2, C, "memo")
+    finally:
+        side.shutdown()
+
+
 def test_answer_is_reused_while_the_request_waits_for_budget(server, side):
     """vLLM asks again when it could not allocate the request (no token budget this
     step): the answer given is reused for a while, without a new lookup or a step of

@@ -9,9 +9,10 @@ import torch
 
 
 def scheduler_side(url: str, *, block: int = 256, tp: int = 1, timeout_s: float = 1.0,
-                   retry_after_s: float = 1.0):
+                   retry_after_s: float = 1.0, hash_algo: str = "sha256"):
     """A :class:`connector.scheduler.SchedulerSide` for one state group and one attention
-    group of ``block`` tokens, TP ``tp``, talking to the server at ``url``."""
+    group of ``block`` tokens, TP ``tp``, talking to the server at ``url``; ``hash_algo`` is
+    vLLM's ``--prefix-caching-hash-algo``."""
     from vllm.v1 import kv_cache_interface as vkv
 
     from connector.common import Settings
@@ -27,7 +28,8 @@ def scheduler_side(url: str, *, block: int = 256, tp: int = 1, timeout_s: float 
     )
     vllm = SimpleNamespace(
         cache_config=SimpleNamespace(enable_prefix_caching=True, cache_dtype="auto", mamba_cache_dtype="auto",
-                                     mamba_ssm_cache_dtype="auto", block_size=block, mamba_block_size=block),
+                                     mamba_ssm_cache_dtype="auto", block_size=block, mamba_block_size=block,
+                                     prefix_caching_hash_algo=hash_algo),
         parallel_config=SimpleNamespace(decode_context_parallel_size=1, tensor_parallel_size=tp,
                                         pipeline_parallel_size=1),
         model_config=SimpleNamespace(model="/ckpt/tiny-sched", revision=None, dtype=torch.float32,
