@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,35 @@ def connector_engine(model: str | Path, server_url: str, *, dtype: str = "bfloat
         },
         **engine_args,
     )
+
+
+def random_prompt(n: int, seed: int) -> list[int]:
+    """``n`` token ids the tiny checkpoint's vocabulary holds, reproducible by ``seed``."""
+    rng = random.Random(seed)
+    return [rng.randrange(16, 512) for _ in range(n)]
+
+
+def tiny_glm_engine(tmp_path_factory: Any, server_url: str, chunk: int, **engine_args: Any) -> Any:
+    """The tiny GLM-5.3-Flash (seed 3), float32, with the connector on ``server_url``, a
+    prefill step and a retained state every ``chunk`` tokens (one state per chunk)."""
+    from glm5next_plugin import tiny_checkpoint
+
+    ckpt = tmp_path_factory.mktemp("tiny_glm")
+    tiny_checkpoint.main([str(ckpt), "--seed", "3"])
+    return connector_engine(ckpt, server_url, dtype="float32", max_num_batched_tokens=chunk,
+                            prefix_cache_retention_interval=chunk, seed=0, **engine_args)
+
+
+def generate_one(llm: Any, prompt: list[int], salt: str, max_tokens: int) -> tuple[list[int], float, int]:
+    """Greedy continuation of one prompt: (tokens, log-prob of the first, cached tokens)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=1, ignore_eos=True)
+    (o,) = llm.generate([TokensPrompt(prompt_token_ids=prompt, cache_salt=salt)], params,
+                        use_tqdm=False)
+    c = o.outputs[0]
+    return list(c.token_ids), c.logprobs[0][c.token_ids[0]].logprob, o.num_cached_tokens or 0
 
 
 def assert_boundary_reloads_equal_cold(llm: Any, run: Callable[..., tuple], prompt: Callable[[int, int], list[int]],

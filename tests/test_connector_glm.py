@@ -11,11 +11,10 @@ compared one at a time (see test_connector_e2e.py for why).
 
 from __future__ import annotations
 
-import random
 
 import pytest
 
-from engines import assert_boundary_reloads_equal_cold, connector_engine
+from engines import assert_boundary_reloads_equal_cold, generate_one, random_prompt, tiny_glm_engine
 
 pytestmark = pytest.mark.engine
 
@@ -23,32 +22,18 @@ C = 256
 CONTINUATION = 64
 
 
-def _prompt(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(16, 512) for _ in range(n)]
+_prompt = random_prompt
 
 
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory, server):
-    from glm5next_plugin import tiny_checkpoint
-
-    ckpt = tmp_path_factory.mktemp("tiny_glm")
-    tiny_checkpoint.main([str(ckpt), "--seed", "3"])
-    engine = connector_engine(ckpt, server.url, dtype="float32", max_num_batched_tokens=C,
-                              prefix_cache_retention_interval=C, seed=0)
+    engine = tiny_glm_engine(tmp_path_factory, server.url, C)
     yield engine
     del engine
 
 
 def _run(llm, prompt, salt, max_tokens=CONTINUATION):
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=1, ignore_eos=True)
-    (o,) = llm.generate([TokensPrompt(prompt_token_ids=prompt, cache_salt=salt)], params,
-                        use_tqdm=False)
-    c = o.outputs[0]
-    return list(c.token_ids), c.logprobs[0][c.token_ids[0]].logprob, o.num_cached_tokens or 0
+    return generate_one(llm, prompt, salt, max_tokens)
 
 
 @pytest.mark.parametrize("k", [1, 2, 3])

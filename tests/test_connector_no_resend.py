@@ -12,33 +12,25 @@ glm-cache-server, one engine for the module (see test_connector_glm.py for the s
 
 from __future__ import annotations
 
-import random
 import time
 
 import pytest
 
 from connector.client import CacheClient
 from connector.keys import chunk_hashes
-from engines import connector_engine
+from engines import random_prompt, tiny_glm_engine
 
 pytestmark = pytest.mark.engine
 
 C = 256
 
 
-def _prompt(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(16, 512) for _ in range(n)]
+_prompt = random_prompt
 
 
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory, server):
-    from glm5next_plugin import tiny_checkpoint
-
-    ckpt = tmp_path_factory.mktemp("tiny_glm")
-    tiny_checkpoint.main([str(ckpt), "--seed", "3"])
-    engine = connector_engine(ckpt, server.url, dtype="float32", max_num_batched_tokens=C,
-                              prefix_cache_retention_interval=C, seed=0)
+    engine = tiny_glm_engine(tmp_path_factory, server.url, C)
     yield engine
     del engine
 

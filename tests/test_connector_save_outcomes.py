@@ -15,7 +15,6 @@ chunk boundaries).
 
 from __future__ import annotations
 
-import random
 import threading
 import time
 
@@ -23,7 +22,7 @@ import pytest
 
 from cache_server.process import ServerProcess
 from connector.client import CacheClient
-from engines import connector_engine
+from engines import generate_one, random_prompt, tiny_glm_engine
 
 pytestmark = pytest.mark.engine
 
@@ -33,9 +32,7 @@ L1_GB = 0.05
 FILLER_GROUPS = (0, 1)
 
 
-def _prompt(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(16, 512) for _ in range(n)]
+_prompt = random_prompt
 
 
 def _hash(i: int) -> bytes:
@@ -51,12 +48,7 @@ def server():
 
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory, server):
-    from glm5next_plugin import tiny_checkpoint
-
-    ckpt = tmp_path_factory.mktemp("tiny_glm")
-    tiny_checkpoint.main([str(ckpt), "--seed", "3"])
-    engine = connector_engine(ckpt, server.url, dtype="float32", max_num_batched_tokens=C,
-                              prefix_cache_retention_interval=C, seed=0)
+    engine = tiny_glm_engine(tmp_path_factory, server.url, C)
     yield engine
     del engine
 
@@ -95,14 +87,7 @@ def _release_on_first_no_space(url: str, lease: int, stop: threading.Event) -> t
 
 
 def _run(llm, prompt, salt, max_tokens=CONTINUATION):
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=1, ignore_eos=True)
-    (o,) = llm.generate([TokensPrompt(prompt_token_ids=prompt, cache_salt=salt)], params,
-                        use_tqdm=False)
-    c = o.outputs[0]
-    return list(c.token_ids), c.logprobs[0][c.token_ids[0]].logprob, o.num_cached_tokens or 0
+    return generate_one(llm, prompt, salt, max_tokens)
 
 
 def _stats(url: str) -> dict:
