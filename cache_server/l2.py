@@ -25,9 +25,10 @@ Semantics, and why:
 * **Verification.** An L2 value is ``header || payload``; the header carries a magic, a
   digest of the full key (namespace, hash, group, rank: a value under the wrong key is
   refused), the object's checksum as its storing client wrote it (``protocol.checksum``)
-  the ``prev`` link and the chunk-tree ``parent`` (format 2; a format-1 value, written
+  the ``prev`` link and the chunk-tree ``parent`` (format 3; a format-1 value, written
   before the parent was kept, promotes with the parent unknown, as a put that does not say
-  it), so a promoted prefix is placed in its namespace's chunk tree and counts as resumable
+  it; values of formats 1-2 carry protocol v2's blake3 checksum, are verified with it and
+  promoted with today's), so a promoted prefix is placed in its namespace's chunk tree and counts as resumable
   (and is retained as such) at once. Promotion recomputes the checksum of the payload; a mismatch is
   counted (``errors{kind=checksum}``), the value deleted from L2, and the object treated as
   absent. The checksum goes into L1 with the object, so the loading client checks it again.
@@ -69,7 +70,8 @@ from cache_server.store import UNKNOWN_PARENT, ObjectStore, StoreKey
 logger = logging.getLogger("glm_cache_server.l2")
 
 MAGIC_V1 = b"GL2\x01"  # magic, key digest, checksum, prev
-MAGIC = b"GL2\x02"  # ... and the chunk-tree parent (tag byte: 0 unknown, 1 none: the first chunk, 2 a hash)
+MAGIC_V2 = b"GL2\x02"  # ... and the chunk-tree parent (tag byte: 0 unknown, 1 none: the first chunk, 2 a hash)
+MAGIC = b"GL2\x03"  # as format 2, the checksum being protocol v3's (XXH3-128; formats 1-2: blake3)
 KEY_DIGEST_BYTES = 8
 HEADER_BYTES_V1 = len(MAGIC) + KEY_DIGEST_BYTES + p.CHECKSUM_BYTES + 1 + p.HASH_BYTES
 HEADER_BYTES = HEADER_BYTES_V1 + 1 + p.HASH_BYTES
@@ -174,7 +176,7 @@ def decode_value(key: StoreKey, value: bytes) -> tuple[memoryview, bytes, bytes 
     Format-1 values (no parent) decode with the parent :data:`UNKNOWN_PARENT`."""
     view = memoryview(value)
     magic = bytes(view[:len(MAGIC)])
-    header = {MAGIC: HEADER_BYTES, MAGIC_V1: HEADER_BYTES_V1}.get(magic)
+    header = {MAGIC: HEADER_BYTES, MAGIC_V2: HEADER_BYTES, MAGIC_V1: HEADER_BYTES_V1}.get(magic)
     if header is None or len(value) < header:
         return "format"
     at = len(MAGIC)
@@ -192,6 +194,12 @@ def decode_value(key: StoreKey, value: bytes) -> tuple[memoryview, bytes, bytes 
             return "format"
         parent = None if tag == 1 else bytes(view[at + 1:at + 1 + p.HASH_BYTES]) if tag == 2 else UNKNOWN_PARENT
     payload = view[header:]
+    if magic != MAGIC:
+        # Written by a server of protocol v2: its checksum is blake3's. Verified with that,
+        # the payload gets today's checksum, which the loading client checks again.
+        if blake3(payload).digest(length=p.CHECKSUM_BYTES) != checksum:
+            return "checksum"
+        return payload, p.checksum(payload), prev, parent
     if p.checksum(payload) != checksum:
         return "checksum"
     return payload, checksum, prev, parent
