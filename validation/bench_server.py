@@ -6,7 +6,7 @@ each size, side by side:
 
 * ``memcpy``: an in-process copy of the same bytes into a buffer already touched, the
   limit any transport can reach;
-* ``checksum``: the object checksum (``protocol.checksum``, blake3) of the same bytes,
+* ``checksum``: the object checksum (``protocol.checksum``, XXH3-128) of the same bytes,
   which every get verifies on the client: a shared-memory get costs about a memcpy (the
   server's copy into the segment) plus this;
 * ``copy_verify``: that memcpy, then that checksum of the copy: the floor of a
@@ -288,16 +288,16 @@ def main() -> int:
           f"{os.cpu_count()} cores shared by server and clients; server workers "
           f"{stats['config']['workers']}, ZMQ I/O threads {stats['config']['io_threads']}; load average "
           f"{load[0]:.2f} at the start, {os.getloadavg()[0]:.2f} at the end")
-    print("copy+b3: memcpy, then blake3 of the copy, a shared-memory get's floor by this design; "
+    print("copy+sum: memcpy, then the checksum of the copy, a shared-memory get's floor by this design; "
           "get/floor: the shm get against it")
-    header = (f"{'object':<16}{'n':>5} | {'memcpy':>7} {'blake3':>7} {'copy+b3':>8} {'raw zmq':>8} | {'tcp put':>8} "
+    header = (f"{'object':<16}{'n':>5} | {'memcpy':>7} {'checksum':>8} {'copy+sum':>8} {'raw zmq':>8} | {'tcp put':>8} "
               f"{'tcp get':>8} {'p50 ms':>7} {'p99 ms':>7} {'get/raw':>8} | {'shm put':>8} {'shm get':>8} "
               f"{'p50 ms':>7} {'p99 ms':>7} {'get/memcpy':>10} {'get/floor':>9}")
     print("GB/s" + " " * (len(header) - 4))
     print(header)
     print("-" * len(header))
     for case, mem, csum, floor, raw, tput, tget, sput, sget in rows:
-        print(f"{case.name:<16}{case.iters:>5} | {mem.gbps:>7.2f} {csum.gbps:>7.2f} {floor.gbps:>8.2f} "
+        print(f"{case.name:<16}{case.iters:>5} | {mem.gbps:>7.2f} {csum.gbps:>8.2f} {floor.gbps:>8.2f} "
               f"{raw.gbps:>8.2f} | {tput.gbps:>8.2f} {tget.gbps:>8.2f} {tget.p50_ms:>7.2f} {tget.p99_ms:>7.2f} "
               f"{tget.gbps / raw.gbps:>7.2f}x | "
               f"{sput.gbps:>8.2f} {sget.gbps:>8.2f} {sget.p50_ms:>7.2f} {sget.p99_ms:>7.2f} "
