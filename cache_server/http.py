@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING
@@ -21,6 +22,12 @@ if TYPE_CHECKING:
     from cache_server.server import CacheServer
 
 logger = logging.getLogger("glm_cache_server.http")
+
+
+class _HTTPServer6(ThreadingHTTPServer):
+    """The same server on an IPv6 address (``--host ::1``)."""
+
+    address_family = socket.AF_INET6
 
 
 def start_http(server: CacheServer, host: str, port: int) -> ThreadingHTTPServer:
@@ -79,7 +86,9 @@ def start_http(server: CacheServer, host: str, port: int) -> ThreadingHTTPServer
         def log_message(self, fmt: str, *args: object) -> None:
             logger.debug("%s " + fmt, self.address_string(), *args)
 
-    httpd = ThreadingHTTPServer((host, port), Handler)
+    h = host.strip("[]")
+    server_class = _HTTPServer6 if ":" in h else ThreadingHTTPServer
+    httpd = server_class((h, port), Handler)
     httpd.daemon_threads = True
     threading.Thread(target=httpd.serve_forever, name="glm-cache-http", daemon=True).start()
     return httpd

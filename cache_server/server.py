@@ -129,9 +129,13 @@ class CacheServer:
         assert set(self._handlers) == set(p.OPS)
 
     def _bind(self, host: str, port: int) -> int:
+        h = host.strip("[]")
+        if ":" in h:  # an IPv6 literal (``::1``, ``::``): ZMQ wants it bracketed, IPv6 on
+            self._sock.setsockopt(zmq.IPV6, 1)
+            h = f"[{h}]"
         if port == 0:
-            return self._sock.bind_to_random_port(f"tcp://{host}")
-        self._sock.bind(f"tcp://{host}:{port}")
+            return self._sock.bind_to_random_port(f"tcp://{h}")
+        self._sock.bind(f"tcp://{h}:{port}")
         return port
 
     # --- loop ----------------------------------------------------------------------------

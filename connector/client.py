@@ -88,6 +88,8 @@ class CacheClient:
         if self._sock is None:
             sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
+            if "[" in self.url:  # an IPv6 literal, tcp://[::1]:port (a hostname keeps IPv4:
+                sock.setsockopt(zmq.IPV6, 1)  # with IPv6 on, localhost could resolve to ::1)
             sock.setsockopt(zmq.IMMEDIATE, 1)  # don't queue for a peer that is not connected
             sock.connect(self.url)
             self._sock = sock

@@ -349,3 +349,42 @@ def test_entering_a_started_server_process_does_not_start_a_second_one():
     with srv as same:
         assert same is srv and srv.proc is first
     assert first.poll() is not None
+
+
+def _ipv6_loopback() -> bool:
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback on this machine")
+def test_server_binds_an_ipv6_host_and_clients_reach_it():
+    """``--host ::1`` binds both sockets on IPv6 (it would not bind before: ZMQ needs the
+    address bracketed and IPv6 switched on); a client reaches ``tcp://[::1]:port``."""
+    port, http_port = free_port(), free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "cache_server.cli", "--host", "::1", "--port", str(port),
+                             "--http-port", str(http_port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://[::1]:{http_port}/healthcheck", timeout=1) as r:
+                    assert r.status == 200
+                    break
+            except OSError:
+                assert proc.poll() is None, proc.stdout.read().decode()
+                assert time.monotonic() < deadline, "no health check answer on [::1]"
+                time.sleep(0.1)
+        with CacheClient(f"tcp://[::1]:{port}", timeout_s=5) as client:
+            client.hello(NS, 16)
+            key = (chunk_hashes(list(range(16)), 16)[0], 0, 0)
+            assert client.put(NS, [(*key, b"over IPv6")]) == ["stored"]
+            assert bytes(client.get(NS, [key])[0]) == b"over IPv6"
+    finally:
+        proc.terminate()
+        proc.wait(10)
