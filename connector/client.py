@@ -291,10 +291,8 @@ class CacheClient:
                lease: bool = True, replicated_groups: Sequence[int] = ()) -> tuple[int, int | None]:
         """Deepest resumable chunk count of the prefix ``hashes`` and the lease on it;
         ``replicated_groups`` need their rank-0 copy only."""
-        reply, _ = self.request({"op": "lookup", "ns": namespace, "hashes": list(hashes),
-                                 "attn_groups": list(attn_groups), "state_groups": list(state_groups),
-                                 "world_size": world_size, "start_chunk": start_chunk, "lease": lease,
-                                 "replicated_groups": list(replicated_groups)})
+        reply = self._lookup(namespace, hashes, attn_groups, state_groups, world_size, start_chunk,
+                             lease, replicated_groups, held=False)
         return reply["chunks"], reply["lease_id"]
 
     def lookup_held(self, namespace: str, hashes: Sequence[bytes], attn_groups: Sequence[int],
@@ -305,13 +303,21 @@ class CacheClient:
         the server holds all attention objects of (every group and rank; None from a
         server that does not report it), and whether it holds every state object at
         chunk ``start_chunk - 1``."""
-        reply, _ = self.request({"op": "lookup", "ns": namespace, "hashes": list(hashes),
-                                 "attn_groups": list(attn_groups), "state_groups": list(state_groups),
-                                 "world_size": world_size, "start_chunk": start_chunk, "lease": lease,
-                                 "replicated_groups": list(replicated_groups), "held": True})
+        reply = self._lookup(namespace, hashes, attn_groups, state_groups, world_size, start_chunk,
+                             lease, replicated_groups, held=True)
         held = reply.get("held")
         return (reply["chunks"], reply["lease_id"], held if isinstance(held, int) else None,
                 reply.get("start_state") is True)
+
+    def _lookup(self, namespace: str, hashes: Sequence[bytes], attn_groups: Sequence[int],
+                state_groups: Sequence[int], world_size: int, start_chunk: int, lease: bool,
+                replicated_groups: Sequence[int], held: bool) -> dict[str, Any]:
+        header = {"op": "lookup", "ns": namespace, "hashes": list(hashes), "attn_groups": list(attn_groups),
+                  "state_groups": list(state_groups), "world_size": world_size, "start_chunk": start_chunk,
+                  "lease": lease, "replicated_groups": list(replicated_groups)}
+        if held:
+            header["held"] = True
+        return self.request(header)[0]
 
     def put(self, namespace: str, items: Sequence[tuple[bytes, int, int, Payload]],
             prev: Sequence[bytes | None] | None = None,

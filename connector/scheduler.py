@@ -257,7 +257,6 @@ class SchedulerSide:
         self._kv_cache_config = kv_cache_config
         self._kv_cache_manager: KVCacheManager | None = None  # bound by vLLM via the connector
         self._geometry = geometry
-        self._refused_layout = refused_layout
         self._strict_prefix = settings.strict_prefix
         self._save_decode = settings.save_decode
         self._url = settings.url

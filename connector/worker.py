@@ -85,7 +85,6 @@ class WorkerSide:
         self._loads_done: set[str] = set()
         self._loads_failed: set[str] = set()
         self._pending_save_bytes = 0
-        self._dropped_saves = 0
         self._failed_saves: list[SaveFailure] = []
         self.stats: collections.Counter[str] = collections.Counter(
             loaded_objects=0, saved_objects=0, load_failures=0)
@@ -239,7 +238,6 @@ class WorkerSide:
             self._pending_save_bytes += total
             dropped = moves[admitted:]
             if dropped:
-                self._dropped_saves += len(dropped)
                 self._record_failures(dropped, SAVE_DROPPED)
         if dropped:
             logger.warning(
