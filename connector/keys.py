@@ -63,15 +63,17 @@ def extend_chunk_hashes(hashes: list[bytes], token_ids: Sequence[int], chunk_siz
         n_chunks = min(n_chunks, max_chunks)
     if n_chunks <= done:
         return hashes
-    if done == 0 and isinstance(token_ids, list) and len(token_ids) - n_chunks * chunk_size < chunk_size:
-        # The whole list (at most a partial chunk more): packing it directly saves a copy
-        # of every item reference; the tail is cut off the bytes.
+    begin, end = done * chunk_size, n_chunks * chunk_size
+    if isinstance(token_ids, list) and len(token_ids) - (end - begin) < min(end - begin, 4 * chunk_size):
+        # Little of the list lies outside the chunks to hash (at most a few chunks before
+        # them, a partial chunk after): packing it whole saves copying every item
+        # reference into a slice first; the rest is cut off the bytes.
         try:
-            data = _pack_be_u32(token_ids)[:4 * n_chunks * chunk_size]
-        except ValueError:  # an invalid id, maybe in the unhashed tail: the exact path says
-            data = _pack_be_u32(token_ids[:n_chunks * chunk_size])
+            data = _pack_be_u32(token_ids)[4 * begin:4 * end]
+        except ValueError:  # an invalid id, maybe outside the chunks: the exact path says
+            data = _pack_be_u32(token_ids[begin:end])
     else:
-        data = _pack_be_u32(token_ids[done * chunk_size:n_chunks * chunk_size])
+        data = _pack_be_u32(token_ids[begin:end])
     step = 4 * chunk_size
     prev = hashes[-1] if hashes else chain_seed(cache_salt)
     append = hashes.append

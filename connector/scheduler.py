@@ -24,7 +24,8 @@ import collections
 import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from connector.client import CacheClient
@@ -80,7 +81,14 @@ class _Answer:
     held: int | None = None  # None: a server that does not report it
     start_state: bool = False
     error: BaseException | None = None
+    # the request's chunk hashes, when the lookup thread computed them (after a probe hit)
+    hashes: list[bytes] | None = None
 
+
+# Prefixes of at least this many chunks, hashed by nobody here yet, are probed (first
+# chunk only) before being hashed whole: 260 chunks of a 300k-token prompt take about 2 ms
+# to hash on the scheduler thread, a probe a few microseconds.
+_PROBE_MIN_CHUNKS = 4
 
 # How long an answer given to vLLM stays good for the same request asking again without
 # having been allocated (its lease keeps the objects meanwhile; the server's TTL is 60 s).
@@ -502,9 +510,18 @@ class SchedulerSide:
         if pending is None:
             if not self._within_wait(req_id):
                 return self._cold(req_id)
-            hashes = self._hashes(request, max_chunks)[:max_chunks]
-            future = self._lookup_pool.submit(self._lookup_io, self._namespace, hashes, start,
-                                              want_load)
+            hashes = self._hashes(request, max_chunks, memo_only=True)
+            if not hashes and start == 0 and want_load and max_chunks >= _PROBE_MIN_CHUNKS:
+                # A prefix nobody here has seen: ask for its first chunk before hashing it
+                # all (most such prompts are nowhere; a hit hashes the rest off this thread).
+                first = self._hashes(request, 1)[:1]
+                future = self._lookup_pool.submit(self._probe_io, self._namespace, first,
+                                                  self._tokens(request, max_chunks), C,
+                                                  request.cache_salt, max_chunks)
+            else:
+                hashes = self._hashes(request, max_chunks)[:max_chunks]
+                future = self._lookup_pool.submit(self._lookup_io, self._namespace, hashes, start,
+                                                  want_load)
             self._lookups[req_id] = _Lookup(key, future,
                                             time.monotonic() + self._answer_wait_s())
             return None, False
@@ -515,6 +532,8 @@ class SchedulerSide:
         del self._lookups[req_id]
         self._first_asked.pop(req_id, None)
         answer = pending.future.result()
+        if answer.hashes is not None:
+            self._adopt_hashes(request, answer.hashes)
         if answer.error is not None:
             return 0, False
         if answer.lease_id is not None:
@@ -596,11 +615,44 @@ class SchedulerSide:
             return _Answer(error=e)
         return _Answer(n, lease_id, held, start_state)
 
-    def _hashes(self, request: Request, n_chunks: int) -> list[bytes]:
+    def _probe_io(self, namespace: str, first: list[bytes], tokens: Sequence[int], C: int,
+                  cache_salt: str | None, n_chunks: int) -> _Answer:
+        """The lookup thread's part for a prefix not hashed yet: is its first chunk's
+        attention on the server (no lease)? No: nothing deeper can resume either, and the
+        other ``n_chunks - 1`` chunks are never hashed for it (a cold request hashes its
+        chunks as they are saved). Yes, or a server that does not say: hash the prefix
+        here and look it up as usual; the hashes travel back with the answer."""
+        probe = self._lookup_io(namespace, first, 0, lease=False)
+        if probe.error is not None:
+            return probe
+        if probe.held == 0:
+            return _Answer(0, None, 0, False)
+        hashes = extend_chunk_hashes(list(first), tokens, C, cache_salt, max_chunks=n_chunks)
+        return replace(self._lookup_io(namespace, hashes, 0, lease=True), hashes=hashes)
+
+    def _adopt_hashes(self, request: Request, hashes: list[bytes]) -> None:
+        """Keep chunk hashes the lookup thread computed for ``request`` (a prefix of the
+        same chain as any it already has)."""
+        known = self._hashes(request, 0, memo_only=True)
+        if len(hashes) > len(known):
+            done = len(known)
+            known.extend(hashes[done:])
+            self._memo.remember(known, request, self._geometry.chunk_size, done, self._hash_block_size())
+
+    def _tokens(self, request: Request, n_chunks: int) -> Sequence[int]:
+        """The token ids of the first ``n_chunks`` chunks: the prompt, a plain list, when
+        they lie in it (``all_token_ids`` is a read-only view that copies on slicing)."""
+        prompt = request.prompt_token_ids
+        if isinstance(prompt, list) and len(prompt) >= n_chunks * self._geometry.chunk_size:
+            return prompt
+        return request.all_token_ids
+
+    def _hashes(self, request: Request, n_chunks: int, memo_only: bool = False) -> list[bytes]:
         """The request's chunk hashes, at least ``n_chunks`` of them (if it has the
         tokens): computed once per request and extended as it grows; chunks an earlier
         request already hashed (the previous turn of a conversation) are taken from
-        :class:`_ChunkMemo` instead of hashed again."""
+        :class:`_ChunkMemo` instead of hashed again. ``memo_only``: only what is known
+        or in the memo, nothing hashed."""
         C = self._geometry.chunk_size
         entry = self._keys.get(request.request_id)
         if entry is None or entry[0] != C:
@@ -610,13 +662,10 @@ class SchedulerSide:
         if len(hashes) < n_chunks:
             done = len(hashes)
             self._memo.extend(hashes, request, C, n_chunks, self._hash_block_size())
-            # The prompt is a plain list (all_token_ids a read-only view that copies on
-            # slicing); take it when the chunks lie in the prompt.
-            prompt = request.prompt_token_ids
-            tokens = prompt if isinstance(prompt, list) and len(prompt) >= n_chunks * C \
-                else request.all_token_ids
-            extend_chunk_hashes(hashes, tokens, C, request.cache_salt, max_chunks=n_chunks)
-            self._memo.remember(hashes, request, C, done, self._hash_block_size())
+            if not memo_only:
+                extend_chunk_hashes(hashes, self._tokens(request, n_chunks), C, request.cache_salt,
+                                    max_chunks=n_chunks)
+                self._memo.remember(hashes, request, C, done, self._hash_block_size())
         return hashes
 
     def _hash_block_size(self) -> int | None:

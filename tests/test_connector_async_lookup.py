@@ -209,3 +209,36 @@ def test_answer_is_reused_while_the_request_waits_for_budget(server, side):
         while c.stats()["active_leases"] > leases - 1 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert c.stats()["active_leases"] == leases - 1
+
+
+def test_a_prefix_not_on_the_server_is_probed_not_hashed(server, side):
+    """A long prompt nobody has seen: one lookup of its first chunk's key says the server
+    has none of it, and its other chunks are not hashed at admission (a 300k-token prompt
+    took about 2 ms of the scheduler thread); the save path hashes them as they are saved,
+    to the same keys, and knows nothing is held (no resend logic is fooled)."""
+    tokens = list(range(20000, 21400))  # 1400 tokens: strict prefix 5 chunks
+    req = request("probe-miss", tokens, "probe")
+    with CacheClient(server.url) as c:
+        lookups = c.stats()["lookups"]
+        out, _ = _ask_until_answered(side, req)
+        assert out == (0, False)
+        assert c.stats()["lookups"] == lookups + 1  # the probe alone
+    assert side._keys["probe-miss"][1] == chunk_hashes(tokens, C, "probe")[:1]
+    assert side._hits["probe-miss"].held == 0
+    assert side._hashes(req, 5) == chunk_hashes(tokens, C, "probe")[:5]
+
+
+def test_a_probe_hit_is_looked_up_whole_with_hashes_from_the_lookup_thread(server, side):
+    """The first chunk is there: the lookup thread hashes the rest and asks for all of it
+    (leased); the answer brings the request's hashes back, the same as hashing here."""
+    tokens = list(range(22000, 23400))
+    _store_prefix(server, side._namespace, tokens, "probe", 4)
+    req = request("probe-hit", tokens, "probe")
+    with CacheClient(server.url) as c:
+        lookups, leases = c.stats()["lookups"], c.stats()["active_leases"]
+        out, _ = _ask_until_answered(side, req)
+        assert out == (4 * C, True)
+        assert c.stats()["lookups"] == lookups + 2  # the probe, then the whole prefix
+        assert c.stats()["active_leases"] == leases + 1
+    assert side._keys["probe-hit"][1] == chunk_hashes(tokens, C, "probe")[:5]
+    side.request_finished(req, [])

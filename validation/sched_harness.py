@@ -9,10 +9,12 @@ import torch
 
 
 def scheduler_side(url: str, *, block: int = 256, tp: int = 1, timeout_s: float = 1.0,
-                   retry_after_s: float = 1.0, hash_algo: str = "sha256"):
+                   retry_after_s: float = 1.0, hash_algo: str = "sha256", latent_rows: bool = False):
     """A :class:`connector.scheduler.SchedulerSide` for one state group and one attention
     group of ``block`` tokens, TP ``tp``, talking to the server at ``url``; ``hash_algo`` is
-    vLLM's ``--prefix-caching-hash-algo``."""
+    vLLM's ``--prefix-caching-hash-algo``. ``latent_rows``: the attention group has the
+    sparse-MLA plugin's shape (one K-only row per token, the same bytes on every rank), so
+    it is stored once for all ranks, as GLM-5.3-Flash's is."""
     from vllm.v1 import kv_cache_interface as vkv
 
     from connector.common import Settings
@@ -21,7 +23,8 @@ def scheduler_side(url: str, *, block: int = 256, tp: int = 1, timeout_s: float 
 
     state = vkv.MambaSpec(block_size=block, shapes=((3, 64), (2, 16, 16)),
                           dtypes=(torch.float32, torch.float32), mamba_cache_mode="align")
-    attn = vkv.FullAttentionSpec(block_size=block, num_kv_heads=1, head_size=64, dtype=torch.float32)
+    attn = vkv.FullAttentionSpec(block_size=block, num_kv_heads=1, head_size=64, dtype=torch.float32,
+                                 **({"head_size_v": 0} if latent_rows else {}))
     kv = vkv.KVCacheConfig(
         num_blocks=64, kv_cache_tensors=[],
         kv_cache_groups=[vkv.KVCacheGroupSpec(["layers.0"], state), vkv.KVCacheGroupSpec(["layers.1"], attn)],
