@@ -343,12 +343,32 @@ def resolve_geometry(
     return Geometry(tuple(groups), tuple(tokens_per_block), block, chunk_size or block)
 
 
+def model_cache_row_format(vllm_config: VllmConfig) -> str | None:
+    """The cache-row format the engine's model class declares (class attribute
+    ``kv_cache_row_format``), or None when it declares none (vLLM's own models).
+
+    A model whose page sizes stay the same while what the bytes mean changes (the GLM
+    plugin storing pool keys in its rows) declares a new format, so that objects saved by
+    the old code land in another namespace and are never loaded into the new one. Read
+    from the class vLLM resolves for the model config (cached by vLLM; importing the class
+    builds nothing), so the scheduler sees it without the model's layers."""
+    from vllm.model_executor.model_loader.utils import get_model_cls
+
+    fmt = getattr(get_model_cls(vllm_config.model_config), "kv_cache_row_format", None)
+    return None if fmt is None else str(fmt)
+
+
 def engine_fingerprint(
-    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, geometry: Geometry
+    vllm_config: VllmConfig,
+    kv_cache_config: KVCacheConfig,
+    geometry: Geometry,
+    row_format: str | None = None,
 ) -> str:
     """Namespace for this engine's cache entries: bytes are only valid for an engine with
-    the same model, dtypes, cache group geometry, block sizes and parallel layout. The
-    chunk size is left out: it is negotiated per namespace, and keys already depend on it."""
+    the same model, dtypes, cache group geometry, block sizes, parallel layout and cache
+    row format (``row_format``: :func:`model_cache_row_format`; None, and then left out of
+    the digest, for models that declare none). The chunk size is left out: it is
+    negotiated per namespace, and keys already depend on it."""
     model_config = vllm_config.model_config
     parallel = vllm_config.parallel_config
     cache_config = vllm_config.cache_config
@@ -374,6 +394,8 @@ def engine_fingerprint(
         ],
         "group_tokens_per_block": list(geometry.group_tokens_per_block),
     }
+    if row_format is not None:
+        desc["cache_row_format"] = row_format
     digest = hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).hexdigest()[:16]
     name = str(model_config.served_model_name or model_config.model).rstrip("/")
     return f"{name.split('/')[-1]}-{digest}"

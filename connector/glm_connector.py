@@ -67,6 +67,7 @@ from connector.common import (  # noqa: F401  (re-exported: the connector's publ
     resolve_or_disable,
     uncacheable_reason,
 )
+from connector.geometry import model_cache_row_format
 from connector.scheduler import SchedulerSide
 from connector.worker import WorkerSide
 
@@ -99,7 +100,9 @@ class GlmCacheConnector(KVConnectorBase_V1, SupportsHMA):
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = SchedulerSide(vllm_config, kv_cache_config, settings, geometry, refused)
+            # the model's cache-row format joins the namespace (rows of another format never load)
+            self._scheduler = SchedulerSide(vllm_config, kv_cache_config, settings, geometry, refused,
+                                            row_format=model_cache_row_format(vllm_config))
         else:
             self._worker = WorkerSide(vllm_config, kv_cache_config, settings, geometry, refused)
 

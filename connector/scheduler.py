@@ -260,8 +260,10 @@ class SchedulerSide:
     """The connector's scheduler role (one per engine)."""
 
     def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
-                 settings: Settings, geometry: Geometry, refused_layout: str | None) -> None:
+                 settings: Settings, geometry: Geometry, refused_layout: str | None,
+                 row_format: str | None = None) -> None:
         self._vllm_config = vllm_config
+        self._row_format = row_format  # the model's cache-row format, part of the namespace
         self._kv_cache_config = kv_cache_config
         self._kv_cache_manager: KVCacheManager | None = None  # bound by vLLM via the connector
         self._geometry = geometry
@@ -326,7 +328,7 @@ class SchedulerSide:
                             state_groups=[g.group_id for g in geo.state_groups])
 
     def _fingerprint(self) -> str:
-        return engine_fingerprint(self._vllm_config, self._kv_cache_config, self._geometry)
+        return engine_fingerprint(self._vllm_config, self._kv_cache_config, self._geometry, self._row_format)
 
     def _handshake_state(self) -> bool | None:
         """True when negotiated; None while a background handshake is under way; False

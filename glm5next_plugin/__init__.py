@@ -16,8 +16,9 @@ What the plugin puts in vLLM's cache (what a KV connector sees):
 
 - one full-attention group for the sparse-MLA layers, one row per token
   ``[latent (kv_lora_rank) | indexer key | kpool gate (index_head_dim each)]`` in the model
-  dtype; kpool pools are rebuilt from these rows, so there is no tail scratch group and
-  every block-aligned prefix is complete;
+  dtype, except that a pool's closing row holds the pool's key in place of its gate
+  (``mla_layer.CACHE_ROW_FORMAT``); every row depends only on its prefix, so there is no
+  tail scratch group and every block-aligned prefix is complete;
 - state ("Mamba") groups for the KDA layers, GDN metadata, per slot conv
   ``(conv_kernel - 1, 3 * heads * head_dim)`` (model dtype) and recurrent
   ``(heads, head_dim, head_dim)`` ``[H, V, K]`` (fp32 unless ``mamba_ssm_cache_dtype``);

@@ -1,14 +1,17 @@
 """Sparse MLA layer with its cache in vLLM's paged KV cache.
 
-Cache row per token (one "head", ``kv_lora_rank + 2 * index_head_dim`` values)::
+Cache row per token (one "head", ``kv_lora_rank + 2 * index_head_dim`` values), row
+format :data:`CACHE_ROW_FORMAT`::
 
     [ MLA latent c (kv_lora_rank) | indexer key k (index_head_dim) | kpool gate z (index_head_dim) ]
 
-New rows are written through ``slot_mapping``; a request's rows are read back through
-its block table, so prefix-cached blocks (or blocks a connector loaded) are used as
-they are. The cache group is an ordinary full-attention group: every block-aligned
-prefix is self-contained (see :mod:`glm5next_plugin.sparse_mla` for why no tail buffer
-is needed).
+except that the row of a token closing a pool (position ``i``, ``(i + 1) % kpool == 0``)
+holds its pool's key in place of ``z`` (see :mod:`glm5next_plugin.sparse_mla`). New rows
+are written through ``slot_mapping``; then each pool the step completed gets its key
+from its rows (earlier ones read through the block table). A request's rows are read
+back through its block table, so prefix-cached blocks (or blocks a connector loaded) are
+used as they are. The cache group is an ordinary full-attention group: each row depends
+only on the prefix up to its token, so every block-aligned prefix is self-contained.
 
 Tensor parallel: attention heads are split across ranks (``q_b_proj`` and ``kv_b_proj``
 column-parallel by heads, ``o_proj`` row-parallel; its bias, if any, is added on rank 0
@@ -30,6 +33,13 @@ from torch import nn
 from . import sparse_mla
 from .blocks import RMSNorm
 from .tp import TP1, Shard, TPInfo, tp_info
+
+# What the bytes of a sparse-MLA cache row mean; bumped whenever that changes, and part of
+# the external cache's namespace (connector.geometry.engine_fingerprint reads it from the
+# model class), so rows an older plugin saved are never loaded into this one.
+# 1: [latent | k | z] for every token (pools rebuilt every step).
+# 2: as 1, but a pool's closing row holds the pool key in place of its z.
+CACHE_ROW_FORMAT = "glm5next-plugin-sparse-mla-rows/2"
 
 
 class Indexer(nn.Module):
@@ -77,6 +87,8 @@ class SparseMLAProjections(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.v_head_dim, hidden, bias=bias)
         self.indexer = Indexer(config)
         self.row_size = config.kv_lora_rank + 2 * config.index_head_dim
+        self.index_cols = slice(config.kv_lora_rank, self.row_size)  # k and z
+        self.pool_key_cols = slice(config.kv_lora_rank + config.index_head_dim, self.row_size)  # z / pool key
 
     def cache_rows(self, x: torch.Tensor) -> torch.Tensor:
         """What each new token leaves in the cache: ``[T, row_size]``."""
@@ -86,19 +98,38 @@ class SparseMLAProjections(nn.Module):
         z = torch.nn.functional.linear(x, ix.index_kpool_compress_gate)
         return torch.cat([latent, k.to(latent.dtype), z.to(latent.dtype)], dim=-1)
 
+    def pool_keys_at(self, closing: torch.Tensor, fetch, dtype: torch.dtype) -> torch.Tensor:
+        """Keys ``[P, index_head_dim]`` of the pools closed at positions ``closing`` ``[P]``,
+        from their ``kpool`` rows' raw ``k`` and ``z`` read through ``fetch(idx, cols)``
+        (rows not yet holding a pool key: every row of a pool but its closing one, and the
+        closing row as written this step)."""
+        ix = self.indexer
+        idx = closing[:, None] + torch.arange(1 - self.kpool, 1, device=closing.device)  # [P, kpool]
+        cols = fetch(idx.reshape(-1), self.index_cols).to(dtype)
+        keys, gates = cols.split([ix.head_dim, ix.head_dim], dim=-1)
+        return sparse_mla.pool_keys(keys, gates, ix.index_kpool_compress_ape)
+
+    def close_pools(self, rows: torch.Tensor) -> torch.Tensor:
+        """A whole sequence's rows as the cache holds them: ``rows`` ``[S, row_size]`` from
+        :meth:`cache_rows` (position 0 first) with each complete pool's key stored in its
+        closing row (standalone use, tests and tools; the paged path does it per step)."""
+        closing = sparse_mla.closing_positions(0, rows.shape[0], self.kpool, rows.device)
+        out = rows.clone()
+        keys = self.pool_keys_at(closing, lambda idx, cols: rows[idx, cols], rows.dtype)
+        out[closing, self.pool_key_cols] = keys.to(rows.dtype)
+        return out
+
     def attend(self, x: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Queries ``x`` ``[T, hidden]`` at ``positions`` over the sequence's cached ``rows``
-        ``[S, row_size]`` (the queries' own rows included)."""
-        return self.attend_rows(
-            x, positions, rows.shape[0], lambda idx, cols: rows[idx, cols], lambda n, cols: rows[:n, cols]
-        )
+        ``[S, row_size]`` in cache format (:meth:`close_pools`; the queries' own rows included)."""
+        return self.attend_rows(x, positions, rows.shape[0], lambda idx, cols: rows[idx, cols])
 
-    def attend_rows(self, x: torch.Tensor, positions: torch.Tensor, seq_len: int, fetch, fetch_prefix) -> torch.Tensor:
+    def attend_rows(self, x: torch.Tensor, positions: torch.Tensor, seq_len: int, fetch) -> torch.Tensor:
         """Sparse absorbed attention of ``x`` ``[T, hidden]`` at ``positions`` over a sequence
-        of ``seq_len`` cached rows read through ``fetch(token_indices, column_slice)`` and
-        ``fetch_prefix(num_tokens, column_slice)`` (the first tokens, in order).
+        of ``seq_len`` cached rows (pool keys stored) read through
+        ``fetch(token_indices, column_slice)``.
 
-        Only the index columns of complete pools and the latents of the chosen tokens are
+        Only the stored key of each complete pool and the latents of the chosen tokens are
         read; ``kv_b_proj`` is never applied to cached rows (see :mod:`.sparse_mla`)."""
         t = x.shape[0]
         ix = self.indexer
@@ -108,10 +139,8 @@ class SparseMLAProjections(nn.Module):
         w = self.kv_b_proj.weight.view(self.num_heads, self.qk_head_dim + self.v_head_dim, r)
         w_k, w_v = w[:, : self.qk_head_dim], w[:, self.qk_head_dim :]  # [H, Dq, R], [H, Dv, R]
 
-        n_full = (seq_len // self.kpool) * self.kpool
-        index_cols = fetch_prefix(n_full, slice(r, None)).to(x.dtype)
-        keys, gates = index_cols.split([ix.head_dim, ix.head_dim], dim=-1)
-        pooled = sparse_mla.pool_keys(keys, gates, ix.index_kpool_compress_ape)
+        closing = sparse_mla.closing_positions(0, seq_len, self.kpool, x.device)
+        pooled = fetch(closing, self.pool_key_cols).to(x.dtype)  # [P, Dk]
         index_q = ix.wq_b(q_resid).view(t, ix.n_heads, ix.head_dim)
         head_w = ix.weights_proj(x).float() * ix.n_heads**-0.5
         out = sparse_mla.sparse_mla_absorbed(
@@ -128,12 +157,12 @@ class SparseMLAProjections(nn.Module):
         ix = self.indexer
         q_resid = self.q_a_layernorm(self.q_a_proj(x))
         q = self.q_b_proj(q_resid).view(t, self.num_heads, self.qk_head_dim)
-        latent, keys, gates = rows.split([self.kv_lora_rank, ix.head_dim, ix.head_dim], dim=-1)
+        latent = rows[:, : self.kv_lora_rank]
         kv = self.kv_b_proj(latent).view(s, self.num_heads, self.qk_head_dim + self.v_head_dim)
         k, v = kv.split([self.qk_head_dim, self.v_head_dim], dim=-1)
         index_q = ix.wq_b(q_resid).view(t, ix.n_heads, ix.head_dim)
         head_w = ix.weights_proj(x).float() * ix.n_heads**-0.5
-        pooled = sparse_mla.pool_keys(keys, gates, ix.index_kpool_compress_ape)
+        pooled = rows[sparse_mla.closing_positions(0, s, self.kpool, rows.device), self.pool_key_cols]
         mask = sparse_mla.select_tokens(index_q, head_w, pooled, positions, s, self.kpool, self.index_topk)
         out = sparse_mla.masked_attention(q, k, v, mask, self.qk_head_dim**-0.5)
         return self.project_out(out.reshape(t, -1))
@@ -145,11 +174,42 @@ class SparseMLAProjections(nn.Module):
 
     def forward_sequence(self, x: torch.Tensor) -> torch.Tensor:
         """A whole fresh sequence (standalone use and tests)."""
-        return self.attend(x, self.cache_rows(x), torch.arange(x.shape[0], device=x.device))
+        return self.attend(x, self.close_pools(self.cache_rows(x)), torch.arange(x.shape[0], device=x.device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Standalone: ``x`` is one whole fresh sequence."""
         return self.forward_sequence(x)
+
+    def forward_paged(self, x: torch.Tensor, cache: torch.Tensor, md: SparseMLAMetadata) -> torch.Tensor:
+        """One step of a batch over a paged ``cache`` ``[num_blocks, block_size, row_size]``:
+        write the step's rows, store the keys of the pools they complete, attend."""
+        bs = cache.shape[1]
+        n = md.num_actual_tokens
+        rows = self.cache_rows(x[:n]).to(cache.dtype)
+        slots = md.slot_mapping.long()
+        ok = slots >= 0
+        cache[slots[ok] // bs, slots[ok] % bs] = rows[ok]
+        out = torch.zeros_like(x)
+        for i in range(md.num_reqs):
+            start, end = md.query_start_loc[i], md.query_start_loc[i + 1]
+            if end == start:
+                continue
+            seq_len = md.seq_lens[i]
+            row = md.block_table[i].long()
+
+            def fetch(idx, cols, row=row):
+                # only the requested tokens and columns leave the paged cache
+                return cache[row[idx // bs], idx % bs, cols]
+
+            first = seq_len - (end - start)
+            closing = sparse_mla.closing_positions(first, seq_len, self.kpool, x.device)
+            if closing.numel():
+                # pools this step completed (their first rows may come from earlier steps)
+                keys = self.pool_keys_at(closing, fetch, x.dtype)
+                cache[row[closing // bs], closing % bs, self.pool_key_cols] = keys.to(cache.dtype)
+            positions = torch.arange(first, seq_len, device=x.device)
+            out[start:end] = self.attend_rows(x[start:end], positions, seq_len, fetch)
+        return out
 
 
 @dataclass
@@ -211,6 +271,8 @@ def _backend_class():
 
         # The cache row of one token, in values; set on the per-geometry subclass.
         row_size: ClassVar[int] = 0
+        # What the row's bytes mean (see CACHE_ROW_FORMAT).
+        cache_row_format: ClassVar[str] = CACHE_ROW_FORMAT
 
         @classmethod
         def customize_spec(cls, spec):
@@ -297,30 +359,4 @@ class SparseMLALayer(SparseMLAProjections, _attention_layer_base()):
         if metadata is None:  # profiling / dummy run
             return torch.zeros_like(x)
         md: SparseMLAMetadata = metadata[self.prefix]
-        cache = self.kv_cache[:, 0]  # [num_blocks, block_size, row_size]
-        bs = cache.shape[1]
-        n = md.num_actual_tokens
-        rows = self.cache_rows(x[:n]).to(cache.dtype)
-        slots = md.slot_mapping.long()
-        ok = slots >= 0
-        cache[slots[ok] // bs, slots[ok] % bs] = rows[ok]
-        out = torch.zeros_like(x)
-        for i in range(md.num_reqs):
-            start, end = md.query_start_loc[i], md.query_start_loc[i + 1]
-            if end == start:
-                continue
-            seq_len = md.seq_lens[i]
-            row = md.block_table[i].long()
-
-            def fetch(idx, cols, row=row):
-                # only the requested tokens and columns leave the paged cache
-                return cache[row[idx // bs], idx % bs, cols]
-
-            def fetch_prefix(n, cols, row=row):
-                # whole blocks, one index per block: cheaper than one per token
-                picked = cache[row[: -(-n // bs)], :, cols]
-                return picked.reshape(-1, picked.shape[-1])[:n]
-
-            positions = torch.arange(seq_len - (end - start), seq_len, device=x.device)
-            out[start:end] = self.attend_rows(x[start:end], positions, seq_len, fetch, fetch_prefix)
-        return out
+        return self.forward_paged(x, self.kv_cache[:, 0], md)  # cache [num_blocks, block_size, row_size]

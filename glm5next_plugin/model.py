@@ -32,7 +32,7 @@ from torch import nn
 from .blocks import MLP, HyperConnection, MoE, RMSNorm
 from .checkpoint_names import canonical_names
 from .kda_layer import KDAProjections, KDAStateLayer, kda_state_dtype, kda_state_shape
-from .mla_layer import SparseMLALayer, SparseMLAProjections
+from .mla_layer import CACHE_ROW_FORMAT, SparseMLALayer, SparseMLAProjections
 from .tp import TP1, Shard, TPInfo, shard_tensor, tp_info
 
 logger = logging.getLogger("vllm.glm5next_plugin.model")
@@ -264,6 +264,9 @@ class Glm5NextForConditionalGeneration(nn.Module, *_vllm_interfaces()):
     has_inner_state: ClassVar[Literal[True]] = True
     is_hybrid: ClassVar[Literal[True]] = True
     supports_mamba_prefix_caching: ClassVar[Literal[True]] = True
+    # What the bytes of this model's cache rows mean: part of the external cache's namespace
+    # (connector.geometry.engine_fingerprint), so rows saved by another row format never load.
+    kv_cache_row_format: ClassVar[str] = CACHE_ROW_FORMAT
 
     def __init__(self, *, vllm_config, prefix: str = "") -> None:
         super().__init__()

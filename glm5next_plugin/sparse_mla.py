@@ -27,12 +27,18 @@ tie-free scores all three agree. Attention then runs over
 exactly those tokens. Until a query sees more pools than it may keep, that is plain
 causal attention; past it, the selection matters.
 
-Pools are rebuilt from the cached per-token keys on every step rather than stored, so the
-cache holds whole tokens only: any block-aligned prefix of it is valid on its own, and
-nothing per-request (no tail buffer) has to live outside the prefix-cacheable pages.
-Rebuilding reads only the index columns (``2 * index_head_dim`` values a token, not the
-latent) and costs ``O(S * index_head_dim)`` a step, the same order as scoring one query
-against the pools, which no layout avoids.
+Each pool's key is computed once, in the step that writes the pool's last token (its
+*closing* token, position ``i`` with ``(i + 1) % kpool == 0``), from its ``kpool`` rows' raw
+``k`` and ``z`` (earlier rows read back from the cache), and stored in the closing token's
+row in place of that token's gate ``z``, which nothing reads once the pool is complete.
+Every row is still a function of the prefix up to its own token, so every block-aligned
+prefix of the cache is valid on its own (prefix caching and a connector move blocks as
+bytes) and nothing per-request lives outside the prefix-cacheable pages. A step then reads
+one stored key per pool (``P * index_head_dim`` values) instead of rebuilding all pools
+from ``2 * S * index_head_dim`` values and a softmax; scoring one query against the pools
+stays ``O(P * index_head_dim)`` per indexer head, which no layout avoids. The key is a pure
+function of its ``kpool`` cached rows, so it is the same bytes however the prompt was split
+into steps. :func:`pool_keys` is that function; :func:`closing_positions` names the rows.
 
 Two formulations of the attention live here:
 
@@ -64,6 +70,13 @@ def pool_keys(keys: torch.Tensor, gate_scores: torch.Tensor, ape: torch.Tensor) 
     z = gate_scores[: n_pools * kpool].view(n_pools, kpool, dk).float() + ape.float()
     weights = z.softmax(dim=1).to(k.dtype)
     return (weights * k).sum(dim=1)
+
+
+def closing_positions(start: int, end: int, kpool: int, device=None) -> torch.Tensor:
+    """Positions in ``[start, end)`` that close a pool (``(i + 1) % kpool == 0``): the rows
+    whose gate columns hold their pool's key once written."""
+    first = start + (kpool - 1 - start) % kpool
+    return torch.arange(first, max(first, end), kpool, device=device)
 
 
 def top_pools(index_scores: torch.Tensor, keep: int) -> torch.Tensor:
@@ -210,18 +223,22 @@ def select_pools(
 def gather_index(chosen: torch.Tensor, positions: torch.Tensor, kpool: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Token indices each query attends to: its chosen pools' tokens then its tail.
 
-    Returns ``tokens`` ``[T, (keep + 1) * kpool]`` (clamped to valid indices) and
-    ``valid`` of the same shape (False for unused pool slots and tail slots past the query).
+    Returns ``tokens`` ``[T, (keep + 1) * kpool]`` and ``valid`` of the same shape (False
+    for unused pool slots and tail slots past the query). Invalid slots point at the query's
+    own token: a row already written, so a masked slot never reads a row this sequence has
+    not written yet (whatever an unwritten slot holds, even NaN, cannot leak through
+    ``0 * x``).
     """
     t_len, keep = chosen.shape
     dev = chosen.device
     within = torch.arange(kpool, device=dev)
+    own = positions[:, None]
     pool_tok = (chosen.clamp(min=0)[:, :, None] * kpool + within).reshape(t_len, keep * kpool)
     pool_ok = (chosen >= 0)[:, :, None].expand(t_len, keep, kpool).reshape(t_len, keep * kpool)
     tail_start = positions + 1 - (positions + 1) % kpool
     tail_tok = tail_start[:, None] + within[None, :]
-    tail_ok = tail_tok <= positions[:, None]
-    tokens = torch.cat([pool_tok, torch.where(tail_ok, tail_tok, torch.zeros_like(tail_tok))], dim=1)
+    tail_ok = tail_tok <= own
+    tokens = torch.cat([torch.where(pool_ok, pool_tok, own), torch.where(tail_ok, tail_tok, own)], dim=1)
     return tokens, torch.cat([pool_ok, tail_ok], dim=1)
 
 

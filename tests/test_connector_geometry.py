@@ -119,6 +119,36 @@ def test_namespace_fingerprints_model_tp_and_geometry():
     assert ns(groups=[_state(2304), _attn(2304)]) != base
 
 
+def test_namespace_fingerprints_the_cache_row_format():
+    """Same geometry, other row format (the plugin's pool keys in its rows): another
+    namespace, so objects of the old format are never loaded. No format (vLLM's own
+    models) keeps the namespace it had before formats were fingerprinted."""
+    vllm, kv = _config([_state(), _attn()])
+    geo = resolve_geometry(vllm, kv)
+    plain = engine_fingerprint(vllm, kv, geo)
+    assert engine_fingerprint(vllm, kv, geo, None) == plain == "GLM-5.3-Flash-2e932afc852135f3"
+    v1 = engine_fingerprint(vllm, kv, geo, "glm5next-plugin-sparse-mla-rows/1")
+    v2 = engine_fingerprint(vllm, kv, geo, "glm5next-plugin-sparse-mla-rows/2")
+    assert len({plain, v1, v2}) == 3
+
+
+def test_plugin_model_declares_its_row_format_to_the_connector(tmp_path):
+    """The format the connector reads from the engine's model class is the plugin's
+    current one (what its sparse-MLA backend writes)."""
+    from vllm.config import ModelConfig
+    from vllm.plugins import load_general_plugins
+
+    from connector.geometry import model_cache_row_format
+    from glm5next_plugin import tiny_checkpoint
+    from glm5next_plugin.mla_layer import CACHE_ROW_FORMAT, sparse_mla_backend
+
+    load_general_plugins()
+    tiny_checkpoint.main([str(tmp_path / "ckpt"), "--seed", "3"])
+    vllm = SimpleNamespace(model_config=ModelConfig(model=str(tmp_path / "ckpt"), dtype="float32"))
+    assert model_cache_row_format(vllm) == CACHE_ROW_FORMAT == sparse_mla_backend(64).cache_row_format
+    assert CACHE_ROW_FORMAT.endswith("/2")
+
+
 def test_unknown_spec_kind_is_refused_naming_group_and_class():
     local = vkv.ChunkedLocalAttentionSpec(
         block_size=1152, num_kv_heads=1, head_size=64, dtype=torch.bfloat16, attention_chunk_size=8192

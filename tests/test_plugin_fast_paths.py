@@ -46,7 +46,7 @@ def _mla(seed: int, **over) -> SparseMLAProjections:
 def test_absorbed_sparse_mla_equals_dense_masked(seq_len, index_heads):
     layer = _mla(seq_len + index_heads, index_n_heads=index_heads)
     x = torch.randn(seq_len, 48, dtype=torch.float64)
-    rows = layer.cache_rows(x)
+    rows = layer.close_pools(layer.cache_rows(x))
     positions = torch.arange(seq_len)
     with torch.no_grad():
         dense = layer.attend_dense(x, rows, positions)
@@ -64,7 +64,7 @@ def test_absorbed_sparse_mla_equals_dense_masked_when_every_pool_ties():
     with torch.no_grad():
         layer.indexer.wq_b.weight.zero_()
     x = torch.randn(100, 48, dtype=torch.float64)
-    rows = layer.cache_rows(x)
+    rows = layer.close_pools(layer.cache_rows(x))
     positions = torch.arange(100)
     with torch.no_grad():
         dense = layer.attend_dense(x, rows, positions)
@@ -74,6 +74,118 @@ def test_absorbed_sparse_mla_equals_dense_masked_when_every_pool_ties():
         torch.zeros(1, 3, 8), torch.ones(1, 3), torch.randn(25, 8), torch.tensor([99]), 4, 32
     )
     assert chosen.tolist() == [list(range(8))]
+
+
+def test_closing_rows_hold_the_pool_keys_and_attention_reads_only_those():
+    """Row format 2: a pool's key sits in its closing row's z columns and is what selection
+    uses; the other rows' k and z are not read once the pool is complete."""
+    layer = _mla(11)
+    kpool, dk, r = 4, 8, 24
+    x = torch.randn(130, 48, dtype=torch.float64)
+    raw = layer.cache_rows(x)
+    rows = layer.close_pools(raw)
+    closing = torch.arange(kpool - 1, 130, kpool)
+    assert closing.numel() == 32
+    stored = rows[closing, r + dk :]
+    assert torch.equal(stored, sparse_mla.pool_keys(raw[:, r : r + dk], raw[:, r + dk :],
+                                                    layer.indexer.index_kpool_compress_ape))
+    others = torch.ones(130, dtype=torch.bool)
+    others[closing] = False
+    assert torch.equal(rows[others], raw[others]) and torch.equal(rows[:, : r + dk], raw[:, : r + dk])
+    positions = torch.arange(130)
+    with torch.no_grad():
+        base = layer.attend(x, rows, positions)
+        # raw k/z of complete pools' other rows scrambled: nothing changes (keys are stored)
+        scrambled = rows.clone()
+        scrambled[others[:128].nonzero().flatten(), r:] = torch.randn(96, 2 * dk, dtype=torch.float64)
+        torch.testing.assert_close(layer.attend(x, scrambled, positions), base, atol=0, rtol=0)
+        # the stored key of pool 5 replaced: the selection and the output follow it
+        corrupt = rows.clone()
+        corrupt[closing[5], r + dk :] = 50 * torch.randn(dk, dtype=torch.float64)
+        moved = layer.attend(x, corrupt, positions)
+        torch.testing.assert_close(moved, layer.attend_dense(x, corrupt, positions), atol=1e-6, rtol=1e-5)
+    assert (moved - base).abs().max() > 1e-3
+
+
+def _paged_run(layer, xs, splits, block=10, seed=0):
+    """Run requests ``xs`` (``[S_i, hidden]`` each) through ``forward_paged`` in lockstep
+    steps (step k holds ``splits[i][k]`` tokens of request i) over a paged cache with
+    shuffled blocks. Returns each request's outputs and its rows read back in order."""
+    from glm5next_plugin.mla_layer import SparseMLAMetadata
+
+    need = [-(-x.shape[0] // block) for x in xs]
+    perm = torch.randperm(sum(need) + 3, generator=torch.Generator().manual_seed(seed))
+    table = torch.zeros(len(xs), max(need), dtype=torch.long)
+    at = 0
+    for i, n in enumerate(need):
+        table[i, :n] = perm[at : at + n]
+        at += n
+    cache = torch.full((sum(need) + 3, block, layer.row_size), float("nan"), dtype=xs[0].dtype)
+    done = [0] * len(xs)
+    outs = [[] for _ in xs]
+    for step in range(max(len(s) for s in splits)):
+        takes = [s[step] if step < len(s) else 0 for s in splits]
+        loc, xb, slots = [0], [], []
+        for i, t in enumerate(takes):
+            pos = torch.arange(done[i], done[i] + t)
+            xb.append(xs[i][pos])
+            slots.append(table[i, pos // block] * block + pos % block)
+            loc.append(loc[-1] + t)
+        md = SparseMLAMetadata(query_start_loc=loc, seq_lens=[d + t for d, t in zip(done, takes)],
+                               block_table=table, slot_mapping=torch.cat(slots), num_reqs=len(xs),
+                               num_actual_tokens=loc[-1])
+        with torch.no_grad():
+            y = layer.forward_paged(torch.cat(xb), cache, md)
+        for i, t in enumerate(takes):
+            outs[i].append(y[loc[i] : loc[i + 1]])
+            done[i] += t
+    rows = []
+    for i, x in enumerate(xs):
+        pos = torch.arange(x.shape[0])
+        rows.append(cache[table[i, pos // block], pos % block])
+    return [torch.cat(o) for o in outs], rows
+
+
+def test_paged_steps_split_mid_pool_store_the_same_rows_and_outputs_as_one_shot():
+    """Chunked prefill splitting pools across steps (and blocks of 10 tokens splitting
+    pools of 4 across blocks), then decode, in a batch of two requests: the cache holds the
+    same rows as a one-shot prefill (pool keys built from rows of earlier steps) and the
+    outputs agree with one-shot and with the standalone path."""
+    layer = _mla(21)
+    g = torch.Generator().manual_seed(3)
+    xs = [torch.randn(130, 48, dtype=torch.float64, generator=g), torch.randn(77, 48, dtype=torch.float64, generator=g)]
+    one_out, one_rows = _paged_run(layer, xs, [[130], [77]])
+    split_a = [5, 7, 1, 1, 30, 2, 50, 1, 1, 1, 31]  # decode-like single tokens in between
+    split_b = [3, 0, 6, 13, 1, 2, 40, 1, 1, 1, 9]
+    assert sum(split_a) == 130 and sum(split_b) == 77
+    out, rows = _paged_run(layer, xs, [split_a, split_b], seed=1)
+    for i, x in enumerate(xs):
+        with torch.no_grad():
+            ref_rows = layer.close_pools(layer.cache_rows(x))
+            ref_out = layer.forward_sequence(x)
+        assert not rows[i].isnan().any()
+        torch.testing.assert_close(rows[i], one_rows[i], atol=0, rtol=0)
+        torch.testing.assert_close(one_rows[i], ref_rows, atol=0, rtol=0)
+        torch.testing.assert_close(out[i], one_out[i], atol=1e-12, rtol=1e-10)
+        torch.testing.assert_close(one_out[i], ref_out, atol=1e-12, rtol=1e-10)
+
+
+def test_paged_decode_uses_the_stored_pool_key():
+    """A decode step over the paged cache equals the standalone path over rows in cache
+    format, and replacing the stored pool keys (closing rows' z) changes it (the stored
+    keys are read, not rebuilt from the pools' rows)."""
+    layer = _mla(8)
+    x = torch.randn(131, 48, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    out, _ = _paged_run(layer, [x], [[130, 1]])
+    with torch.no_grad():
+        rows = layer.close_pools(layer.cache_rows(x))
+        corrupt = rows.clone()
+        corrupt[3::4, 24 + 8 :] = torch.randn(32, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+        pos = torch.tensor([130])
+        clean = layer.attend(x[-1:], rows, pos)
+        moved = layer.attend(x[-1:], corrupt, pos)
+    torch.testing.assert_close(out[0][-1:], clean, atol=1e-12, rtol=1e-10)
+    assert (moved - clean).abs().max() > 1e-3
 
 
 def test_select_pools_matches_the_mask_and_keeps_memory_blocked():
