@@ -66,7 +66,7 @@ def step_rebuilding(layer: SparseMLAProjections, x: torch.Tensor, cache: torch.T
     for i in range(md.num_reqs):
         start, end = md.query_start_loc[i], md.query_start_loc[i + 1]
         seq_len, row = md.seq_lens[i], md.block_table[i].long()
-        positions = torch.arange(seq_len - (end - start), seq_len)
+        positions = torch.arange(seq_len - (end - start), seq_len, device=x.device)
         xq = x[start:end]
         t = xq.shape[0]
         q_resid = layer.q_a_layernorm(layer.q_a_proj(xq))
@@ -95,38 +95,42 @@ def rebuild_pooled(layer, cache, row, seq_len, dtype):
 def stored_pooled(layer, cache, row, seq_len, dtype):
     """Format 2's pooled keys: one stored row slice per pool."""
     bs = cache.shape[1]
-    closing = sparse_mla.closing_positions(0, seq_len, layer.kpool)
+    closing = sparse_mla.closing_positions(0, seq_len, layer.kpool, cache.device)
     return cache[row[closing // bs], closing % bs, layer.pool_key_cols].to(dtype)
 
 
-def best(fn, repeats: int) -> float:
+def best(fn, repeats: int, dev: torch.device) -> float:
     times = []
     for _ in range(repeats):
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
         t0 = time.perf_counter()
         fn()
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
         times.append(time.perf_counter() - t0)
     return min(times)
 
 
-def run(cfg, s_len: int, dtype: torch.dtype, repeats: int, block: int) -> dict:
+def run(cfg, s_len: int, dtype: torch.dtype, repeats: int, block: int, dev: torch.device) -> dict:
     torch.manual_seed(s_len)
     layer = SparseMLAProjections(cfg)
     with torch.no_grad():
         for p in layer.parameters():
             p.copy_(torch.randn(p.shape) * p.shape[-1] ** -0.5 if p.dim() > 1 else torch.randn(p.shape))
-    layer = layer.to(dtype).eval()
+    layer = layer.to(dev, dtype).eval()
     total = s_len + cfg.index_kpool  # room for the query tokens
     n_blocks = -(-total // block)
-    table = torch.randperm(n_blocks + 2)[:n_blocks][None]
-    raw = torch.randn(total, layer.row_size).to(dtype)
-    pos = torch.arange(total)
+    table = torch.randperm(n_blocks + 2)[:n_blocks][None].to(dev)
+    raw = torch.randn(total, layer.row_size).to(dev, dtype)
+    pos = torch.arange(total, device=dev)
     with torch.no_grad():
         fin = layer.close_pools(raw)
-    old_cache = torch.zeros(n_blocks + 2, block, layer.row_size, dtype=dtype)
+    old_cache = torch.zeros(n_blocks + 2, block, layer.row_size, dtype=dtype, device=dev)
     new_cache = old_cache.clone()
     old_cache[table[0, pos // block], pos % block] = raw
     new_cache[table[0, pos // block], pos % block] = fin
-    x = torch.randn(1, cfg.hidden_size).to(dtype)
+    x = torch.randn(1, cfg.hidden_size).to(dev, dtype)
 
     def md(p: int) -> SparseMLAMetadata:
         slot = table[0, p // block] * block + p % block
@@ -141,11 +145,11 @@ def run(cfg, s_len: int, dtype: torch.dtype, repeats: int, block: int) -> dict:
         m = md(p_open)
         a, b = step_rebuilding(layer, x, old_cache, m), layer.forward_paged(x, new_cache, m)
         res["max_diff"] = (a.float() - b.float()).abs().max().item()
-        res["old_step"] = best(lambda: step_rebuilding(layer, x, old_cache, m), repeats)
-        res["new_step"] = best(lambda: layer.forward_paged(x, new_cache, m), repeats)
+        res["old_step"] = best(lambda: step_rebuilding(layer, x, old_cache, m), repeats, dev)
+        res["new_step"] = best(lambda: layer.forward_paged(x, new_cache, m), repeats, dev)
         row = table[0].long()
-        res["old_pool"] = best(lambda: rebuild_pooled(layer, old_cache, row, p_open + 1, dtype), repeats)
-        res["new_pool"] = best(lambda: stored_pooled(layer, new_cache, row, p_open + 1, dtype), repeats)
+        res["old_pool"] = best(lambda: rebuild_pooled(layer, old_cache, row, p_open + 1, dtype), repeats, dev)
+        res["new_pool"] = best(lambda: stored_pooled(layer, new_cache, row, p_open + 1, dtype), repeats, dev)
         mc = md(p_close)
         # format 2's closing step overwrites the closing row's z: restore it before each run
         saved = new_cache[table[0, p_close // block], p_close % block].clone()
@@ -154,8 +158,8 @@ def run(cfg, s_len: int, dtype: torch.dtype, repeats: int, block: int) -> dict:
             new_cache[table[0, p_close // block], p_close % block] = saved
             layer.forward_paged(x, new_cache, mc)
 
-        res["old_close"] = best(lambda: step_rebuilding(layer, x, old_cache, mc), repeats)
-        res["new_close"] = best(closing_step, repeats)
+        res["old_close"] = best(lambda: step_rebuilding(layer, x, old_cache, mc), repeats, dev)
+        res["new_close"] = best(closing_step, repeats, dev)
     return res
 
 
@@ -167,12 +171,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--block", type=int, default=1024, help="tokens per cache block")
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--device", default="cpu", help="torch device (cuda on a GPU machine)")
     args = p.parse_args(argv)
+    dev = torch.device(args.device)
     torch.set_num_threads(args.threads)
     cfg = tiny_config() if args.tiny else real_config()
     print(f"sparse-MLA decode step, {'tiny' if args.tiny else 'GLM-5.3-Flash'} sizes (heads {cfg.num_attention_heads}, "
           f"kv_lora_rank {cfg.kv_lora_rank}, index {cfg.index_n_heads} x {cfg.index_head_dim}, kpool "
-          f"{cfg.index_kpool}, top-k {cfg.index_topk}), block {args.block}, {args.threads} thread(s), "
+          f"{cfg.index_kpool}, top-k {cfg.index_topk}), block {args.block}, device {dev}, {args.threads} thread(s), "
           f"ms best of {args.repeats}; format 1 = pool keys rebuilt each step, format 2 = stored")
     head = (f"{'S':>6} {'dtype':>8} | {'step f1':>8} {'step f2':>8} {'x':>5} | {'keys f1':>8} {'keys f2':>8} "
             f"{'x':>6} | {'closing f1':>10} {'closing f2':>10} | {'max|diff|':>9}")
@@ -180,7 +186,7 @@ def main(argv: list[str] | None = None) -> None:
     print("-" * len(head))
     for s in args.contexts:
         for name in args.dtypes:
-            r = run(cfg, s, getattr(torch, name), args.repeats, args.block)
+            r = run(cfg, s, getattr(torch, name), args.repeats, args.block, dev)
             print(f"{s:>6} {r['dtype']:>8} | {r['old_step'] * 1e3:>8.2f} {r['new_step'] * 1e3:>8.2f} "
                   f"{r['old_step'] / r['new_step']:>5.2f} | {r['old_pool'] * 1e3:>8.3f} {r['new_pool'] * 1e3:>8.3f} "
                   f"{r['old_pool'] / r['new_pool']:>6.1f} | {r['old_close'] * 1e3:>10.2f} {r['new_close'] * 1e3:>10.2f} "
