@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import shutil
+import socket
 import subprocess
 import tempfile
 import time
@@ -50,8 +51,24 @@ class RedisNodes:
         self.server_bin, self.cli_bin = binaries
         self.n, self.cluster, self.maxmemory_mb = n, cluster, maxmemory_mb
         self.dir = Path(tempfile.mkdtemp(prefix="glm-l2-"))
-        self.ports = [free_port() for _ in range(n)]
+        self.ports = [self._free_port() for _ in range(n)]
         self.procs: list[subprocess.Popen[bytes] | None] = [None] * n
+
+    def _free_port(self) -> int:
+        """A free loopback port; for a cluster node, one whose cluster bus port (10000
+        higher, where Redis puts it) exists and is free too: the kernel hands out ephemeral
+        ports up to 60999, and Redis refuses a cluster port above 55535 at start-up."""
+        while True:
+            port = free_port()
+            if not self.cluster:
+                return port
+            if port + 10000 <= 65535:
+                with socket.socket() as s:
+                    try:
+                        s.bind(("127.0.0.1", port + 10000))
+                    except OSError:
+                        continue
+                return port
 
     @property
     def url(self) -> str:
@@ -101,7 +118,7 @@ class RedisNodes:
                 except _PortTaken:
                     if attempt == 4:
                         raise RuntimeError(f"redis-server exited at start-up 5 times; see {self.dir}") from None
-                    self.ports[i] = free_port()
+                    self.ports[i] = self._free_port()
         if self.cluster:
             self._cli("--cluster", "create", *(f"127.0.0.1:{p}" for p in self.ports), "--cluster-replicas", "0",
                       "--cluster-yes")
