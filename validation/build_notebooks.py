@@ -47,7 +47,7 @@ engine = VllmServer(CKPT, "--enforce-eager", "--max-num-batched-tokens", "2048",
 chat(engine.base_url, [{"role": "user", "content": "warm up"}], 4)
 negotiated = [l.split(": ", 1)[1] for l in server.log().splitlines() if "Negotiated chunk size" in l][0]
 geometry = [l.split("Resolved geometry: ")[1] for l in engine.log().splitlines() if "Resolved geometry" in l][0]
-C = int(re.search(r"chunk_size=(\d+)", geometry).group(1))
+C = int(re.search(r"chunk_size=(\\d+)", geometry).group(1))
 print(negotiated)
 print("Resolved geometry:", geometry)
 
