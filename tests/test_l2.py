@@ -303,3 +303,24 @@ def test_stalled_store_costs_at_most_the_timeout(cluster):
                 os.kill(proc.pid, signal.SIGCONT)
         assert 0.4 < elapsed < 1.2, elapsed
         assert c.stats()["l2"]["timeouts"] == 1
+
+
+def test_cluster_nodes_get_ports_whose_bus_port_exists(monkeypatch):
+    """Redis puts a cluster node's bus on its port + 10000 and refuses ports above 55535 at
+    start-up; the kernel hands out ephemeral ports up to 60999. Ports that high (here the
+    first ones offered) are passed over for cluster nodes, kept for plain ones."""
+    from cache_server import l2_process
+
+    offered = iter([60001, 58000, 41000, 60002, 42000, 43000, 44000])
+    monkeypatch.setattr(l2_process, "free_port", lambda: next(offered))
+    nodes = l2_process.RedisNodes(3, cluster=True)
+    try:
+        assert nodes.ports == [41000, 42000, 43000]
+    finally:
+        nodes.stop()
+    offered = iter([60001, 58000])
+    plain = l2_process.RedisNodes(2, cluster=False)
+    try:
+        assert plain.ports == [60001, 58000]
+    finally:
+        plain.stop()
