@@ -69,6 +69,7 @@ from connector.common import (  # noqa: F401  (re-exported: the connector's publ
 )
 from connector.geometry import model_cache_row_format
 from connector.scheduler import SchedulerSide
+from connector.stats import SCHEDULER_KEYS, DeltaReporter, GlmCachePromMetrics, GlmCacheStats
 from connector.worker import WorkerSide
 
 if TYPE_CHECKING:
@@ -105,6 +106,8 @@ class GlmCacheConnector(KVConnectorBase_V1, SupportsHMA):
                                             row_format=model_cache_row_format(vllm_config))
         else:
             self._worker = WorkerSide(vllm_config, kv_cache_config, settings, geometry, refused)
+        # increments of our counters, reported to vLLM's metrics (connector.stats)
+        self._stats_reporter = DeltaReporter(SCHEDULER_KEYS if role == KVConnectorRole.SCHEDULER else None)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -192,6 +195,22 @@ class GlmCacheConnector(KVConnectorBase_V1, SupportsHMA):
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         """Saves that did not land, for the scheduler side to save again."""
         return self._worker.build_connector_worker_meta() if self._worker is not None else None
+
+    # Metrics (both sides) -------------------------------------------------------------
+
+    def get_kv_connector_stats(self) -> GlmCacheStats | None:
+        """What our counters gained since the last call (vLLM sums the workers' and the
+        scheduler side's and exports them; see :mod:`connector.stats`)."""
+        counters = self._scheduler.save_stats if self._scheduler is not None else self.stats
+        return self._stats_reporter.report(counters)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> GlmCacheStats:
+        return GlmCacheStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues) -> GlmCachePromMetrics:
+        return GlmCachePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     @property
     def stats(self) -> dict[str, int]:

@@ -48,7 +48,7 @@ def server():
 
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory, server):
-    engine = tiny_glm_engine(tmp_path_factory, server.url, C)
+    engine = tiny_glm_engine(tmp_path_factory, server.url, C, disable_log_stats=False)  # metrics on
     yield engine
     del engine
 
@@ -139,3 +139,25 @@ def test_saves_that_never_find_space_are_given_up_and_outputs_stay_cold_equal(ll
     assert elapsed < 60
     with CacheClient(server.url) as cli:
         cli.release(lease)
+
+
+def test_the_engine_exports_its_load_and_save_counters(llm, server):
+    """The connector's counters reach vLLM's own Prometheus metrics (``vllm:glm_cache_*``,
+    what ``vllm serve`` shows on /metrics): what the two tests above did is there, and the
+    engine's count of stored objects is the server's."""
+    time.sleep(1.0)  # the last saves' replies
+    _run(llm, _prompt(C // 2, seed=503), "save-outcome-3", max_tokens=2)  # a step reports them
+    got = {}
+    for m in llm.get_metrics():
+        if m.name.startswith("vllm:glm_cache_"):
+            got[m.name.removeprefix("vllm:glm_cache_").removesuffix("_total")] = m.value
+    server_stats = _stats(server.url)
+    # the filler's 2 objects per pin (two pins) are not the engine's
+    assert got["saved_objects"] == server_stats["puts_stored"] - 4, (got, server_stats)
+    assert got["saved_bytes"] > 0 and got["loaded_objects"] > 0 and got["loaded_bytes"] > 0
+    assert got["save_failures"] >= 2 + 6  # no_space: first test's chunk 0, second test's all
+    assert got["saves_reported_failed"] == got["save_failures"]
+    assert got["saves_corrected"] >= 2  # the first test's re-save, the second's retries
+    # the second test's request ends its saves given up, or finishes first (lost)
+    assert got["saves_given_up"] + got["saves_lost"] >= 1
+    assert got["load_failures"] == 0
