@@ -109,8 +109,10 @@ def run(args: argparse.Namespace) -> int:
                 reloaded = chat(engine.base_url, replay, args.max_tokens, cache_salt=salt)
                 results.append((turn, cold, stored, reloaded))
             with urllib.request.urlopen(engine.base_url + "/metrics", timeout=5) as r:
-                engine_metrics = [line for line in r.read().decode().splitlines()
-                                  if line.startswith("vllm:glm_cache_") and "_total{" in line]
+                # the connector's counters in vLLM's metrics: vllm:glm_cache_<name>_total{...} value
+                counters = {line.split("_total{")[0].removeprefix("vllm:glm_cache_"): float(line.split()[-1])
+                            for line in r.read().decode().splitlines()
+                            if line.startswith("vllm:glm_cache_") and "_total{" in line}
 
         print("[5/5] results")
         print(f"{'turn':>4} {'prompt':>7} {'hit':>6} | {'cold TTFT ms':>12} {'reloaded ms':>12} {'speed-up':>8} | "
@@ -125,10 +127,8 @@ def run(args: argparse.Namespace) -> int:
             status = json.loads(r.read())
         print(f"server: {status['objects']} objects, bytes per group {status['bytes_by_group']}, "
               f"{status['hits']} lookup hits, {status['misses']} misses, {status['evictions']} evictions")
-        counters = {line.split("{")[0].removeprefix("vllm:glm_cache_").removesuffix("_total"): line.split()[-1]
-                    for line in engine_metrics}
         print("engine (vllm serve /metrics, vllm:glm_cache_*):",
-              ", ".join(f"{k} {float(v):.0f}" for k, v in counters.items() if k.endswith(("bytes", "failures"))))
+              ", ".join(f"{k} {v:.0f}" for k, v in counters.items() if k.endswith(("bytes", "failures"))))
         print("outputs reloaded from the cache equal cold outputs:", all_match)
         return 0 if all_match and all(r[3].cached_tokens > 0 for r in results) else 1
 
