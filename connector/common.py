@@ -49,6 +49,11 @@ class Settings:
     # Payloads through shared memory when the server is on this host (negotiated; TCP
     # otherwise). Off: always TCP.
     shm: bool = True
+    # Where chunk keys come from: "vllm" (vLLM's own block hashes at chunk ends, which its
+    # engine computes for every request anyway; see SchedulerSide._vllm_key_scheme),
+    # "lmcache" (our blake3 chain over the token ids, see connector.keys), or "auto" (vllm
+    # where this engine's block hashes can serve as shared keys, else lmcache).
+    chunk_keys: str = "auto"
     auth_token: str | None = None
     auth_broken: bool = False  # the token file was unusable: no external cache at all
 
@@ -79,6 +84,7 @@ class Settings:
             batch_bytes=positive(get("batch_bytes", cls.batch_bytes), "batch_bytes", int),
             min_rate_mb_s=positive(get("min_rate_mb_s", cls.min_rate_mb_s), "min_rate_mb_s", float),
             shm=flag(get("shm", True)),
+            chunk_keys=choice(get("chunk_keys", cls.chunk_keys), "chunk_keys", CHUNK_KEY_SCHEMES),
             auth_token=auth_token,
             auth_broken=auth_broken,
         )
@@ -144,6 +150,17 @@ def positive(value: Any, name: str, kind: type) -> Any:
         raise ValueError(f"kv_connector_extra_config {name} must be a number, got {value!r}") from None
     if not v > 0:
         raise ValueError(f"kv_connector_extra_config {name} must be positive, got {value!r}")
+    return v
+
+
+CHUNK_KEY_SCHEMES = ("auto", "vllm", "lmcache")
+
+
+def choice(value: Any, name: str, allowed: tuple[str, ...]) -> str:
+    """One of ``allowed`` from the extra config, or a clear error naming the key."""
+    v = str(value).strip().lower()
+    if v not in allowed:
+        raise ValueError(f"kv_connector_extra_config {name} must be one of {', '.join(allowed)}; got {value!r}")
     return v
 
 

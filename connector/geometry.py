@@ -363,12 +363,15 @@ def engine_fingerprint(
     kv_cache_config: KVCacheConfig,
     geometry: Geometry,
     row_format: str | None = None,
+    chunk_keys: dict[str, Any] | None = None,
 ) -> str:
     """Namespace for this engine's cache entries: bytes are only valid for an engine with
     the same model, dtypes, cache group geometry, block sizes, parallel layout and cache
     row format (``row_format``: :func:`model_cache_row_format`; None, and then left out of
     the digest, for models that declare none). The chunk size is left out: it is
-    negotiated per namespace, and keys already depend on it."""
+    negotiated per namespace, and keys already depend on it. ``chunk_keys`` describes a
+    key scheme other than the default token chain (everything the keys depend on); None
+    leaves the digest as it always was."""
     model_config = vllm_config.model_config
     parallel = vllm_config.parallel_config
     cache_config = vllm_config.cache_config
@@ -396,6 +399,8 @@ def engine_fingerprint(
     }
     if row_format is not None:
         desc["cache_row_format"] = row_format
+    if chunk_keys is not None:
+        desc["chunk_keys"] = chunk_keys
     digest = hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).hexdigest()[:16]
     name = str(model_config.served_model_name or model_config.model).rstrip("/")
     return f"{name.split('/')[-1]}-{digest}"

@@ -311,6 +311,7 @@ class SchedulerSide:
         self._first_asked: dict[str, float] = {}  # when a request's current admission began
         self._keys: dict[str, tuple[int, list[bytes]]] = {}  # req -> (C, chunk hashes so far)
         self._memo = _ChunkMemo()
+        self._vllm_keys = self._vllm_key_scheme(settings.chunk_keys)
         self._handshake: tuple[Future[dict[str, Any]], float] | None = None  # (future, deadline)
         # At start-up the handshake is synchronous, bounded by the client timeout: a dead
         # server costs start-up timeout_s once, then the back-off applies.
@@ -329,7 +330,56 @@ class SchedulerSide:
                             state_groups=[g.group_id for g in geo.state_groups])
 
     def _fingerprint(self) -> str:
-        return engine_fingerprint(self._vllm_config, self._kv_cache_config, self._geometry, self._row_format)
+        keys = self._vllm_keys[1] if self._vllm_keys is not None else None
+        return engine_fingerprint(self._vllm_config, self._kv_cache_config, self._geometry, self._row_format,
+                                  chunk_keys=keys)
+
+    def _vllm_key_scheme(self, wanted: str) -> tuple[int, dict[str, Any]] | None:
+        """``chunk_keys: vllm`` (and ``auto`` where usable): chunk k's key is vLLM's block hash at the chunk's end
+        (``request.block_hashes``, which vLLM's engine computes for every request on
+        arrival whenever a KV connector is configured: a sha256 chain over the whole
+        prefix, with the cache salt, LoRA and multimodal inputs as extra keys). Nothing is
+        hashed by us, at admission or on save. Returns (tokens per vLLM block hash, what
+        the keys depend on, for the namespace), or None for our own token chain.
+
+        Those hashes are the same in every process only for vLLM's cryptographic
+        algorithms (their NONE_HASH seed is fixed, or PYTHONHASHSEED), and their bytes
+        depend on the algorithm, the seed, the block span, vLLM's hashing code (its
+        version) and Python's pickle (its version): all go into the namespace, so engines
+        that would compute other keys for the same tokens never share objects. Elsewhere
+        (``xxhash`` algorithms, a block span that does not divide the chunk) the connector
+        says why and keeps the token chain."""
+        if wanted == "lmcache":
+            return None
+        algo = getattr(self._vllm_config.cache_config, "prefix_caching_hash_algo", None)
+        span = getattr(self._kv_cache_config, "hash_block_size", None)
+        why = None
+        if algo not in _CRYPTO_BLOCK_HASHES:
+            why = f"prefix_caching_hash_algo {algo!r} is not one of {sorted(_CRYPTO_BLOCK_HASHES)}"
+        elif not isinstance(span, int) or span <= 0 or self._geometry.scheduler_block_size % span:
+            why = f"vLLM's block hash span {span!r} does not divide the block {self._geometry.scheduler_block_size}"
+        if why is not None:
+            log = logger.warning if wanted == "vllm" else logger.info
+            log("GlmCacheConnector: chunk keys hash token ids (chunk_keys=%s; vLLM's block hashes not usable: %s)",
+                wanted, why)
+            return None
+        import hashlib
+        import sys
+
+        import vllm
+        from vllm.utils.hashing import get_hash_fn_by_name
+        from vllm.v1.core.kv_cache_utils import resolve_none_hash_seed
+
+        seed = resolve_none_hash_seed(get_hash_fn_by_name(algo))
+        logger.info("GlmCacheConnector: chunk keys are vLLM's block hashes (%s, every %d tokens)", algo, span)
+        return span, {
+            "scheme": "vllm-block-hashes",
+            "algo": algo,
+            "seed": hashlib.sha256(str(seed).encode()).hexdigest()[:16],
+            "span": span,
+            "vllm": vllm.__version__,
+            "python": f"{sys.version_info[0]}.{sys.version_info[1]}",
+        }
 
     def _handshake_state(self) -> bool | None:
         """True when negotiated; None while a background handshake is under way; False
@@ -655,13 +705,21 @@ class SchedulerSide:
         tokens): computed once per request and extended as it grows; chunks an earlier
         request already hashed (the previous turn of a conversation) are taken from
         :class:`_ChunkMemo` instead of hashed again. ``memo_only``: only what is known
-        or in the memo, nothing hashed."""
+        or in the memo, nothing hashed. With ``chunk_keys: vllm`` the keys are read off
+        ``request.block_hashes`` (see :meth:`_vllm_key_scheme`), as far as vLLM has
+        hashed."""
         C = self._geometry.chunk_size
         entry = self._keys.get(request.request_id)
         if entry is None or entry[0] != C:
             entry = (C, [])
             self._keys[request.request_id] = entry
         hashes = entry[1]
+        if self._vllm_keys is not None:  # vLLM's block hashes at chunk ends: nothing to compute
+            span = self._vllm_keys[0]
+            block_hashes, per_chunk = request.block_hashes, C // span
+            for k in range(len(hashes), min(n_chunks, len(block_hashes) // per_chunk)):
+                hashes.append(bytes(block_hashes[(k + 1) * per_chunk - 1]))
+            return hashes
         if len(hashes) < n_chunks:
             done = len(hashes)
             self._memo.extend(hashes, request, C, n_chunks, self._hash_block_size())
@@ -808,7 +866,7 @@ class SchedulerSide:
         n = min(computed, limit) // C
         if n > len(tracked.hashes):
             tracked.hashes = self._hashes(req, n)  # the request's one list (may be longer)
-        return n
+        return min(n, len(tracked.hashes))  # no key yet (vLLM hashes blocks once full): not yet
 
     def _attention_saves(self, tracked: _Tracked, computed: int) -> list[ObjectMove]:
         n = self._cacheable_chunks(tracked, computed)

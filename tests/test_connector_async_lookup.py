@@ -36,7 +36,9 @@ def server():
 
 @pytest.fixture()
 def side(server):
-    s = scheduler_side(server.url, block=C, timeout_s=TIMEOUT_S, retry_after_s=RETRY_S)
+    # Keys hashed from token ids (the probe and the memo exist for them; the block-hash
+    # keys of chunk_keys=vllm are tested in test_connector_vllm_keys.py).
+    s = scheduler_side(server.url, block=C, timeout_s=TIMEOUT_S, retry_after_s=RETRY_S, chunk_keys="lmcache")
     yield s
     s.shutdown()
 
@@ -173,7 +175,7 @@ def test_no_memo_unless_vllm_hashes_blocks_with_a_cryptographic_hash(server):
     """With ``--prefix-caching-hash-algo xxhash`` a block-hash collision would give one
     prompt another's chunk keys (and its KV on every replica): the memo is not used, and
     every chunk is hashed from its tokens."""
-    side = scheduler_side(server.url, block=C, hash_algo="xxhash")
+    side = scheduler_side(server.url, block=C, hash_algo="xxhash", chunk_keys="lmcache")
     try:
         turn1 = list(range(7000, 8000))
         assert side._hashes(request("x1", turn1, "memo", hash_block=C), 3) == chunk_hashes(turn1, C, "memo")

@@ -176,7 +176,7 @@ def test_concurrent_requests_reload_their_own_prefixes(llm):
 def test_corrupt_objects_fail_the_load_and_recompute(llm, server):
     """Objects of the wrong size under the right keys: the lookup hits, the load fails,
     vLLM is told (failed_recving) and recomputes; the output equals the cold one."""
-    from connector.keys import chunk_hashes
+    from connector.keys import vllm_chunk_keys
 
     prompt = _prompt(800, seed=21)
     (cold,) = _cold(llm, [prompt], max_tokens=16)
@@ -184,7 +184,7 @@ def test_corrupt_objects_fail_the_load_and_recompute(llm, server):
     stats = client.stats()
     (namespace,) = stats["namespaces"]
     groups = sorted(int(g) for g in stats["bytes_by_group"])
-    hashes = chunk_hashes(prompt, C, "corrupt")
+    hashes = vllm_chunk_keys(prompt, C, C, "corrupt")  # the engine's keys: vLLM's block hashes
     results = client.put(namespace, [(h, g, 0, b"garbage") for h in hashes for g in groups])
     assert set(results) == {"stored"}
     llm.reset_prefix_cache()
@@ -199,7 +199,7 @@ def test_flipped_byte_in_a_stored_object_is_caught_and_recomputed(llm, server):
     and counts it, and the request computes cold."""
     import urllib.request
 
-    from connector.keys import chunk_hashes
+    from connector.keys import vllm_chunk_keys
 
     prompt = _prompt(800, seed=23)
     salt = "bitrot"
@@ -207,7 +207,7 @@ def test_flipped_byte_in_a_stored_object_is_caught_and_recomputed(llm, server):
     client = CacheClient(server.url)
     stats = client.stats()
     (namespace,) = stats["namespaces"]
-    first = chunk_hashes(prompt, C, salt)[0]
+    first = vllm_chunk_keys(prompt, C, C, salt)[0]
     flipped = [client.request({"op": "debug_corrupt", "ns": namespace, "keys": [[first, int(g), 0]],
                                "offset": 4097})[0]["corrupted"] for g in stats["bytes_by_group"]]
     assert any(flipped)

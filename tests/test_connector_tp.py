@@ -89,9 +89,9 @@ def test_tp2_stores_the_replicated_latent_once_and_states_per_rank(llm, server):
     assert new[str(latent)] == 5  # one object per chunk, not one per rank
     assert states and all(new[g] >= 2 and new[g] % 2 == 0 for g in states)  # every state: one per rank
     # the keys: latent under rank 0 only, each state under ranks 0 and 1
-    from connector.keys import chunk_hashes
+    from connector.keys import vllm_chunk_keys
 
-    hashes = chunk_hashes(prompt, C, salt)
+    hashes = vllm_chunk_keys(prompt, C, C, salt)
     found = client.request({"op": "get", "ns": ns, "keys": [[hashes[0], latent, 1], [hashes[0], latent, 0]]})[0]
     assert found["found"] == [False, True]
     with urllib.request.urlopen(server.http_url + "/status", timeout=5) as r:

@@ -8,7 +8,9 @@
    here has hashed is probed with its first chunk's key first, so a miss is not hashed
    whole), one the server holds but this replica has not seen (probe, then the lookup
    thread hashes it and looks it up), and a conversation's next turn (history hashes from
-   the memo). Goal: a whole admission in 2 ms or less.
+   the memo). Both key schemes (``chunk_keys``): "lmcache", our blake3 chain over the
+   token ids (the default), and "vllm", the block hashes vLLM's engine computes for every
+   request on arrival (nothing hashed by us). Goal: a whole admission in 2 ms or less.
 2. Generation throughput with the connector on vs off on the same workload: 8 requests
    of 600 prompt tokens + 192 generated, tiny GLM-5.3-Flash checkpoint, vLLM CPU
    ``LLM``, the server on the same machine. Two engines built the same way (the one
@@ -47,19 +49,36 @@ def _ms(values: list[float]) -> str:
 
 
 def bench_admission(reps: int) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for scheme in ("lmcache", "vllm"):
+        out.update(_admission(reps, scheme))
+    return out
+
+
+def _admission(reps: int, scheme: str) -> dict[str, float]:
+    """The admission rows for one ``chunk_keys`` setting: "lmcache" (keys hashed from the
+    token ids by us) or "vllm" (keys read off the block hashes vLLM computed on arrival)."""
     from validation.sched_harness import request, scheduler_side
 
     rng = random.Random(0)
     tokens = [rng.randrange(0, 150_000) for _ in range(PROMPT_TOKENS)]
     n_chunks = PROMPT_TOKENS // C_PROD  # 260; strict prefix: the same (300000 % 1152 != 0)
-    out: dict[str, float] = {}
+    vllm_keys = scheme == "vllm"
     with ServerProcess("--separate-object-groups", "--chunk-size", str(C_PROD), "--l1-size-gb", "1") as srv:
         # GLM-5.3-Flash's shape: the sparse-MLA rows are the same on every rank (stored
         # once), the KDA states are per rank.
-        side = scheduler_side(srv.url, block=C_PROD, tp=RANKS, timeout_s=2.0, retry_after_s=5.0, latent_rows=True)
+        side = scheduler_side(srv.url, block=C_PROD, tp=RANKS, timeout_s=2.0, retry_after_s=5.0, latent_rows=True,
+                              chunk_keys=scheme)
+        assert (side._vllm_keys is not None) == vllm_keys
         replicated = side._replicated_groups()
         ns = side._namespace
-        hashes = chunk_hashes(tokens, C_PROD, "bench")
+        # vLLM hashes every request's blocks on arrival (Request.block_hashes, here at
+        # C_PROD tokens a block): not counted in any row below.
+        arrived = request("keys", tokens, "bench", hash_block=C_PROD)
+        hashes = side._hashes(arrived, n_chunks) if vllm_keys else chunk_hashes(tokens, C_PROD, "bench")
+        side._keys.clear()
+        side._memo._entries.clear()
+        assert len(hashes) == n_chunks
         attn = [g.group_id for g in side._geometry.attn_groups]
         state = [g.group_id for g in side._geometry.state_groups]
         client = CacheClient(srv.url)
@@ -73,8 +92,13 @@ def bench_admission(reps: int) -> dict[str, float]:
         hash_t = []
         for _ in range(reps):
             t0 = time.perf_counter()
-            chunk_hashes(tokens, C_PROD, "bench")
+            if vllm_keys:
+                side._keys.clear()
+                side._hashes(arrived, n_chunks)
+            else:
+                chunk_hashes(tokens, C_PROD, "bench")
             hash_t.append(time.perf_counter() - t0)
+        side._keys.clear()
         rpc_t = []
         for _ in range(reps):
             t0 = time.perf_counter()
@@ -83,6 +107,7 @@ def bench_admission(reps: int) -> dict[str, float]:
             rpc_t.append(time.perf_counter() - t0)
             client.release(lease)
         assert n == n_chunks and held == n_chunks, (n, held)
+
         def admit(req) -> tuple[float, float, float, int, tuple]:
             t0 = time.perf_counter()
             first = side.get_num_new_matched_tokens(req, 0)
@@ -106,14 +131,14 @@ def bench_admission(reps: int) -> dict[str, float]:
         held_rows: list[tuple] = []
         turn: list[tuple] = []
         for i in range(reps):
-            # A prompt never seen: every chunk hashed from its tokens. vLLM hashes its
-            # blocks when the request arrives (Request.block_hashes), not counted here.
+            # A prompt never seen (with our keys a long prefix nobody here has hashed is
+            # probed with its first chunk's key first).
             new = [rng.randrange(0, 150_000) for _ in range(PROMPT_TOKENS)]
             got = admit(request(f"fresh-{i}", new, "bench", hash_block=C_PROD))
             assert got[4] == (0, False)  # nothing of it on the server
             fresh.append(got)
             # A prompt the server holds whole, first seen by this replica (another saved
-            # it): the probe hits, the lookup thread hashes all of it and looks it up.
+            # it): with our keys the probe hits and the lookup thread hashes all of it.
             side._memo._entries.clear()
             got = admit(request(f"held-{i}", tokens, "bench", hash_block=C_PROD))
             assert got[4] == (n_chunks * C_PROD, True), got[4]
@@ -121,7 +146,7 @@ def bench_admission(reps: int) -> dict[str, float]:
             side._memo._entries.clear()
             side._keys.clear()
             # The next turn of a conversation whose previous turn (first 290k tokens)
-            # was admitted before: its history's chunk hashes come from the memo.
+            # was admitted before: with our keys its history's hashes come from the memo.
             side._hashes(request(f"prev-{i}", tokens[:290_000], "bench", hash_block=C_PROD), 290_000 // C_PROD)
             side._keys.clear()
             got = admit(request(f"turn-{i}", tokens, "bench", hash_block=C_PROD))
@@ -130,9 +155,10 @@ def bench_admission(reps: int) -> dict[str, float]:
             side._memo._entries.clear()
         side.shutdown()
         client.close()
-    print(f"\n== Admission: {PROMPT_TOKENS} tokens, C={C_PROD}, {n_chunks} chunks, TP {RANKS} "
+    print(f"\n== Admission, chunk_keys={scheme}: {PROMPT_TOKENS} tokens, C={C_PROD}, {n_chunks} chunks, TP {RANKS} "
           f"{len(attn)} attention + {len(state)} state group(s), real server, {reps} reps")
-    print(f"  hash the prefix (chunk_hashes)          {_ms(hash_t)}")
+    what = "read vLLM's block hashes" if vllm_keys else "hash the prefix (chunk_hashes)"
+    print(f"  {what:<40}{_ms(hash_t)}")
     print(f"  lookup RPC (lookup + held)              {_ms(rpc_t)}")
     for name, rows in (("a prompt never seen (miss)", fresh), ("a prompt the server holds, new here (hit)", held_rows),
                        ("next turn, 290k tokens seen (hit)", turn)):
@@ -140,12 +166,13 @@ def bench_admission(reps: int) -> dict[str, float]:
         print(f"    scheduler thread, first call (hash, submit)   {_ms([r[1] for r in rows])}")
         print(f"    scheduler thread, answering call              {_ms([r[2] for r in rows])}")
         print(f"    calls until answered: median {statistics.median([r[3] for r in rows]):.0f}")
-    whole_t = [r[0] for r in fresh]
-    out["next_turn_admission_ms"] = statistics.median([r[0] for r in turn]) * 1e3
-    out.update(hash_ms=statistics.median(hash_t) * 1e3, rpc_ms=statistics.median(rpc_t) * 1e3,
-               fresh_admission_ms=statistics.median(whole_t) * 1e3,
-               held_admission_ms=statistics.median([r[0] for r in held_rows]) * 1e3)
-    return out
+
+    def med(rows: list[tuple]) -> float:
+        return statistics.median([r[0] for r in rows]) * 1e3
+
+    return {f"{scheme}_hash_ms": statistics.median(hash_t) * 1e3, f"{scheme}_rpc_ms": statistics.median(rpc_t) * 1e3,
+            f"{scheme}_fresh_admission_ms": med(fresh), f"{scheme}_held_admission_ms": med(held_rows),
+            f"{scheme}_next_turn_admission_ms": med(turn)}
 
 
 def _engine(ckpt: str, server_url: str | None):

@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 from cache_server.process import ServerProcess, free_port  # noqa: E402
 from connector.client import CacheClient  # noqa: E402
-from connector.keys import chunk_hashes  # noqa: E402
+from connector.keys import vllm_chunk_keys  # noqa: E402
 
 MIB = 1 << 20
 TIMEOUT_S = 1.0
@@ -269,7 +269,7 @@ def flipped_byte(h: Harness) -> Row:
     with h.client() as c:
         stats = c.stats()
         ns = next(iter(stats["namespaces"]))
-        first = chunk_hashes(p, h.C, salt)[0]
+        first = vllm_chunk_keys(p, h.C, h.C, salt)[0]  # the engine's keys (vLLM's block hashes)
         flipped = sum(c.request({"op": "debug_corrupt", "ns": ns, "keys": [[first, int(g), 0]],
                                  "offset": 333})[0]["corrupted"] for g in stats["bytes_by_group"])
         h.reset_local()

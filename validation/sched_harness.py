@@ -9,12 +9,14 @@ import torch
 
 
 def scheduler_side(url: str, *, block: int = 256, tp: int = 1, timeout_s: float = 1.0,
-                   retry_after_s: float = 1.0, hash_algo: str = "sha256", latent_rows: bool = False):
+                   retry_after_s: float = 1.0, hash_algo: str = "sha256", latent_rows: bool = False,
+                   chunk_keys: str = "auto", hash_block: int | None = None):
     """A :class:`connector.scheduler.SchedulerSide` for one state group and one attention
     group of ``block`` tokens, TP ``tp``, talking to the server at ``url``; ``hash_algo`` is
     vLLM's ``--prefix-caching-hash-algo``. ``latent_rows``: the attention group has the
     sparse-MLA plugin's shape (one K-only row per token, the same bytes on every rank), so
-    it is stored once for all ranks, as GLM-5.3-Flash's is."""
+    it is stored once for all ranks, as GLM-5.3-Flash's is. ``chunk_keys``: the connector's
+    setting of that name; ``hash_block``: the tokens per vLLM block hash (default ``block``)."""
     from vllm.v1 import kv_cache_interface as vkv
 
     from connector.common import Settings
@@ -40,9 +42,9 @@ def scheduler_side(url: str, *, block: int = 256, tp: int = 1, timeout_s: float 
         scheduler_config=SimpleNamespace(max_num_batched_tokens=block),
         kv_transfer_config=SimpleNamespace(kv_load_failure_policy="recompute"),
     )
-    kv.hash_block_size = block  # what vLLM's engine core sets at start-up
+    kv.hash_block_size = hash_block or block  # what vLLM's engine core sets at start-up
     geo = resolve_geometry(vllm, kv)
-    settings = Settings(url=url, timeout_s=timeout_s, retry_after_s=retry_after_s)
+    settings = Settings(url=url, timeout_s=timeout_s, retry_after_s=retry_after_s, chunk_keys=chunk_keys)
     return SchedulerSide(vllm, kv, settings, geo, None)
 
 

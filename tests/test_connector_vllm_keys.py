@@ -1,0 +1,130 @@
+"""Chunk keys read off vLLM's own block hashes (``chunk_keys: vllm``, the default where
+usable; issue 10, item 7): nothing is hashed by the connector, at admission or on save.
+
+A real glm-cache-server process; the scheduler side is built without an engine from
+hand-made vLLM configs and real vLLM requests whose ``block_hashes`` vLLM's own block
+hasher computed (see validation/sched_harness.py). The end-to-end tests run engines with
+the default setting, so their reloads go through these keys."""
+
+from __future__ import annotations
+
+import pytest
+
+from cache_server.process import ServerProcess
+from connector.client import CacheClient
+from connector.keys import chunk_hashes, vllm_chunk_keys
+from validation.sched_harness import request, scheduler_side
+
+C = 256
+PROMPT = list(range(16, 1016))  # 1000 tokens: strict prefix 3 chunks (768)
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = ServerProcess("--separate-object-groups", "--chunk-size", str(C), "--l1-size-gb", "1")
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture()
+def sides(server):
+    made = []
+
+    def make(**kw):
+        s = scheduler_side(server.url, block=C, **kw)
+        made.append(s)
+        return s
+
+    yield make
+    for s in made:
+        s.shutdown()
+
+
+def _answer(side, req):
+    first = side.get_num_new_matched_tokens(req, 0)
+    assert first == (None, False)
+    side._lookups[req.request_id].future.result()
+    return side.get_num_new_matched_tokens(req, 0)
+
+
+def test_keys_are_vllms_block_hashes_at_chunk_ends(sides):
+    """Chunk k's key is vLLM's block hash at token (k+1)*C, with blocks of any span that
+    divides the chunk; the same as vllm_chunk_keys computes outside the engine."""
+    for span in (C, C // 4):
+        side = sides(hash_block=span)
+        assert side._vllm_keys is not None and side._vllm_keys[0] == span
+        req = request(f"r{span}", PROMPT, "salt", hash_block=span)
+        per_chunk = C // span
+        expected = [req.block_hashes[(k + 1) * per_chunk - 1] for k in range(3)]
+        assert side._hashes(req, 3) == expected
+        assert expected == vllm_chunk_keys(PROMPT, C, span, "salt")
+        assert expected != chunk_hashes(PROMPT, C, "salt")  # not the token chain
+    # The salt is in vLLM's hash: another salt shares no key.
+    other = sides()._hashes(request("o", PROMPT, "another", hash_block=C), 3)
+    assert not set(other) & set(vllm_chunk_keys(PROMPT, C, C, "salt"))
+
+
+def test_a_held_prompt_is_admitted_with_one_lookup_and_nothing_hashed(server, sides, monkeypatch):
+    """The server holds the prefix under block-hash keys (another replica saved it): one
+    lookup answers it; no token is hashed (no probe, no chain)."""
+    import connector.scheduler as sched
+
+    side = sides()
+    hashes = vllm_chunk_keys(PROMPT, C, C, "held")
+    with CacheClient(server.url) as c:
+        items = [(h, 1, 0, b"a" * 64) for h in hashes] + [(hashes[-1], 0, 0, b"s" * 64)]
+        assert set(c.put(side._namespace, items, parent=[None, *hashes[:-1], hashes[1]])) == {"stored"}
+        lookups = c.stats()["lookups"]
+
+        def no_hashing(*a, **k):
+            raise AssertionError("chunk keys hashed from token ids")
+
+        monkeypatch.setattr(sched, "extend_chunk_hashes", no_hashing)
+        out = _answer(side, request("held", PROMPT, "held", hash_block=C))
+        assert out == (768, True)
+        assert c.stats()["lookups"] == lookups + 1
+        assert len(side._memo._entries) == 0
+
+
+def test_the_namespace_names_the_key_scheme(sides):
+    """Engines that would key the same tokens differently never share a namespace: block
+    hashes vs the token chain, and block hashes of another algorithm or span. Keys from
+    token ids keep the namespace they always had."""
+    token_chain = sides(chunk_keys="lmcache")
+    assert token_chain._vllm_keys is None
+    spaces = {
+        token_chain._namespace,
+        sides()._namespace,
+        sides(hash_algo="sha256_cbor")._namespace,
+        sides(hash_block=C // 2)._namespace,
+    }
+    assert len(spaces) == 4
+    assert sides(chunk_keys="vllm")._namespace == sides(chunk_keys="auto")._namespace
+
+
+def test_non_cryptographic_block_hashes_keep_token_keys(sides):
+    """xxhash block hashes are not collision resistant (nor the same in every process
+    without PYTHONHASHSEED): the connector keeps hashing token ids, in the token chain's
+    namespace, even when asked for vLLM's keys."""
+    for wanted in ("auto", "vllm"):
+        side = sides(hash_algo="xxhash", chunk_keys=wanted)
+        assert side._vllm_keys is None
+        assert side._namespace == sides(hash_algo="xxhash", chunk_keys="lmcache")._namespace
+        assert side._hashes(request(f"x-{wanted}", PROMPT, "s", hash_block=C), 3) == chunk_hashes(PROMPT, C, "s")
+
+
+def test_chunk_keys_setting_is_checked():
+    from vllm.config import KVTransferConfig
+
+    from connector.common import Settings
+
+    def settings(value):
+        cfg = KVTransferConfig(kv_connector="GlmCacheConnector", kv_role="kv_both",
+                               kv_connector_extra_config={"chunk_keys": value})
+        return Settings.from_config(cfg)
+
+    assert settings("VLLM").chunk_keys == "vllm"
+    assert Settings().chunk_keys == "auto"
+    with pytest.raises(ValueError, match="chunk_keys must be one of auto, vllm, lmcache"):
+        settings("blake3")
