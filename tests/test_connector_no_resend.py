@@ -23,6 +23,7 @@ from engines import random_prompt, tiny_glm_engine
 pytestmark = pytest.mark.engine
 
 C = 256
+SPAN = 128  # vLLM hashes this float32 engine's blocks every 128 tokens (its start-up log says)
 
 
 _prompt = random_prompt
@@ -75,7 +76,7 @@ def test_local_hit_turn_sends_only_new_chunks(llm, server, n1, local):
     assert s2["puts_stored"] > s1["puts_stored"]
     assert s2["stored_bytes_total"] > s1["stored_bytes_total"]
     groups = sorted(int(g) for g in s2["bytes_by_group"])
-    hashes = vllm_chunk_keys(turn2, C, C, salt)[:5]
+    hashes = vllm_chunk_keys(turn2, C, SPAN, salt)[:5]
     present = [{g for g, x in zip(groups, client.get(namespace, [(h, g, 0) for g in groups])) if x is not None}
                for h in hashes]
     # Every chunk up to the strict prefix has its attention (states exist only where a
