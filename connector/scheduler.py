@@ -21,6 +21,8 @@ boundary is the strict-prefix boundary. With C > N, run vLLM with
 from __future__ import annotations
 
 import collections
+import hashlib
+import sys
 import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -335,11 +337,11 @@ class SchedulerSide:
                                   chunk_keys=keys)
 
     def _vllm_key_scheme(self, wanted: str) -> tuple[int, dict[str, Any]] | None:
-        """``chunk_keys: vllm`` (and ``auto`` where usable): chunk k's key is vLLM's block hash at the chunk's end
-        (``request.block_hashes``, which vLLM's engine computes for every request on
-        arrival whenever a KV connector is configured: a sha256 chain over the whole
-        prefix, with the cache salt, LoRA and multimodal inputs as extra keys). Nothing is
-        hashed by us, at admission or on save. Returns (tokens per vLLM block hash, what
+        """``chunk_keys: vllm`` (and ``auto`` where usable): chunk k's key is vLLM's block
+        hash at the chunk's end (``request.block_hashes``, which vLLM's engine computes
+        for every request on arrival whenever a KV connector is configured: a sha256 chain
+        over the whole prefix, with the cache salt, LoRA and multimodal inputs as extra
+        keys). Nothing is hashed by us, at admission or on save. Returns (tokens per vLLM block hash, what
         the keys depend on, for the namespace), or None for our own token chain.
 
         Those hashes are the same in every process only for vLLM's cryptographic
@@ -363,9 +365,6 @@ class SchedulerSide:
             log("GlmCacheConnector: chunk keys hash token ids (chunk_keys=%s; vLLM's block hashes not usable: %s)",
                 wanted, why)
             return None
-        import hashlib
-        import sys
-
         import vllm
         from vllm.utils.hashing import get_hash_fn_by_name
         from vllm.v1.core.kv_cache_utils import resolve_none_hash_seed
