@@ -30,6 +30,21 @@ class _LayerPages:
     page_bytes: int  # content bytes of this layer's page
 
 
+@dataclass(frozen=True)
+class _Lane:
+    """Pages of one group that one strided copy writes per block: ``count`` layers whose
+    pages have the same size and block stride, lie ``dst_step`` bytes apart in the KV
+    buffer, and one period of the group's layer list apart in the object."""
+
+    dst_base: int  # byte offset of block 0's page of the lane's first layer
+    dst_step: int  # bytes between the pages of consecutive layers of the lane, one block
+    block_stride: int
+    page_bytes: int
+    count: int
+    obj_offset: int  # bytes before the lane's first layer in a one-block object
+    obj_period: int  # bytes of one period of layers in a one-block object
+
+
 def _as_uint8(payload: bytes | memoryview) -> torch.Tensor:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # read-only buffer: we only read from it
@@ -47,6 +62,7 @@ class PagedKVCache:
     ) -> None:
         self._groups = {g.group_id: g for g in groups}
         self._layers: dict[str, _LayerPages] = {}
+        self._lanes: dict[int, tuple[_Lane, ...]] = {}
         if not groups:  # served without the external cache: nothing to read or write
             self._raw = torch.empty(0, dtype=torch.uint8)
             return
@@ -67,7 +83,36 @@ class PagedKVCache:
                 base, block_stride, _ = placements[p.name]
                 self._layers[p.name] = _LayerPages(base, block_stride, p.page_bytes)
             self._check_disjoint(g, kv_cache_config.num_blocks, placements)
+            self._lanes[g.group_id] = self._find_lanes(g)
         self._check_views(kv_caches, groups)
+
+    def _find_lanes(self, g: CacheGroup) -> tuple[_Lane, ...]:
+        """The group's layers as few lanes as their placement allows: the shortest period
+        P of the layer list such that layer i and layer i + P have the same page size and
+        block stride, and the distance between their pages is the same all along each lane
+        (and positive). GLM-5.3-Flash's attention group alternates an indexer page and a
+        latent page per layer: P = 2, one copy for each kind instead of one per page. With
+        no such P each layer is a lane of its own (one copy per page)."""
+        lps = [self._layers[p.name] for p in g.layers]
+        m = len(lps)
+        offsets = [0]
+        for lp in lps:
+            offsets.append(offsets[-1] + lp.page_bytes)
+        for period in range(1, m + 1):
+            if m % period:
+                continue
+            steps = [lps[j + period].base - lps[j].base if period < m else lps[j].page_bytes
+                     for j in range(period)]
+            if period < m and not all(
+                lps[i].page_bytes == lps[i - period].page_bytes
+                and lps[i].block_stride == lps[i - period].block_stride
+                and lps[i].base - lps[i - period].base == steps[i % period] > 0
+                for i in range(period, m)
+            ):
+                continue
+            return tuple(_Lane(lps[j].base, steps[j], lps[j].block_stride, lps[j].page_bytes, m // period,
+                               offsets[j], offsets[period]) for j in range(period))
+        return ()  # a group without layers: nothing to copy
 
     def _check_disjoint(self, g: CacheGroup, num_blocks: int,
                         placements: dict[str, tuple[int, int, int]]) -> None:
@@ -146,6 +191,10 @@ class PagedKVCache:
 
         ``None`` entries are blocks vLLM already holds (a local prefix hit inside the
         chunk): their pages in the object are skipped, the others land where they belong.
+        One strided copy per lane (see :meth:`_find_lanes`) and block moves the pages of
+        all the lane's layers at once, straight from ``payload`` (on CPU, a view of the
+        client's shared-memory segment): a GLM-5.3-Flash attention object (22 pages per
+        block) takes 2 copies, a KDA state object 1.
         """
         g = self._groups[group_id]
         expected = g.object_bytes(len(block_ids))
@@ -154,13 +203,13 @@ class PagedKVCache:
         src = _as_uint8(payload)
         if self._raw.device.type != "cpu":
             src = src.to(self._raw.device)
-        pos = 0
-        for layer in g.layers:
-            for b in block_ids:
+        n = len(block_ids)
+        for lane in self._lanes[group_id]:
+            rows = (lane.count, lane.page_bytes)
+            for t, b in enumerate(block_ids):
                 if b is not None:
-                    start, end = self._span(layer.name, b)
-                    self._raw[start:end].copy_(src[pos : pos + layer.page_bytes])
-                pos += layer.page_bytes
+                    dst = self._raw.as_strided(rows, (lane.dst_step, 1), lane.dst_base + b * lane.block_stride)
+                    dst.copy_(src.as_strided(rows, (n * lane.obj_period, 1), n * lane.obj_offset + t * lane.page_bytes))
 
     def write_layer_page(self, layer_name: str, group_id: int, block_id: int,
                          page: bytes | memoryview) -> None:

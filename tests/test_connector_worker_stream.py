@@ -296,3 +296,82 @@ def test_scheduler_gives_up_after_bounded_retries_or_a_permanent_failure():
     s, t, _ = _scheduler_with(4)
     s._saves_failed([SaveFailure("r", t.hashes[3], ATTN, "too_large")])
     assert t.saves_given_up and t.save_retries == 0
+
+
+# Same-host shared memory on the load path: the server copies each object into the load
+# client's segment, the client verifies its checksum there in place, and the page writes
+# copy from a view of the segment straight into the KV cache (no other copy).
+
+
+def test_saved_pages_come_back_byte_exact_through_shared_memory(server):
+    w, buf = _worker(server.url)
+    try:
+        buf.copy_(torch.randint(-128, 128, buf.shape, dtype=torch.int8, generator=torch.Generator().manual_seed(7)))
+        saved = buf.clone()
+        saves = [ObjectMove(_hash(300 + k), ATTN, [2 * k, 2 * k + 1], parent=_hash(299 + k) if k else None,
+                            req_id="r-s") for k in range(3)]
+        saves.append(ObjectMove(_hash(302), STATE, [NB - 1], req_id="r-s"))
+        w.wait_for_save(GlmConnectorMetadata(namespace=NS, saves=saves))
+        assert w.wait_for_pending_saves() and w.build_connector_worker_meta() is None
+        assert w._save_client.transport == "shm"
+        buf.zero_()
+        with CacheClient(server.url) as cli:
+            shm_before = cli.stats()["shm"]["get_bytes"]
+        # Load them into other blocks: pages land by block id, not where they were read from.
+        loads = [ObjectMove(_hash(300 + k), ATTN, [10 + 2 * k, 11 + 2 * k]) for k in range(3)]
+        loads.append(ObjectMove(_hash(302), STATE, [NB - 2]))
+        w.start_load_kv(GlmConnectorMetadata(namespace=NS, loads=[LoadJob("req-shm", loads)]))
+        assert _wait_load(w, "req-shm")
+        assert w._load_client.transport == "shm"
+        with CacheClient(server.url) as cli:  # every byte came through the segment, none as frames
+            assert cli.stats()["shm"]["get_bytes"] - shm_before == 3 * 2 * 2 * PAGE_A + PAGE_S
+    finally:
+        w.shutdown()
+    expect = torch.zeros_like(saved)
+    for k in range(3):
+        for layer in range(2):
+            for src, dst in ((2 * k, 10 + 2 * k), (2 * k + 1, 11 + 2 * k)):
+                at, frm = layer * NB * STRIDE + dst * STRIDE, layer * NB * STRIDE + src * STRIDE
+                expect[at:at + PAGE_A] = saved[frm:frm + PAGE_A]
+    at, frm = 2 * NB * STRIDE + (NB - 2) * STRIDE, 2 * NB * STRIDE + (NB - 1) * STRIDE
+    expect[at:at + PAGE_S] = saved[frm:frm + PAGE_S]
+    assert torch.equal(buf, expect)  # the loaded pages are the saved bytes; nothing else was touched
+
+
+def test_a_byte_flipped_in_the_shared_memory_region_fails_the_load_and_reaches_no_page(server):
+    chunks = 3
+    _populate(server.url, chunks)
+    w, buf = _worker(server.url, batch_bytes=1)  # one object per get
+    client = w._load_client
+    real_place = client._place_shm_locked
+    flipped: list[int] = []
+
+    def flip_after_the_servers_copy(seg, reply, frames):
+        # The server has copied the objects into the segment; flip one byte of the second
+        # attention object there, before the client verifies it.
+        out = real_place(seg, reply, frames)
+        if sum(1 for x in reply["shm"] if x is not None) == 1 and reply["shm"][0][1] == 2 * 2 * PAGE_A:
+            flipped.append(reply["shm"][0][0])
+            if len(flipped) == 2:
+                seg.view[reply["shm"][0][0] + 1234] ^= 0x01
+        return out
+
+    client._place_shm_locked = flip_after_the_servers_copy
+    try:
+        w.start_load_kv(GlmConnectorMetadata(namespace=NS, loads=[_load_job(chunks)]))
+        assert _wait_load(w, "req-1") is False  # failed_recving: vLLM recomputes the request
+        assert client.transport == "shm" and len(flipped) >= 2
+        assert client.corrupt_objects == 1
+    finally:
+        w.shutdown()
+    # The state and chunk 0 were verified and written; no byte of chunk 1 (flipped) nor of
+    # chunk 2 (after the failure) reached the cache.
+    pages = w._pages
+    assert pages.read(STATE, [NB - 1]) == _state_object()
+    assert pages.read(ATTN, [0, 1]) == _attn_object(0)
+    assert not buf.view(torch.uint8)[STRIDE * 2: STRIDE * 6].any()
+    assert not buf.view(torch.uint8)[NB * STRIDE + STRIDE * 2: NB * STRIDE + STRIDE * 6].any()
+    # The corrupt object was deleted on the server as corrupt; the others are intact there.
+    with CacheClient(server.url) as cli:
+        got = cli.get(NS, [(_hash(k), ATTN, 0) for k in range(chunks)])
+        assert got[1] is None and bytes(got[0]) == _attn_object(0) and bytes(got[2]) == _attn_object(2)

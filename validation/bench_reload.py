@@ -11,9 +11,14 @@ chunks (13.08 MB each), so the total is the same: about 3.4 GB per rank at 300k 
 Steps: populate the server (puts, not timed), then time ``WorkerSide``'s load of the whole
 hit (streamed in ``batch_bytes`` batches, fetch of batch i+1 overlapping the page writes
 of batch i, checksums checked) until it reports the request finished, and verify every
-page against what was stored. Next to it, the same bytes: an in-process memcpy into the
-same cache buffer, and the page scatter alone (``PagedKVCache.write`` from memory, no
-network). The last line is one JSON object.
+page against what was stored. Next to it, the same bytes: the gets alone (the same
+batches through a fresh client, as the worker's: the server's copy into the segment and
+the checksum pass, no page writes), an in-process memcpy into the same cache buffer, and
+the page scatter alone (``PagedKVCache.write`` from memory, no network). Through shared
+memory a reload touches each byte four times: the server copies it into the segment, the
+client checksums it there, and the page write copies it from the segment into the cache;
+the "get only" and "scatter" lines are those passes timed apart. The last line is one
+JSON object.
 
 When memory is short (the server, the paged cache and the source each hold the bytes),
 the chunk count is scaled down and the output says so (``scaled_down``).
@@ -38,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from cache_server.process import ServerProcess  # noqa: E402
 from connector.client import CacheClient  # noqa: E402
-from connector.common import GlmConnectorMetadata, LoadJob, ObjectMove, Settings  # noqa: E402
+from connector.common import GlmConnectorMetadata, LoadJob, ObjectMove, Settings, batches  # noqa: E402
 from connector.keys import chunk_hashes  # noqa: E402
 
 
@@ -156,13 +161,30 @@ def main(argv: list[str] | None = None) -> int:
             worker.shutdown()
             return None if "r0" in res.failed_recving else took
 
+        def get_only(cfg: Settings) -> float:
+            """Seconds for the worker's gets alone (same batches, order, deadlines; fresh
+            client): the server's copies and the checksums, no page writes."""
+            order = sorted(moves, key=lambda m: m.group_id == attn.group_id)  # states first
+            sizes = [chunk_bytes if m.group_id == attn.group_id else
+                     next(s for s in states if s.group_id == m.group_id).object_bytes(1) for m in order]
+            with CacheClient(cfg.url, timeout_s=cfg.timeout_s, shm=cfg.shm) as c:
+                t0 = time.perf_counter()
+                for idx in batches(sizes, cfg.batch_bytes):
+                    got = c.get(ns, [(order[j].chunk_hash, order[j].group_id, 0) for j in idx],
+                                timeout_s=cfg.deadline_s(sum(sizes[j] for j in idx)))
+                    assert all(g is not None for g in got)
+                    del got  # the region is free for the next get, as after a page write
+                return time.perf_counter() - t0
+
         # Interleaved over the batch sizes compared, so that the machine's load (shared
         # cores) falls on all of them alike; a failed run (deadline missed) is counted.
         sizes_mb = [args.batch_mb, *args.compare_batch_mb]
         by_size: dict[float, list[float]] = {mb: [] for mb in sizes_mb}
         failed_by_size: dict[float, int] = {mb: 0 for mb in sizes_mb}
         tcp_runs: list[float] = []
+        get_runs: list[float] = []
         for _ in range(args.repeat):
+            get_runs.append(get_only(settings))
             took = reload(replace(settings, shm=False))  # the same, with shared memory refused
             if took is not None:
                 tcp_runs.append(took)
@@ -179,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
             print("every reload FAILED", file=sys.stderr)
             return 1
         load_s = sorted(runs)[len(runs) // 2]
+        get_s = sorted(get_runs)[len(get_runs) // 2]
         # The last reload may have been another batch size: load once more to verify.
         if sizes_mb[-1] != args.batch_mb and reload(settings) is None:
             print("verification reload FAILED", file=sys.stderr)
@@ -233,6 +256,8 @@ def main(argv: list[str] | None = None) -> int:
         "reload_runs_s": [round(r, 3) for r in runs], "reload_failed_runs": failed_runs,
         "reload_s": round(load_s, 3), "reload_gbps": round(gb / load_s, 3),
         "reload_tcp_runs_s": [round(r, 3) for r in tcp_runs],
+        "get_only_s": round(get_s, 3), "get_only_gbps": round(gb / get_s, 3),
+        "get_only_runs_s": [round(r, 3) for r in get_runs],
         "scatter_s": round(scatter_s, 3), "scatter_gbps": round(gb / scatter_s, 3),
         "memcpy_s": round(memcpy_s, 3), "memcpy_gbps": round(gb / memcpy_s, 3),
         "reload_vs_memcpy": round(memcpy_s / load_s, 3),
@@ -251,6 +276,8 @@ def main(argv: list[str] | None = None) -> int:
         tcp_s = sorted(tcp_runs)[len(tcp_runs) // 2]
         print(f"  over TCP {tcp_s:7.3f} s  {gb / tcp_s:6.2f} GB/s  (same path, shm=false: "
               f"{len(tcp_runs)} of {args.repeat} in time)")
+    print(f"get only {get_s:6.3f} s  {gb / get_s:6.2f} GB/s  (the same gets, no page writes: the server's "
+          "copy into the segment and the checksum in place)")
     print(f"scatter {scatter_s:7.3f} s  {gb / scatter_s:6.2f} GB/s  (PagedKVCache.write from memory)")
     print(f"memcpy  {memcpy_s:7.3f} s  {gb / memcpy_s:6.2f} GB/s  (contiguous copy, same bytes)")
     for mb, r in by_size.items():

@@ -19,7 +19,12 @@ each size, side by side:
 * ``tcp_put`` / ``tcp_get``: a real ``glm-cache-server`` process (``ServerProcess``) and a
   ``CacheClient(shm=False)``: frames over TCP loopback, checksums verified;
 * ``shm_put`` / ``shm_get``: the same server and a ``CacheClient`` that agreed on shared
-  memory at hello: payloads through /dev/shm, checksums verified.
+  memory at hello: payloads through /dev/shm, checksums verified. ``shm_get`` returns views
+  of the segment (no client-side copy);
+* ``shm_get_into``: that get, then one copy of the payload from the segment view into a
+  buffer already touched, as the connector's load path copies it into the paged KV cache:
+  what a same-host load of one object costs, end to end (the server's copy, the checksum
+  pass, the copy out).
 
 The modes are interleaved iteration by iteration (the cores are shared with whatever else
 runs), and GB/s is taken from the median time.
@@ -135,9 +140,10 @@ def bench_case(case: Case, tcp: CacheClient, shm: CacheClient) -> dict[str, Resu
     payload = os.urandom(case.nbytes)
     src = np.frombuffer(payload, dtype=np.uint8)
     dst = np.empty_like(src)
+    into = np.zeros_like(src)  # the engine's cache, already touched
     raw = RawZmq(case.nbytes)
     times: dict[str, list[float]] = {m: [] for m in ("memcpy", "checksum", "copy_verify", "raw_zmq_get", "tcp_put",
-                                                      "tcp_get", "shm_put", "shm_get")}
+                                                      "tcp_get", "shm_put", "shm_get", "shm_get_into")}
     keys = {c: [(os.urandom(32), 0, 0) for _ in range(case.iters + 2)] for c in ("tcp", "shm")}
     clients = {"tcp": tcp, "shm": shm}
 
@@ -161,9 +167,17 @@ def bench_case(case: Case, tcp: CacheClient, shm: CacheClient) -> dict[str, Resu
             got = timed(f"{c}_get", i, lambda: client.get(NS, [keys[c][i]])[0])
             assert got is not None and got.nbytes == case.nbytes
             del got  # an engine copies the payload into its cache and lets go of it
+        timed("shm_get_into", i, lambda: _get_into(shm, keys["shm"][i], into))
     raw.close()
     tcp.clear(NS)
     return {mode: summarize(t, case.nbytes) for mode, t in times.items()}
+
+
+def _get_into(client: CacheClient, key: tuple[bytes, int, int], into: np.ndarray) -> None:
+    """Get one object and copy it from the returned view into ``into``, then let the view go."""
+    got = client.get(NS, [key])[0]
+    assert got is not None and got.nbytes == into.nbytes
+    np.copyto(into, np.frombuffer(got, dtype=np.uint8))
 
 
 def _concurrent_client(url: str, shm: bool, keys: list[bytes], rounds: int, nbytes: int,
@@ -273,7 +287,7 @@ def main() -> int:
             res = bench_case(case, tcp, shm)
             bar.update(4)
             rows.append((case, res["memcpy"], res["checksum"], res["copy_verify"], res["raw_zmq_get"], res["tcp_put"],
-                         res["tcp_get"], res["shm_put"], res["shm_get"]))
+                         res["tcp_get"], res["shm_put"], res["shm_get"], res["shm_get_into"]))
             figures[case.label] = {mode: r.gbps for mode, r in res.items()}
         rounds = 2 if args.quick else 4
         concurrent = run_concurrency(server.url, counts, rounds, 40 * MB, bar, "server")
@@ -289,19 +303,21 @@ def main() -> int:
           f"{stats['config']['workers']}, ZMQ I/O threads {stats['config']['io_threads']}; load average "
           f"{load[0]:.2f} at the start, {os.getloadavg()[0]:.2f} at the end")
     print("copy+sum: memcpy, then the checksum of the copy, a shared-memory get's floor by this design; "
-          "get/floor: the shm get against it")
+          "get/floor: the shm get against it; +copy: the shm get, then one copy of the payload out of the "
+          "segment (what a load into the KV cache costs)")
     header = (f"{'object':<16}{'n':>5} | {'memcpy':>7} {'checksum':>8} {'copy+sum':>8} {'raw zmq':>8} | {'tcp put':>8} "
               f"{'tcp get':>8} {'p50 ms':>7} {'p99 ms':>7} {'get/raw':>8} | {'shm put':>8} {'shm get':>8} "
-              f"{'p50 ms':>7} {'p99 ms':>7} {'get/memcpy':>10} {'get/floor':>9}")
+              f"{'p50 ms':>7} {'p99 ms':>7} {'get/memcpy':>10} {'get/floor':>9} | {'+copy':>6} {'/memcpy':>7}")
     print("GB/s" + " " * (len(header) - 4))
     print(header)
     print("-" * len(header))
-    for case, mem, csum, floor, raw, tput, tget, sput, sget in rows:
+    for case, mem, csum, floor, raw, tput, tget, sput, sget, sinto in rows:
         print(f"{case.name:<16}{case.iters:>5} | {mem.gbps:>7.2f} {csum.gbps:>8.2f} {floor.gbps:>8.2f} "
               f"{raw.gbps:>8.2f} | {tput.gbps:>8.2f} {tget.gbps:>8.2f} {tget.p50_ms:>7.2f} {tget.p99_ms:>7.2f} "
               f"{tget.gbps / raw.gbps:>7.2f}x | "
               f"{sput.gbps:>8.2f} {sget.gbps:>8.2f} {sget.p50_ms:>7.2f} {sget.p99_ms:>7.2f} "
-              f"{sget.gbps / mem.gbps:>9.2f}x {sget.gbps / floor.gbps:>8.2f}x")
+              f"{sget.gbps / mem.gbps:>9.2f}x {sget.gbps / floor.gbps:>8.2f}x | "
+              f"{sinto.gbps:>6.2f} {sinto.gbps / mem.gbps:>6.2f}x")
     print()
     print(f"aggregate GB/s of N concurrent client processes, each getting 40 MB objects ({rounds * 4} gets per "
           "client), and the p99 of a ping sent meanwhile")
