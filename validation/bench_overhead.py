@@ -162,6 +162,56 @@ def _engine(ckpt: str, server_url: str | None):
                prefix_cache_retention_interval=C_TINY, seed=0, **kw)
 
 
+class _CpuMeter:
+    """CPU seconds (user + system, from /proc) that each process of one engine, the
+    benchmark's own process (vLLM's front end) and the server spend during a workload;
+    the worker's main thread (the model forward) apart from its other threads (the
+    connector's, ZMQ's, gloo's), and the main thread's involuntary context switches (how
+    often something else took its core, which vLLM pins to the OpenMP core)."""
+
+    def __init__(self, engine_core: int, worker: int, server: int) -> None:
+        self.pids = {"front end": os.getpid(), "engine core": engine_core, "worker": worker, "server": server}
+        self.worker = worker
+
+    @staticmethod
+    def _stat(path: str) -> float:
+        with open(path) as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+    def sample(self) -> dict[str, float]:
+        out = {name: self._stat(f"/proc/{pid}/stat") for name, pid in self.pids.items()}
+        main = self._stat(f"/proc/{self.worker}/task/{self.worker}/stat")
+        out["worker other threads"] = out["worker"] - main
+        out["worker main thread"] = main
+        with open(f"/proc/{self.worker}/task/{self.worker}/status") as f:
+            for line in f:
+                if line.startswith("nonvoluntary_ctxt_switches"):
+                    out["worker main preempted (count)"] = float(line.split()[1])
+        return out
+
+    @staticmethod
+    def delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+        return {k: after[k] - before[k] for k in before}
+
+
+def _engine_pids(known: set[int]) -> tuple[int, int]:
+    """The engine core and worker processes started since ``known`` was taken."""
+    import psutil
+
+    new = [c for c in psutil.Process().children(recursive=True) if c.pid not in known]
+    core = [c.pid for c in new if c.name().startswith("VLLM::EngineCor")]
+    worker = [c.pid for c in new if c.name().startswith("VLLM::Worker")]
+    assert len(core) == 1 and len(worker) == 1, [(c.pid, c.name()) for c in new]
+    return core[0], worker[0]
+
+
+def _children() -> set[int]:
+    import psutil
+
+    return {c.pid for c in psutil.Process().children(recursive=True)}
+
+
 def _workload(llm, seed: int) -> float:
     """Generated tokens per second for 8 fresh requests of 600 + 192 tokens."""
     from vllm import SamplingParams
@@ -193,15 +243,22 @@ def bench_throughput(reps: int) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as tmp, \
             ServerProcess("--separate-object-groups", "--chunk-size", str(C_TINY), "--l1-size-gb", "1") as srv:
         tiny_checkpoint.main([tmp, "--seed", "3"])
+        known = _children()
         off = _engine(tmp, None)
+        meters = {"off": _CpuMeter(*_engine_pids(known), srv.proc.pid)}
+        known = _children()
         on = _engine(tmp, srv.url)
+        meters["on"] = _CpuMeter(*_engine_pids(known), srv.proc.pid)
         _workload(off, 999)  # warm-up (first-run allocations) on both
         _workload(on, 999)
-        tput = {"off": [], "on": []}
+        tput: dict[str, list[float]] = {"off": [], "on": []}
+        cpu: dict[str, list[dict[str, float]]] = {"off": [], "on": []}
         for r in range(reps):
             order = [("off", off), ("on", on)] if r % 2 == 0 else [("on", on), ("off", off)]
             for name, llm in order:
+                before = meters[name].sample()
                 tput[name].append(_workload(llm, 1000 + r))  # same prompts for both
+                cpu[name].append(_CpuMeter.delta(before, meters[name].sample()))
             print(f"  rep {r}: off {tput['off'][-1]:.1f} tok/s, on {tput['on'][-1]:.1f} tok/s")
         stats = CacheClient(srv.url).stats()
     ratios = [a / b for a, b in zip(tput["on"], tput["off"])]
@@ -213,6 +270,10 @@ def bench_throughput(reps: int) -> dict[str, float]:
           f"median {statistics.median(ratios):.3f}   goal >= 0.97")
     print(f"  server: {stats['puts_stored']} objects stored, {stats['puts_existing']} re-sent, "
           f"{stats['lookups']} lookups")
+    print(f"  CPU seconds per workload, median of {reps} (load average now {os.getloadavg()[0]:.2f}):")
+    for key in cpu["off"][0]:
+        a, b = (statistics.median(d[key] for d in cpu[n]) for n in ("off", "on"))
+        print(f"    {key:32s} off {a:7.2f}   on {b:7.2f}   on - off {b - a:+7.2f}")
     return {"off": off_m, "on": on_m, "ratio": on_m / off_m}
 
 
