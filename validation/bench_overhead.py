@@ -19,7 +19,7 @@
    thread say where the time goes. Goal: on/off >= 0.97.
 
     python validation/bench_overhead.py [--reps 5] [--admission-reps 50] [--skip-engines]
-                                        [--skip-admission] [--no-null]
+                                        [--skip-admission] [--no-null] [--pinned-too]
 """
 
 from __future__ import annotations
@@ -151,15 +151,15 @@ def bench_admission(reps: int) -> dict[str, float]:
     return out
 
 
-def _engine(ckpt: str, server_url: str | None, null: bool = False):
+def _engine(ckpt: str, server_url: str | None, null: bool = False, transfer_cpus: str = "auto"):
     """``server_url``: with GlmCacheConnector; ``null``: with a connector that does nothing."""
     from vllm import LLM
 
     kw = {}
     if server_url is not None:
         kw["kv_transfer_config"] = {
-            "kv_connector": "GlmCacheConnector", "kv_connector_module_path": "connector",
-            "kv_role": "kv_both", "kv_connector_extra_config": {"server": server_url},
+            "kv_connector": "GlmCacheConnector", "kv_connector_module_path": "connector", "kv_role": "kv_both",
+            "kv_connector_extra_config": {"server": server_url, "transfer_cpus": transfer_cpus},
         }
     elif null:
         kw["kv_transfer_config"] = {"kv_connector": "NullConnector", "kv_role": "kv_both",
@@ -260,7 +260,7 @@ def _workload(llm, seed: int) -> float:
     return n / dt
 
 
-def bench_throughput(reps: int, null: bool = True) -> dict[str, float]:
+def bench_throughput(reps: int, null: bool = True, pinned: bool = False) -> dict[str, float]:
     from glm5next_plugin import tiny_checkpoint
 
     # vLLM-CPU reserves one more core per rank whenever any KV connector is configured
@@ -272,6 +272,8 @@ def bench_throughput(reps: int, null: bool = True) -> dict[str, float]:
     reserved = os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
     print(f"VLLM_CPU_NUM_OF_RESERVED_CPU={reserved} for every engine")
     names = ["off", "null", "on"] if null else ["off", "on"]
+    if pinned:  # GlmCacheConnector with its transfer threads left on the model's core
+        names.append("pinned")
 
     with tempfile.TemporaryDirectory() as tmp, \
             ServerProcess("--separate-object-groups", "--chunk-size", str(C_TINY), "--l1-size-gb", "1") as srv:
@@ -279,7 +281,8 @@ def bench_throughput(reps: int, null: bool = True) -> dict[str, float]:
         llms, meters = {}, {}
         for name in names:
             known = _children()
-            llms[name] = _engine(tmp, srv.url if name == "on" else None, null=name == "null")
+            llms[name] = _engine(tmp, srv.url if name in ("on", "pinned") else None, null=name == "null",
+                                 transfer_cpus="off" if name == "pinned" else "auto")
             meters[name] = _CpuMeter(*_engine_pids(known), srv.proc.pid)
         for name in names:
             _workload(llms[name], 999)  # warm-up (first-run allocations) on each
@@ -297,9 +300,10 @@ def bench_throughput(reps: int, null: bool = True) -> dict[str, float]:
     med = {n: statistics.median(tput[n]) for n in names}
     print(f"\n== Generation throughput, 8 x (600 prompt + 192 generated), tiny GLM, vLLM CPU, {reps} reps")
     print("  off: no connector; null: vLLM's connector machinery with a connector that does nothing "
-          "(validation/null_connector.py); on: GlmCacheConnector")
+          "(validation/null_connector.py); on: GlmCacheConnector"
+          + ("; pinned: GlmCacheConnector with transfer_cpus off (its threads on the model's core)" if pinned else ""))
     for n in names:
-        print(f"  connector {n:4s}  median {med[n]:.1f} tok/s  {['%.1f' % x for x in tput[n]]}")
+        print(f"  connector {n:6s}  median {med[n]:.1f} tok/s  {['%.1f' % x for x in tput[n]]}")
 
     def ratio(a: str, b: str, what: str) -> None:
         per = [x / y for x, y in zip(tput[a], tput[b])]
@@ -310,11 +314,13 @@ def bench_throughput(reps: int, null: bool = True) -> dict[str, float]:
     if null:
         ratio("null", "off", "vLLM's connector machinery")
         ratio("on", "null", "GlmCacheConnector's own cost")
+    if pinned:
+        ratio("on", "pinned", "transfer threads off the model's core vs on it")
     print(f"  server: {stats['puts_stored']} objects stored, {stats['puts_existing']} re-sent, "
           f"{stats['lookups']} lookups")
     print(f"  CPU seconds per workload, median of {reps} (load average now {os.getloadavg()[0]:.2f}):")
     for key in cpu["off"][0]:
-        print(f"    {key:30s} " + "  ".join(f"{n} {statistics.median(d[key] for d in cpu[n]):8.3f}"
+        print(f"    {key:30s} " + "  ".join(f"{n} {statistics.median(d[key] for d in cpu[n]):9.3f}"
                                              for n in names))
     out = {n: med[n] for n in names}
     out["ratio"] = med["on"] / med["off"]
@@ -327,6 +333,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--admission-reps", type=int, default=50)
     ap.add_argument("--skip-engines", action="store_true", help="admission only")
     ap.add_argument("--skip-admission", action="store_true", help="throughput only")
+    ap.add_argument("--pinned-too", action="store_true",
+                    help="throughput: a fourth engine whose connector threads stay on the model's core")
     ap.add_argument("--no-null", action="store_true",
                     help="throughput: no third engine with a do-nothing connector (vLLM's share of the cost)")
     args = ap.parse_args(argv)
@@ -335,7 +343,7 @@ def main(argv: list[str] | None = None) -> None:
     if not args.skip_admission:
         res["admission"] = bench_admission(args.admission_reps)
     if not args.skip_engines:
-        res["throughput"] = bench_throughput(args.reps, null=not args.no_null)
+        res["throughput"] = bench_throughput(args.reps, null=not args.no_null, pinned=args.pinned_too)
     print("\n" + repr(res))
 
 
