@@ -244,13 +244,16 @@ def _children() -> set[int]:
     return {c.pid for c in psutil.Process().children(recursive=True)}
 
 
-def _workload(llm, seed: int) -> float:
-    """Generated tokens per second for 8 fresh requests of 600 + 192 tokens."""
+def _workload(llm, seed: int, salt: str = "") -> float:
+    """Generated tokens per second for 8 fresh requests of 600 + 192 tokens. Each engine
+    its own ``cache_salt``: engines with the connector share one server, and one must
+    not find the prompts another just saved."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     rng = random.Random(seed)
-    prompts = [TokensPrompt(prompt_token_ids=[rng.randrange(16, 512) for _ in range(600)]) for _ in range(8)]
+    prompts = [TokensPrompt(prompt_token_ids=[rng.randrange(16, 512) for _ in range(600)], cache_salt=salt)
+               for _ in range(8)]
     params = SamplingParams(temperature=0.0, max_tokens=192, ignore_eos=True)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
@@ -285,7 +288,7 @@ def bench_throughput(reps: int, null: bool = True, pinned: bool = False) -> dict
                                  transfer_cpus="off" if name == "pinned" else "auto")
             meters[name] = _CpuMeter(*_engine_pids(known), srv.proc.pid)
         for name in names:
-            _workload(llms[name], 999)  # warm-up (first-run allocations) on each
+            _workload(llms[name], 999, name)  # warm-up (first-run allocations) on each
         tput: dict[str, list[float]] = {n: [] for n in names}
         cpu: dict[str, list[dict[str, float]]] = {n: [] for n in names}
         for r in range(reps):
@@ -293,7 +296,7 @@ def bench_throughput(reps: int, null: bool = True, pinned: bool = False) -> dict
             k = r % len(names)
             for name in names[k:] + names[:k]:
                 before = meters[name].sample()
-                tput[name].append(_workload(llms[name], 1000 + r))  # same prompts for all
+                tput[name].append(_workload(llms[name], 1000 + r, name))  # same prompts for all
                 cpu[name].append(_CpuMeter.delta(before, meters[name].sample()))
             print(f"  rep {r}: " + ", ".join(f"{n} {tput[n][-1]:.1f} tok/s" for n in names))
         stats = CacheClient(srv.url).stats()
@@ -317,7 +320,8 @@ def bench_throughput(reps: int, null: bool = True, pinned: bool = False) -> dict
     if pinned:
         ratio("on", "pinned", "transfer threads off the model's core vs on it")
     print(f"  server: {stats['puts_stored']} objects stored, {stats['puts_existing']} re-sent, "
-          f"{stats['lookups']} lookups")
+          f"{stats['lookups']} lookups, {stats['hits']} hits")
+    assert stats["hits"] == 0, "a workload found saved prompts: not pure overhead"
     print(f"  CPU seconds per workload, median of {reps} (load average now {os.getloadavg()[0]:.2f}):")
     for key in cpu["off"][0]:
         print(f"    {key:30s} " + "  ".join(f"{n} {statistics.median(d[key] for d in cpu[n]):9.3f}"
