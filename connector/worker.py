@@ -40,6 +40,8 @@ from connector.geometry import Geometry
 
 if TYPE_CHECKING:
     import torch
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
 
 _PR_SET_NAME = 15
 
