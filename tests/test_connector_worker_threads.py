@@ -14,7 +14,7 @@ import textwrap
 import pytest
 
 from cache_server.process import ServerProcess
-from connector.common import cpu_setting
+from connector.common import Settings, cpu_setting
 from connector.worker import _pool, spare_cpus
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -96,6 +96,16 @@ def test_a_pinned_worker_saves_from_the_other_cores(setting):
 
 
 def test_transfer_cpus_setting_is_checked_at_start_up():
+    from vllm.config import KVTransferConfig
+
+    def settings(**extra) -> Settings:
+        return Settings.from_config(KVTransferConfig(kv_connector="GlmCacheConnector", kv_role="kv_both",
+                                                     kv_connector_extra_config=extra))
+
+    assert settings().transfer_cpus == "auto"
+    assert settings(transfer_cpus="1,0").transfer_cpus == (0, 1)
+    with pytest.raises(ValueError, match="transfer_cpus"):
+        settings(transfer_cpus="fast")
     assert cpu_setting("auto") == "auto" and cpu_setting(" Off ") == "off"
     assert cpu_setting("3,1") == (1, 3) and cpu_setting([2, 2]) == (2,)
     for bad in ("", "x", [-1], [], None):
