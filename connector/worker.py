@@ -91,7 +91,9 @@ def _transfer_cpus(vllm_config: Any) -> frozenset[int] | None:
 
         if not current_platform.is_cpu():
             return None
-        local = int(getattr(vllm_config.parallel_config, "local_world_size", 1))
+        pc = vllm_config.parallel_config
+        # workers of this host: this engine's, times its data-parallel engines here
+        local = int(getattr(pc, "local_world_size", 1)) * max(1, int(getattr(pc, "data_parallel_size_local", 1)))
         return spare_cpus(set(os.sched_getaffinity(os.getppid())), set(os.sched_getaffinity(0)), local)
     except Exception:  # noqa: BLE001 (no affinity API, parent gone: stay where we are)
         return None
