@@ -56,6 +56,10 @@ class Settings:
     chunk_keys: str = "auto"
     auth_token: str | None = None
     auth_broken: bool = False  # the token file was unusable: no external cache at all
+    # Where the worker's transfer threads run on a CPU engine: "auto" (the engine's CPUs
+    # the model's OpenMP threads are not pinned to), "off" (where vLLM put the worker),
+    # or these CPU ids.
+    transfer_cpus: str | tuple[int, ...] = "auto"
 
     def deadline_s(self, nbytes: int) -> float:
         """How long a transfer of ``nbytes`` may take: the floor plus the bytes at the
@@ -87,6 +91,7 @@ class Settings:
             chunk_keys=choice(get("chunk_keys", cls.chunk_keys), "chunk_keys", CHUNK_KEY_SCHEMES),
             auth_token=auth_token,
             auth_broken=auth_broken,
+            transfer_cpus=cpu_setting(get("transfer_cpus", "auto")),
         )
 
 
@@ -177,6 +182,20 @@ def batches(sizes: list[int], limit: int) -> list[range]:
     if start < len(sizes):
         out.append(range(start, len(sizes)))
     return out
+
+
+def cpu_setting(value: Any) -> str | tuple[int, ...]:
+    """``transfer_cpus``: "auto", "off", or CPU ids (a list, or "2,3" from the CLI)."""
+    if isinstance(value, str) and value.strip().lower() in ("auto", "off"):
+        return value.strip().lower()
+    items = value.split(",") if isinstance(value, str) else value
+    try:
+        cpus = tuple(sorted({int(x) for x in items}))
+    except (TypeError, ValueError):
+        cpus = ()
+    if not cpus or cpus[0] < 0:
+        raise ValueError(f"kv_connector_extra_config transfer_cpus must be \"auto\", \"off\" or CPU ids, got {value!r}")
+    return cpus
 
 
 def flag(value: Any) -> bool:

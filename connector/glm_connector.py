@@ -35,6 +35,10 @@ never a stalled engine. Extra config keys (``kv_connector_extra_config``):
 ``auth_token_file``  file holding the server's shared secret (its ``--auth-token-file``),
                      read once at start-up; an unusable file, or a token the server
                      refuses, means no external cache (logged), never a request without it
+``transfer_cpus``    CPU engines: where the worker's transfer threads run (vLLM pins a
+                     worker to its model's OpenMP cores): "auto" (default: the engine's
+                     CPUs the model is not pinned to, i.e. the cores vLLM reserves; with
+                     one worker per host), "off", or CPU ids such as "6,7"
 ``strict_prefix``    operator policy, diagnostic only: false lets a hit cover the whole
                      prompt, the bug of seed 004 (default true). Such an engine loads but
                      never saves, so its wrong states cannot reach other replicas. There

@@ -10,6 +10,7 @@ save that did not land back to the scheduler (``build_connector_worker_meta``).
 from __future__ import annotations
 
 import collections
+import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -41,6 +42,66 @@ if TYPE_CHECKING:
     import torch
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
+
+_PR_SET_NAME = 15
+
+
+def _start_thread(name: str, cpus: frozenset[int] | None) -> None:
+    """Thread-pool initializer: name the thread in the OS (``top -H``,
+    ``/proc/<pid>/task/*/comm``: what ``validation/bench_overhead.py`` uses to tell the
+    connector's CPU time from the model's) and move it to ``cpus``. Best effort: a pool
+    whose initializer raised would be broken, and both are about speed, not behaviour."""
+    try:
+        import ctypes
+        import ctypes.util
+
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        libc.prctl(_PR_SET_NAME, name.encode()[:15], 0, 0, 0)
+    except Exception:  # noqa: BLE001 (not Linux, no libc: the name is cosmetic)
+        pass
+    if cpus:
+        try:
+            os.sched_setaffinity(0, cpus)  # 0: the calling thread
+        except (AttributeError, OSError):
+            pass
+
+
+def spare_cpus(allowed: set[int], model_cpus: set[int], local_workers: int) -> frozenset[int] | None:
+    """Where the connector's threads should run on a CPU engine: the CPUs the engine was
+    given (``allowed``, its parent process's affinity) that the model's OpenMP threads are
+    not pinned to (``model_cpus``, this worker's affinity), i.e. the cores vLLM reserves
+    for its scheduler process and for KV connectors. None (stay where we are) when
+    nothing is spare, when nothing was pinned, or when other workers of this host hold
+    some of the other CPUs (``local_workers`` > 1: we cannot tell which are theirs)."""
+    if local_workers != 1 or not model_cpus or model_cpus >= allowed:
+        return None
+    spare = frozenset(allowed - model_cpus)
+    return spare or None
+
+
+def _transfer_cpus(vllm_config: Any) -> frozenset[int] | None:
+    """:func:`spare_cpus` for this worker (None off CPU engines, or where it can't be told).
+
+    vLLM's CPU backend pins a worker process to its OpenMP cores, and threads inherit
+    their creator's affinity: without this, every page copy, checksum and send of the
+    save thread (and the ZMQ I/O thread its first request starts) preempts the model's
+    forward on its own core, while the reserved core idles."""
+    try:
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu():
+            return None
+        pc = vllm_config.parallel_config
+        # workers of this host: this engine's, times its data-parallel engines here
+        local = int(getattr(pc, "local_world_size", 1)) * max(1, int(getattr(pc, "data_parallel_size_local", 1)))
+        return spare_cpus(set(os.sched_getaffinity(os.getppid())), set(os.sched_getaffinity(0)), local)
+    except Exception:  # noqa: BLE001 (no affinity API, parent gone: stay where we are)
+        return None
+
+
+def _pool(name: str, cpus: frozenset[int] | None = None) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix=name,
+                              initializer=_start_thread, initargs=(name, cpus))
 
 
 class WorkerSide:
@@ -78,9 +139,17 @@ class WorkerSide:
             shm=settings.shm
         )
         self._refused_logged = False
-        self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="glm-load")
-        self._fetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="glm-fetch")
-        self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="glm-save")
+        # Transfer threads off the model's OpenMP cores (CPU engines); the clients' ZMQ I/O
+        # thread starts from the first request, made on these threads, and follows them.
+        spec = settings.transfer_cpus
+        self._transfer_cpus = (_transfer_cpus(vllm_config) if spec == "auto"
+                               else None if spec == "off" else frozenset(spec))
+        if self._transfer_cpus:
+            logger.info("GlmCacheConnector worker rank %d: transfer threads on CPUs %s (the model's: %s)",
+                        self._rank, sorted(self._transfer_cpus), sorted(os.sched_getaffinity(0)))
+        self._loader = _pool("glm-load", self._transfer_cpus)
+        self._fetcher = _pool("glm-fetch", self._transfer_cpus)
+        self._saver = _pool("glm-save", self._transfer_cpus)
         self._lock = threading.Lock()
         self._loads_done: set[str] = set()
         self._loads_failed: set[str] = set()

@@ -13,12 +13,15 @@
    request on arrival (nothing hashed by us). Goal: a whole admission in 2 ms or less.
 2. Generation throughput with the connector on vs off on the same workload: 8 requests
    of 600 prompt tokens + 192 generated, tiny GLM-5.3-Flash checkpoint, vLLM CPU
-   ``LLM``, the server on the same machine. Two engines built the same way (the one
-   with the connector talks to the server), repetitions alternated off/on so machine
-   noise hits both alike; fresh prompts each repetition (no hits: pure overhead).
-   Goal: on/off >= 0.97.
+   ``LLM``, the server on the same machine. Engines built the same way (the one with
+   the connector talks to the server), repetitions rotated so machine noise hits each
+   alike; fresh prompts each repetition (no hits: pure overhead). A third engine with a
+   connector that does nothing (``validation/null_connector.py``) splits the cost into
+   vLLM's connector machinery (null/off) and ours (on/null); CPU seconds per process and
+   thread say where the time goes. Goal: on/off >= 0.97.
 
     python validation/bench_overhead.py [--reps 5] [--admission-reps 50] [--skip-engines]
+                                        [--skip-admission] [--no-null] [--pinned-too]
 """
 
 from __future__ import annotations
@@ -175,27 +178,109 @@ def _admission(reps: int, scheme: str) -> dict[str, float]:
             f"{scheme}_next_turn_admission_ms": med(turn)}
 
 
-def _engine(ckpt: str, server_url: str | None):
+def _engine(ckpt: str, server_url: str | None, null: bool = False, transfer_cpus: str = "auto"):
+    """``server_url``: with GlmCacheConnector; ``null``: with a connector that does nothing."""
     from vllm import LLM
 
     kw = {}
     if server_url is not None:
         kw["kv_transfer_config"] = {
-            "kv_connector": "GlmCacheConnector", "kv_connector_module_path": "connector",
-            "kv_role": "kv_both", "kv_connector_extra_config": {"server": server_url},
+            "kv_connector": "GlmCacheConnector", "kv_connector_module_path": "connector", "kv_role": "kv_both",
+            "kv_connector_extra_config": {"server": server_url, "transfer_cpus": transfer_cpus},
         }
+    elif null:
+        kw["kv_transfer_config"] = {"kv_connector": "NullConnector", "kv_role": "kv_both",
+                                    "kv_connector_module_path": "validation.null_connector"}
     return LLM(model=ckpt, dtype="float32", enable_prefix_caching=True, gpu_memory_utilization=0.15,
                max_model_len=4096, enforce_eager=True, max_num_batched_tokens=C_TINY,
                prefix_cache_retention_interval=C_TINY, seed=0, **kw)
 
 
-def _workload(llm, seed: int) -> float:
-    """Generated tokens per second for 8 fresh requests of 600 + 192 tokens."""
+class _CpuMeter:
+    """CPU seconds that each process of one engine, the benchmark's own process (vLLM's
+    front end) and the server spend during a workload, summed over their threads
+    (/proc/<pid>/task/<tid>/schedstat, nanoseconds). The worker thread by thread: its main
+    thread (the model forward), the connector's threads (named ``glm-*`` in the OS: save,
+    load, fetch) and the rest (ZMQ's, gloo's); and how long the main thread was runnable
+    but waiting for its core (which vLLM pins it to), with its involuntary context switches."""
+
+    def __init__(self, engine_core: int, worker: int, server: int) -> None:
+        self.pids = {"front end": os.getpid(), "engine core": engine_core, "worker": worker, "server": server}
+        self.worker = worker
+
+    @staticmethod
+    def _read(path: str) -> str | None:
+        try:
+            with open(path) as f:
+                return f.read()
+        except (FileNotFoundError, ProcessLookupError):  # a thread that ended meanwhile
+            return None
+
+    def sample(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for name, pid in self.pids.items():
+            out[name] = sum(t[1] for t in self._tasks(pid))
+        ours = other = wakes = 0.0
+        for tid, run_s, wait_s, slices, comm in self._tasks(self.worker):
+            if tid == self.worker:
+                out["worker main thread"] = run_s
+                out["worker main, waiting for core"] = wait_s
+            elif comm.startswith("glm-"):
+                ours += run_s
+                wakes += slices
+            else:
+                other += run_s
+        out["worker glm-* threads (ours)"] = ours
+        out["worker glm-* runs (count)"] = wakes
+        out["worker other threads"] = other
+        for line in (self._read(f"/proc/{self.worker}/task/{self.worker}/status") or "").splitlines():
+            if line.startswith("nonvoluntary_ctxt_switches"):
+                out["worker main preempted (count)"] = float(line.split()[1])
+        return out
+
+    def _tasks(self, pid: int) -> list[tuple[int, float, float, int, str]]:
+        """(tid, seconds on a CPU, seconds runnable but waiting, times run, OS name) per thread."""
+        out = []
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            sched = self._read(f"/proc/{pid}/task/{tid}/schedstat")
+            comm = self._read(f"/proc/{pid}/task/{tid}/comm")
+            if sched is not None and comm is not None:
+                run_ns, wait_ns, slices = (int(x) for x in sched.split()[:3])
+                out.append((int(tid), run_ns / 1e9, wait_ns / 1e9, slices, comm.strip()))
+        return out
+
+    @staticmethod
+    def delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+        return {k: after[k] - before[k] for k in before}
+
+
+def _engine_pids(known: set[int]) -> tuple[int, int]:
+    """The engine core and worker processes started since ``known`` was taken."""
+    import psutil
+
+    new = [c for c in psutil.Process().children(recursive=True) if c.pid not in known]
+    core = [c.pid for c in new if c.name().startswith("VLLM::EngineCor")]
+    worker = [c.pid for c in new if c.name().startswith("VLLM::Worker")]
+    assert len(core) == 1 and len(worker) == 1, [(c.pid, c.name()) for c in new]
+    return core[0], worker[0]
+
+
+def _children() -> set[int]:
+    import psutil
+
+    return {c.pid for c in psutil.Process().children(recursive=True)}
+
+
+def _workload(llm, seed: int, salt: str = "") -> float:
+    """Generated tokens per second for 8 fresh requests of 600 + 192 tokens. Each engine
+    its own ``cache_salt``: engines with the connector share one server, and one must
+    not find the prompts another just saved."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     rng = random.Random(seed)
-    prompts = [TokensPrompt(prompt_token_ids=[rng.randrange(16, 512) for _ in range(600)]) for _ in range(8)]
+    prompts = [TokensPrompt(prompt_token_ids=[rng.randrange(16, 512) for _ in range(600)], cache_salt=salt)
+               for _ in range(8)]
     params = SamplingParams(temperature=0.0, max_tokens=192, ignore_eos=True)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
@@ -205,7 +290,7 @@ def _workload(llm, seed: int) -> float:
     return n / dt
 
 
-def bench_throughput(reps: int) -> dict[str, float]:
+def bench_throughput(reps: int, null: bool = True, pinned: bool = False) -> dict[str, float]:
     from glm5next_plugin import tiny_checkpoint
 
     # vLLM-CPU reserves one more core per rank whenever any KV connector is configured
@@ -215,32 +300,62 @@ def bench_throughput(reps: int) -> dict[str, float]:
     # process) and runs 3-4x slower for reasons that are not the connector's work. Both
     # engines get the same reservation here, as an operator of a small machine would set.
     reserved = os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
-    print(f"VLLM_CPU_NUM_OF_RESERVED_CPU={reserved} for both engines")
+    print(f"VLLM_CPU_NUM_OF_RESERVED_CPU={reserved} for every engine")
+    names = ["off", "null", "on"] if null else ["off", "on"]
+    if pinned:  # GlmCacheConnector with its transfer threads left on the model's core
+        names.append("pinned")
 
     with tempfile.TemporaryDirectory() as tmp, \
             ServerProcess("--separate-object-groups", "--chunk-size", str(C_TINY), "--l1-size-gb", "1") as srv:
         tiny_checkpoint.main([tmp, "--seed", "3"])
-        off = _engine(tmp, None)
-        on = _engine(tmp, srv.url)
-        _workload(off, 999)  # warm-up (first-run allocations) on both
-        _workload(on, 999)
-        tput = {"off": [], "on": []}
+        llms, meters = {}, {}
+        for name in names:
+            known = _children()
+            llms[name] = _engine(tmp, srv.url if name in ("on", "pinned") else None, null=name == "null",
+                                 transfer_cpus="off" if name == "pinned" else "auto")
+            meters[name] = _CpuMeter(*_engine_pids(known), srv.proc.pid)
+        for name in names:
+            _workload(llms[name], 999, name)  # warm-up (first-run allocations) on each
+        tput: dict[str, list[float]] = {n: [] for n in names}
+        cpu: dict[str, list[dict[str, float]]] = {n: [] for n in names}
         for r in range(reps):
-            order = [("off", off), ("on", on)] if r % 2 == 0 else [("on", on), ("off", off)]
-            for name, llm in order:
-                tput[name].append(_workload(llm, 1000 + r))  # same prompts for both
-            print(f"  rep {r}: off {tput['off'][-1]:.1f} tok/s, on {tput['on'][-1]:.1f} tok/s")
+            # each engine first, middle and last in turn, so machine noise hits all alike
+            k = r % len(names)
+            for name in names[k:] + names[:k]:
+                before = meters[name].sample()
+                tput[name].append(_workload(llms[name], 1000 + r, name))  # same prompts for all
+                cpu[name].append(_CpuMeter.delta(before, meters[name].sample()))
+            print(f"  rep {r}: " + ", ".join(f"{n} {tput[n][-1]:.1f} tok/s" for n in names))
         stats = CacheClient(srv.url).stats()
-    ratios = [a / b for a, b in zip(tput["on"], tput["off"])]
-    off_m, on_m = statistics.median(tput["off"]), statistics.median(tput["on"])
+    med = {n: statistics.median(tput[n]) for n in names}
     print(f"\n== Generation throughput, 8 x (600 prompt + 192 generated), tiny GLM, vLLM CPU, {reps} reps")
-    print(f"  connector off  median {off_m:.1f} tok/s  {['%.1f' % x for x in tput['off']]}")
-    print(f"  connector on   median {on_m:.1f} tok/s  {['%.1f' % x for x in tput['on']]}")
-    print(f"  on/off: ratio of medians {on_m / off_m:.3f}; per-rep ratios {['%.3f' % x for x in ratios]}, "
-          f"median {statistics.median(ratios):.3f}   goal >= 0.97")
+    print("  off: no connector; null: vLLM's connector machinery with a connector that does nothing "
+          "(validation/null_connector.py); on: GlmCacheConnector"
+          + ("; pinned: GlmCacheConnector with transfer_cpus off (its threads on the model's core)" if pinned else ""))
+    for n in names:
+        print(f"  connector {n:6s}  median {med[n]:.1f} tok/s  {['%.1f' % x for x in tput[n]]}")
+
+    def ratio(a: str, b: str, what: str) -> None:
+        per = [x / y for x, y in zip(tput[a], tput[b])]
+        print(f"  {a}/{b} ({what}): ratio of medians {med[a] / med[b]:.3f}; per-rep "
+              f"{['%.3f' % x for x in per]}, median {statistics.median(per):.3f}")
+
+    ratio("on", "off", "goal >= 0.97")
+    if null:
+        ratio("null", "off", "vLLM's connector machinery")
+        ratio("on", "null", "GlmCacheConnector's own cost")
+    if pinned:
+        ratio("on", "pinned", "transfer threads off the model's core vs on it")
     print(f"  server: {stats['puts_stored']} objects stored, {stats['puts_existing']} re-sent, "
-          f"{stats['lookups']} lookups")
-    return {"off": off_m, "on": on_m, "ratio": on_m / off_m}
+          f"{stats['lookups']} lookups, {stats['hits']} hits")
+    assert stats["hits"] == 0, "a workload found saved prompts: not pure overhead"
+    print(f"  CPU seconds per workload, median of {reps} (load average now {os.getloadavg()[0]:.2f}):")
+    for key in cpu["off"][0]:
+        print(f"    {key:30s} " + "  ".join(f"{n} {statistics.median(d[key] for d in cpu[n]):9.3f}"
+                                             for n in names))
+    out = {n: med[n] for n in names}
+    out["ratio"] = med["on"] / med["off"]
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -249,13 +364,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--admission-reps", type=int, default=50)
     ap.add_argument("--skip-engines", action="store_true", help="admission only")
     ap.add_argument("--skip-admission", action="store_true", help="throughput only")
+    ap.add_argument("--pinned-too", action="store_true",
+                    help="throughput: a fourth engine whose connector threads stay on the model's core")
+    ap.add_argument("--no-null", action="store_true",
+                    help="throughput: no third engine with a do-nothing connector (vLLM's share of the cost)")
     args = ap.parse_args(argv)
     print(f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} (shared: figures are noisy)")
     res = {}
     if not args.skip_admission:
         res["admission"] = bench_admission(args.admission_reps)
     if not args.skip_engines:
-        res["throughput"] = bench_throughput(args.reps)
+        res["throughput"] = bench_throughput(args.reps, null=not args.no_null, pinned=args.pinned_too)
     print("\n" + repr(res))
 
 
