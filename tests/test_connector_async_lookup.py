@@ -14,24 +14,15 @@ import time
 
 import pytest
 
-from cache_server.process import ServerProcess
 from connector.client import CacheClient
 from connector.keys import chunk_hashes
 from validation.sched_harness import request, scheduler_side
 
-C = 256
+C = 256  # the shared server fixture's minimum chunk (conftest.py)
 TIMEOUT_S = 1.0
 RETRY_S = 1.0
 PROMPT = list(range(16, 1016))  # 1000 tokens: strict prefix 3 chunks (768)
 PROMPT_CALL_S = 0.05  # what one scheduler call may cost, server dead or alive
-
-
-@pytest.fixture(scope="module")
-def server():
-    srv = ServerProcess("--separate-object-groups", "--chunk-size", str(C), "--l1-size-gb", "1")
-    srv.start()
-    yield srv
-    srv.stop()
 
 
 @pytest.fixture()

@@ -10,21 +10,12 @@ from __future__ import annotations
 
 import pytest
 
-from cache_server.process import ServerProcess
 from connector.client import CacheClient
 from connector.keys import chunk_hashes, vllm_chunk_keys
 from validation.sched_harness import request, scheduler_side
 
-C = 256
+C = 256  # the shared server fixture's minimum chunk (conftest.py)
 PROMPT = list(range(16, 1016))  # 1000 tokens: strict prefix 3 chunks (768)
-
-
-@pytest.fixture(scope="module")
-def server():
-    srv = ServerProcess("--separate-object-groups", "--chunk-size", str(C), "--l1-size-gb", "1")
-    srv.start()
-    yield srv
-    srv.stop()
 
 
 @pytest.fixture()
