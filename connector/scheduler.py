@@ -366,10 +366,17 @@ class SchedulerSide:
                 wanted, why)
             return None
         import vllm
-        from vllm.utils.hashing import get_hash_fn_by_name
-        from vllm.v1.core.kv_cache_utils import resolve_none_hash_seed
 
-        seed = resolve_none_hash_seed(get_hash_fn_by_name(algo))
+        try:  # vLLM 0.32's names; another version without them keeps the token chain
+            from vllm.utils.hashing import get_hash_fn_by_name
+            from vllm.v1.core.kv_cache_utils import resolve_none_hash_seed
+
+            seed = resolve_none_hash_seed(get_hash_fn_by_name(algo))
+        except (ImportError, AttributeError, ValueError) as e:
+            log = logger.warning if wanted == "vllm" else logger.info
+            log("GlmCacheConnector: chunk keys hash token ids (chunk_keys=%s; cannot tell vLLM %s's block "
+                "hash seed: %s)", wanted, vllm.__version__, e)
+            return None
         logger.info("GlmCacheConnector: chunk keys are vLLM's block hashes (%s, every %d tokens)", algo, span)
         return span, {
             "scheme": "vllm-block-hashes",

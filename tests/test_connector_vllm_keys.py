@@ -119,3 +119,15 @@ def test_chunk_keys_setting_is_checked():
     assert Settings().chunk_keys == "auto"
     with pytest.raises(ValueError, match="chunk_keys must be one of auto, vllm, lmcache"):
         settings("blake3")
+
+
+def test_a_vllm_without_the_seed_api_keeps_token_keys(sides, monkeypatch):
+    """Keys from vLLM's hashes need vLLM's seed rule (``resolve_none_hash_seed``, vLLM
+    0.32): a version without it gets the token chain, in the chain's namespace."""
+    import vllm.v1.core.kv_cache_utils as kcu
+
+    chain = sides(chunk_keys="lmcache")._namespace
+    monkeypatch.delattr(kcu, "resolve_none_hash_seed")
+    side = sides()
+    assert side._vllm_keys is None
+    assert side._namespace == chain
