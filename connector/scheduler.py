@@ -353,29 +353,27 @@ class SchedulerSide:
         says why and keeps the token chain."""
         if wanted == "lmcache":
             return None
+        import vllm
+
         algo = getattr(self._vllm_config.cache_config, "prefix_caching_hash_algo", None)
-        span = getattr(self._kv_cache_config, "hash_block_size", None)
+        span = self._hash_block_size()  # None unless the algorithm is cryptographic
+        block = self._geometry.scheduler_block_size
         why = None
-        if algo not in _CRYPTO_BLOCK_HASHES:
-            why = f"prefix_caching_hash_algo {algo!r} is not one of {sorted(_CRYPTO_BLOCK_HASHES)}"
-        elif not isinstance(span, int) or span <= 0 or self._geometry.scheduler_block_size % span:
-            why = f"vLLM's block hash span {span!r} does not divide the block {self._geometry.scheduler_block_size}"
+        if span is None or block % span:
+            why = (f"prefix_caching_hash_algo {algo!r} (usable: {sorted(_CRYPTO_BLOCK_HASHES)}), block hash "
+                   f"span {getattr(self._kv_cache_config, 'hash_block_size', None)!r} (must divide {block})")
+        else:
+            try:  # vLLM 0.32's names; another version without them keeps the token chain
+                from vllm.utils.hashing import get_hash_fn_by_name
+                from vllm.v1.core.kv_cache_utils import resolve_none_hash_seed
+
+                seed = resolve_none_hash_seed(get_hash_fn_by_name(algo))
+            except (ImportError, AttributeError, ValueError) as e:
+                why = f"cannot tell vLLM {vllm.__version__}'s block hash seed: {e}"
         if why is not None:
             log = logger.warning if wanted == "vllm" else logger.info
             log("GlmCacheConnector: chunk keys hash token ids (chunk_keys=%s; vLLM's block hashes not usable: %s)",
                 wanted, why)
-            return None
-        import vllm
-
-        try:  # vLLM 0.32's names; another version without them keeps the token chain
-            from vllm.utils.hashing import get_hash_fn_by_name
-            from vllm.v1.core.kv_cache_utils import resolve_none_hash_seed
-
-            seed = resolve_none_hash_seed(get_hash_fn_by_name(algo))
-        except (ImportError, AttributeError, ValueError) as e:
-            log = logger.warning if wanted == "vllm" else logger.info
-            log("GlmCacheConnector: chunk keys hash token ids (chunk_keys=%s; cannot tell vLLM %s's block "
-                "hash seed: %s)", wanted, vllm.__version__, e)
             return None
         logger.info("GlmCacheConnector: chunk keys are vLLM's block hashes (%s, every %d tokens)", algo, span)
         return span, {
