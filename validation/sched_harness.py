@@ -54,13 +54,8 @@ def request(req_id: str, token_ids: list[int], salt: str | None = None, hash_blo
     from vllm import SamplingParams
     from vllm.v1.request import Request
 
-    hasher = None
-    if hash_block is not None:
-        from vllm.utils.hashing import get_hash_fn_by_name
-        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from connector.keys import vllm_hashed_request
 
-        fn = get_hash_fn_by_name("sha256")
-        init_none_hash(fn)
-        hasher = get_request_block_hasher(hash_block, fn)
-    return Request(req_id, token_ids, SamplingParams(max_tokens=1), None, cache_salt=salt,
-                   block_hasher=hasher)
+    if hash_block is not None:
+        return vllm_hashed_request(req_id, token_ids, hash_block, salt)
+    return Request(req_id, token_ids, SamplingParams(max_tokens=1), None, cache_salt=salt)
