@@ -17,7 +17,7 @@ from vllm.logger import init_logger
 
 from cache_server.auth import TokenFileError, read_token_file
 from cache_server.protocol import ErrorCode
-from connector.client import CacheServerError, CacheServerUnavailable
+from cache_server.client import CacheServerError, CacheServerUnavailable
 from connector.geometry import Geometry, UnsupportedLayout, disabled_geometry, resolve_geometry
 
 if TYPE_CHECKING:

@@ -90,30 +90,11 @@ def chunk_hashes(token_ids: Sequence[int], chunk_size: int, cache_salt: str | No
     return extend_chunk_hashes([], token_ids, chunk_size, cache_salt)
 
 
-def vllm_hashed_request(req_id: str, token_ids: Sequence[int], span: int, cache_salt: str | None = None,
-                        algo: str = "sha256", max_tokens: int = 1):
-    """A ``vllm.v1.request.Request`` whose ``block_hashes`` vLLM's own block hasher computed
-    on construction, every ``span`` tokens with ``algo``, as vLLM's engine does when a
-    request arrives (under the same seed: PYTHONHASHSEED, if the engine had one)."""
-    from vllm import SamplingParams
-    from vllm.utils.hashing import get_hash_fn_by_name
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-    from vllm.v1.request import Request
-
-    fn = get_hash_fn_by_name(algo)
-    init_none_hash(fn)
-    return Request(req_id, list(token_ids), SamplingParams(max_tokens=max_tokens), None, cache_salt=cache_salt,
-                   block_hasher=get_request_block_hasher(span, fn))
-
-
-def vllm_chunk_keys(token_ids: Sequence[int], chunk_size: int, span: int,
-                    cache_salt: str | None = None, algo: str = "sha256") -> list[bytes]:
-    """The keys ``chunk_keys: vllm`` gives the whole chunks of a prompt, computed outside
-    an engine (tools, tests): vLLM's block hashes, every ``span`` tokens (the engine's
-    ``hash_block_size``) with ``algo`` (its ``--prefix-caching-hash-algo``), taken at
-    chunk ends (:func:`vllm_hashed_request`), so they equal the engine's."""
-    if chunk_size <= 0 or span <= 0 or chunk_size % span:
-        raise ValueError(f"chunk_size {chunk_size} must be a positive multiple of the hash span {span}")
-    req = vllm_hashed_request("chunk-keys", token_ids, span, cache_salt, algo)
+def block_hash_keys(block_hashes: Sequence[bytes], chunk_size: int, span: int, start: int,
+                    n_chunks: int) -> list[bytes]:
+    """``chunk_keys: vllm``: the keys of chunks ``start`` up to ``n_chunks`` (as far as
+    vLLM has hashed), each vLLM's block hash at the chunk's end (``span`` tokens per block
+    hash, dividing ``chunk_size``)."""
     per_chunk = chunk_size // span
-    return [bytes(h) for h in req.block_hashes[per_chunk - 1::per_chunk]]
+    end = min(n_chunks, len(block_hashes) // per_chunk)
+    return [bytes(block_hashes[(k + 1) * per_chunk - 1]) for k in range(start, end)]

@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from connector.client import CacheClient
+from cache_server.client import CacheClient
 from connector.common import (
     CLIENT_ERRORS,
     TRANSIENT_SAVE_FAILURES,

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
-from connector.client import CacheClient, CacheServerUnavailable
+from cache_server.client import CacheClient, CacheServerUnavailable
 from connector.common import (
     CLIENT_ERRORS,
     SAVE_DROPPED,

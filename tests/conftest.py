@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cache_server.process import ServerProcess
+from testing.server_process import ServerProcess
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from cache_server.l2_process import RedisNodes, store_binaries
+from testing.redis_nodes import RedisNodes, store_binaries
 
 NO_STORE_REASON = ("L2 tests need redis-server and redis-cli (or valkey-*): scripts/setup.sh installs "
                    "redis-server with apt as root; this machine has neither apt access nor the binaries")

@@ -15,9 +15,9 @@ import pytest
 import zmq
 
 from cache_server.auth import TokenFileError, bearer_matches, is_loopback, read_token_file, token_matches
-from cache_server.process import ServerProcess, free_port
+from testing.server_process import ServerProcess, free_port
 from cache_server.protocol import PROTOCOL_VERSION
-from connector.client import CacheClient, CacheServerError
+from cache_server.client import CacheClient, CacheServerError
 
 TOKEN = "s3cret-token-for-tests-0123456789"
 NS = "auth-ns"

@@ -11,8 +11,8 @@ import urllib.request
 import pytest
 
 from cache_server import protocol as p
-from cache_server.process import ServerProcess
-from connector.client import CacheClient, CacheServerError
+from testing.server_process import ServerProcess
+from cache_server.client import CacheClient, CacheServerError
 
 NS = "checksum-test"
 KEY = (b"\x07" * 32, 1, 0)
@@ -76,7 +76,7 @@ def test_debug_hook_is_off_unless_the_server_enables_it():
 
 def test_debug_die_on_get_kills_the_server_mid_request():
     """The crash hook reliability tests use: the armed op never gets an answer."""
-    from connector.client import CacheServerUnavailable
+    from cache_server.client import CacheServerUnavailable
 
     with ServerProcess("--separate-object-groups", "--debug-fault-hooks") as srv:
         client = CacheClient(srv.url, timeout_s=2)

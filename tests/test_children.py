@@ -42,7 +42,7 @@ def test_a_killed_parent_takes_its_cache_server_along(tied):
     The untied control (plain Popen) shows the server would otherwise run on."""
     script = textwrap.dedent(f"""
         import subprocess, sys
-        from cache_server import process
+        from testing import server_process as process
         if not {tied}:
             process.popen_tied = subprocess.Popen  # control: what the code did before
         s = process.ServerProcess().start()

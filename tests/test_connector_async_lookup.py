@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from connector.client import CacheClient
+from cache_server.client import CacheClient
 from connector.keys import chunk_hashes
 from validation.sched_harness import request, scheduler_side
 

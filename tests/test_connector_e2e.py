@@ -27,8 +27,8 @@ import uuid
 
 import pytest
 
-from cache_server.process import ServerProcess
-from connector.client import CacheClient
+from testing.server_process import ServerProcess
+from cache_server.client import CacheClient
 from engines import connector_engine
 from tiny_qwen3_next import make_tiny_qwen3_next
 
@@ -176,7 +176,7 @@ def test_concurrent_requests_reload_their_own_prefixes(llm):
 def test_corrupt_objects_fail_the_load_and_recompute(llm, server):
     """Objects of the wrong size under the right keys: the lookup hits, the load fails,
     vLLM is told (failed_recving) and recomputes; the output equals the cold one."""
-    from connector.keys import vllm_chunk_keys
+    from testing.vllm_keys import vllm_chunk_keys
 
     prompt = _prompt(800, seed=21)
     (cold,) = _cold(llm, [prompt], max_tokens=16)
@@ -199,7 +199,7 @@ def test_flipped_byte_in_a_stored_object_is_caught_and_recomputed(llm, server):
     and counts it, and the request computes cold."""
     import urllib.request
 
-    from connector.keys import vllm_chunk_keys
+    from testing.vllm_keys import vllm_chunk_keys
 
     prompt = _prompt(800, seed=23)
     salt = "bitrot"

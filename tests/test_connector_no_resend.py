@@ -16,8 +16,8 @@ import time
 
 import pytest
 
-from connector.client import CacheClient
-from connector.keys import vllm_chunk_keys
+from cache_server.client import CacheClient
+from testing.vllm_keys import vllm_chunk_keys
 from engines import random_prompt, tiny_glm_engine
 
 pytestmark = pytest.mark.engine

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from cache_server.process import ServerProcess, free_port
+from testing.server_process import ServerProcess, free_port
 from engines import connector_engine
 from tiny_qwen3_next import make_tiny_qwen3_next
 

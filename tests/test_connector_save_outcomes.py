@@ -20,8 +20,8 @@ import time
 
 import pytest
 
-from cache_server.process import ServerProcess
-from connector.client import CacheClient
+from testing.server_process import ServerProcess
+from cache_server.client import CacheClient
 from engines import generate_one, random_prompt, tiny_glm_engine
 
 pytestmark = pytest.mark.engine

@@ -21,8 +21,8 @@ import urllib.request
 
 import pytest
 
-from cache_server.process import ServerProcess
-from connector.client import CacheClient
+from testing.server_process import ServerProcess
+from cache_server.client import CacheClient
 from engines import assert_boundary_reloads_equal_cold, connector_engine
 from glm5next_plugin import tiny_checkpoint
 
@@ -89,7 +89,7 @@ def test_tp2_stores_the_replicated_latent_once_and_states_per_rank(llm, server):
     assert new[str(latent)] == 5  # one object per chunk, not one per rank
     assert states and all(new[g] >= 2 and new[g] % 2 == 0 for g in states)  # every state: one per rank
     # the keys: latent under rank 0 only, each state under ranks 0 and 1
-    from connector.keys import vllm_chunk_keys
+    from testing.vllm_keys import vllm_chunk_keys
 
     hashes = vllm_chunk_keys(prompt, C, C, salt)
     found = client.request({"op": "get", "ns": ns, "keys": [[hashes[0], latent, 1], [hashes[0], latent, 0]]})[0]

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import pytest
 
-from connector.client import CacheClient
-from connector.keys import chunk_hashes, vllm_chunk_keys
+from cache_server.client import CacheClient
+from connector.keys import chunk_hashes
+from testing.vllm_keys import vllm_chunk_keys
 from validation.sched_harness import request, scheduler_side
 
 C = 256  # the shared server fixture's minimum chunk (conftest.py)

@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from cache_server.process import ServerProcess
-from connector.client import CacheClient
+from testing.server_process import ServerProcess
+from cache_server.client import CacheClient
 from connector.common import (
     SAVE_DROPPED,
     SAVE_NO_SPACE,

@@ -13,7 +13,7 @@ import textwrap
 
 import pytest
 
-from cache_server.process import ServerProcess
+from testing.server_process import ServerProcess
 from connector.common import Settings, cpu_setting
 from connector.worker import _pool, spare_cpus
 
@@ -54,7 +54,7 @@ _CHILD = textwrap.dedent("""
     import torch
     from test_connector_worker_stream import ATTN, NB, NS, _hash, _worker
     from connector.common import GlmConnectorMetadata, ObjectMove
-    from connector.client import CacheClient
+    from cache_server.client import CacheClient
     w, buf = _worker(sys.argv[1], transfer_cpus=json.loads(sys.argv[3]))
     buf.copy_(torch.randint(-100, 100, buf.shape, dtype=torch.int8))
     w.wait_for_save(GlmConnectorMetadata(namespace=NS, saves=[ObjectMove(_hash(7), ATTN, [0, 1], parent=None)]))

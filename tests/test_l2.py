@@ -14,9 +14,9 @@ from redis.cluster import ClusterNode, RedisCluster
 
 from cache_server import protocol as p
 from cache_server.l2 import HEADER_BYTES, L2Config, L2ConfigError, decode_value, encode_value, namespace_tag
-from cache_server.process import ServerProcess
+from testing.server_process import ServerProcess
 from cache_server.store import UNKNOWN_PARENT
-from connector.client import CacheClient
+from cache_server.client import CacheClient
 from l2_fixtures import start_cluster, wait_written
 
 NS = "model-a"
@@ -309,7 +309,7 @@ def test_cluster_nodes_get_ports_whose_bus_port_exists(monkeypatch):
     """Redis puts a cluster node's bus on its port + 10000 and refuses ports above 55535 at
     start-up; the kernel hands out ephemeral ports up to 60999. Ports that high (here the
     first ones offered) are passed over for cluster nodes, kept for plain ones."""
-    from cache_server import l2_process
+    from testing import redis_nodes as l2_process
 
     offered = iter([60001, 58000, 41000, 60002, 42000, 43000, 44000])
     monkeypatch.setattr(l2_process, "free_port", lambda: next(offered))

@@ -14,8 +14,8 @@ import uuid
 
 import pytest
 
-from cache_server.process import ServerProcess, free_port
-from connector.client import CacheClient
+from testing.server_process import ServerProcess, free_port
+from cache_server.client import CacheClient
 from engines import connector_engine
 from l2_fixtures import start_cluster, wait_written
 from tiny_qwen3_next import make_tiny_qwen3_next

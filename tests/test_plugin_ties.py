@@ -22,7 +22,7 @@ import random
 
 import pytest
 
-from cache_server.process import ServerProcess
+from testing.server_process import ServerProcess
 from engines import connector_engine
 from glm5next_plugin import tiny_checkpoint
 

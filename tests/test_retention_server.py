@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from cache_server.process import ServerProcess
-from connector.client import CacheClient
+from testing.server_process import ServerProcess
+from cache_server.client import CacheClient
 from connector.keys import chunk_hashes
 
 MIB = 1 << 20

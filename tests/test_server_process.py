@@ -13,9 +13,9 @@ import msgpack
 import pytest
 import zmq
 
-from cache_server.process import ServerProcess, free_port
+from testing.server_process import ServerProcess, free_port
 from cache_server.protocol import PROTOCOL_VERSION
-from connector.client import CacheClient, CacheServerError, CacheServerUnavailable
+from cache_server.client import CacheClient, CacheServerError, CacheServerUnavailable
 from connector.keys import chunk_hashes
 
 NS = "test-ns"
@@ -237,7 +237,7 @@ def test_invalid_cli_values_exit_2_with_a_message(args):
 
 
 def test_server_does_not_import_vllm_or_torch():
-    code = ("import sys, cache_server.cli, cache_server.server, cache_server.http, cache_server.process; "
+    code = ("import sys, cache_server.cli, cache_server.server, cache_server.http, testing.server_process; "
             "bad = [m for m in ('vllm', 'torch') if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -286,7 +286,7 @@ def test_many_clients_concurrently_each_get_their_own_objects(server):
 
 
 def test_client_and_keys_do_not_import_vllm_or_torch():
-    code = ("import sys, connector, connector.client, connector.keys; "
+    code = ("import sys, connector, cache_server.client, connector.keys; "
             "bad = [m for m in ('vllm', 'torch') if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr

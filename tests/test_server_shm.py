@@ -12,9 +12,9 @@ import time
 import numpy as np
 import pytest
 
-from cache_server.process import ServerProcess, free_port
+from testing.server_process import ServerProcess, free_port
 from cache_server.shm import DATA_OFFSET
-from connector.client import CacheClient, CacheServerError, CacheServerUnavailable
+from cache_server.client import CacheClient, CacheServerError, CacheServerUnavailable
 
 NS = "shm-test"
 

@@ -9,7 +9,7 @@ What it exercises and what it imitates. There is no engine here (GLM-5.3-Flash a
 does not run on this machine); the driver plays vLLM's part:
 
 * Real: two ``glm-cache-server`` processes (``cache_server.cli``, one per policy, same
-  ``--l1-size-gb``), the connector's client (:class:`connector.client.CacheClient`: hello,
+  ``--l1-size-gb``), the connector's client (:class:`cache_server.client.CacheClient`: hello,
   lookup, put with ``prev`` and ``parent``), its keys (:func:`connector.keys.chunk_hashes`),
   its strict-prefix rule (:func:`connector.geometry.strict_prefix_chunks`), and the object
   sizes per group of vLLM's native GLM-5.3-Flash at TP 4 (from
@@ -52,8 +52,8 @@ from dataclasses import dataclass, field
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from cache_server.process import ServerProcess  # noqa: E402
-from connector.client import CacheClient  # noqa: E402
+from testing.server_process import ServerProcess  # noqa: E402
+from cache_server.client import CacheClient  # noqa: E402
 from connector.geometry import strict_prefix_chunks  # noqa: E402
 from connector.keys import chunk_hashes  # noqa: E402
 

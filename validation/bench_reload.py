@@ -41,8 +41,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from cache_server.process import ServerProcess  # noqa: E402
-from connector.client import CacheClient  # noqa: E402
+from testing.server_process import ServerProcess  # noqa: E402
+from cache_server.client import CacheClient  # noqa: E402
 from connector.common import GlmConnectorMetadata, LoadJob, ObjectMove, Settings, batches  # noqa: E402
 from connector.keys import chunk_hashes  # noqa: E402
 

@@ -32,7 +32,7 @@ import matplotlib.pyplot as plt
 from IPython.display import Markdown, display
 from scipy import stats
 
-from cache_server.process import ServerProcess
+from testing.server_process import ServerProcess
 from validation.serving import VllmServer, chat, complete, connector_config
 
 CKPT = ROOT / "artifacts" / "glm5next-tiny"

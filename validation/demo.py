@@ -27,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from cache_server.process import ServerProcess  # noqa: E402
+from testing.server_process import ServerProcess  # noqa: E402
 from validation.serving import ChatResult, VllmServer, chat, connector_config  # noqa: E402
 
 WORDS = ("cache state token prompt model layer block chunk server engine request vector latent pool "

@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cache_server.process import ServerProcess  # noqa: E402
+from testing.server_process import ServerProcess  # noqa: E402
 
 C = 128
 PROMPT, ANSWER, FOLLOW_UP = 600, 300, 40

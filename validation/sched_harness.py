@@ -54,7 +54,7 @@ def request(req_id: str, token_ids: list[int], salt: str | None = None, hash_blo
     from vllm import SamplingParams
     from vllm.v1.request import Request
 
-    from connector.keys import vllm_hashed_request
+    from testing.vllm_keys import vllm_hashed_request
 
     if hash_block is not None:
         return vllm_hashed_request(req_id, token_ids, hash_block, salt)

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cache_server.children import popen_tied
-from cache_server.process import free_port
+from testing.children import popen_tied
+from testing.server_process import free_port
 
 
 def connector_config(server_url: str, module_path: bool = False, **extra: Any) -> str:

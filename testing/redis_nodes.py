@@ -15,7 +15,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from cache_server.process import free_port
+from testing.server_process import free_port
 
 SERVER_BINARIES = ("redis-server", "valkey-server")
 CLI_BINARIES = ("redis-cli", "valkey-cli")

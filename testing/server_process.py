@@ -13,7 +13,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from cache_server.children import popen_tied
+from testing.children import popen_tied
 
 
 def free_port() -> int:
