@@ -110,7 +110,7 @@ def kda_decode_step(
     return torch.einsum("bhvk,bhk->bhv", s, q.float()), s
 
 
-# Chosen by measurement (validation/bench_plugin.py --kda-only; 64 heads x 128, fp32, one
+# Chosen by measurement (validation/bench_plugin.py --kda; 64 heads x 128, fp32, one
 # CPU thread): see the README's KDA table. Also bounded by _MAX_CHUNK_DECAY below.
 DEFAULT_CHUNK = 32
 # Largest cumulative log-decay a chunk may span per channel: factors exp(+-span/2) stay

@@ -1,4 +1,4 @@
-"""Shared-secret authentication of glm-cache-server (issue 11), on real server processes."""
+"""Shared-secret authentication of glm-cache-server, on real server processes."""
 
 from __future__ import annotations
 

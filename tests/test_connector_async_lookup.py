@@ -1,4 +1,4 @@
-"""The scheduler never waits on the network (issue 10, item 2): lookups run on a
+"""The scheduler never waits on the network: lookups run on a
 background thread and ``get_num_new_matched_tokens`` answers ``None`` ("ask again next
 step", which vLLM 0.32 handles by leaving the request waiting) until the answer is in.
 

@@ -116,9 +116,9 @@ def test_boundary_sweep_reloaded_equals_cold(llm, k):
 def test_full_prompt_hit_without_strict_prefix_diverges_and_is_never_saved(llm, model_dir, server):
     """Taking the strict-prefix rule out (operator policy ``strict_prefix: false``, a second
     engine on the same server) lets a k*C prompt resume at k*C: vLLM recomputes the last
-    token on a state that already holds it (seed 004), and the output drifts. That engine
-    never saves, so its wrong states reach no other replica. A request asking for the
-    switch per request is ignored by the strict engine."""
+    token on a state that already holds it (the token is applied twice), and the output
+    drifts. That engine never saves, so its wrong states reach no other replica. A request
+    asking for the switch per request is ignored by the strict engine."""
     diverged = []
     loose_engine = connector_engine(model_dir, server.url, connector={"strict_prefix": False}, seed=0)
     try:

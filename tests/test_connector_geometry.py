@@ -121,8 +121,8 @@ def test_namespace_fingerprints_model_tp_and_geometry():
 
 def test_namespace_fingerprints_the_cache_row_format():
     """Same geometry, other row format (the plugin's pool keys in its rows): another
-    namespace, so objects of the old format are never loaded. No format (vLLM's own
-    models) keeps the namespace it had before formats were fingerprinted."""
+    namespace, so objects of another format are never loaded. No format (vLLM's own
+    models) leaves the fingerprint as it is without one."""
     vllm, kv = _config([_state(), _attn()])
     geo = resolve_geometry(vllm, kv)
     plain = engine_fingerprint(vllm, kv, geo)
@@ -174,7 +174,7 @@ def test_connector_serves_without_cache_on_unknown_layout(monkeypatch):
     vllm, kv = _config([_state(), _attn()], prefix_caching=False)
     with pytest.raises(GeometryError, match="--enable-prefix-caching"):
         glm_connector.resolve_or_disable(vllm, kv)
-    # A known layout resolves as before.
+    # A known layout still resolves.
     geo, reason = glm_connector.resolve_or_disable(*_config([_state(), _attn()]))
     assert geo.enabled and reason is None
 

@@ -1,10 +1,10 @@
-"""No byte is sent twice (issue 10, item 3): on a turn that resumes from vLLM's own prefix
+"""No byte is sent twice: on a turn that resumes from vLLM's own prefix
 cache, the connector learns from the lookup what the server already holds (attention from
 chunk 0, the states at the local boundary) and sends only the new chunks.
 
-Before: the lookup started past the local hit, found nothing deeper, and every chunk from
-0 (and the state at the local boundary) was copied and sent again; the server answered
-EXISTS for each, which its ``puts_existing`` counter counts.
+A lookup that only started past the local hit would find nothing deeper, and every chunk
+from 0 (and the state at the local boundary) would be copied and sent again; the server
+answers EXISTS for each such put, which its ``puts_existing`` counter counts.
 
 Tiny GLM-5.3-Flash checkpoint (KDA state groups + sparse MLA), C = 2N = 256, a real
 glm-cache-server, one engine for the module (see test_connector_glm.py for the settings).

@@ -1,5 +1,5 @@
 """Chunk keys read off vLLM's own block hashes (``chunk_keys: vllm``, the default where
-usable; issue 10, item 7): nothing is hashed by the connector, at admission or on save.
+usable): nothing is hashed by the connector, at admission or on save.
 
 A real glm-cache-server process; the scheduler side is built without an engine from
 hand-made vLLM configs and real vLLM requests whose ``block_hashes`` vLLM's own block
@@ -82,7 +82,7 @@ def test_a_held_prompt_is_admitted_with_one_lookup_and_nothing_hashed(server, si
 def test_the_namespace_names_the_key_scheme(sides):
     """Engines that would key the same tokens differently never share a namespace: block
     hashes vs the token chain, and block hashes of another algorithm or span. Keys from
-    token ids keep the namespace they always had."""
+    token ids stay in the token chain's namespace, whatever the other settings."""
     token_chain = sides(chunk_keys="lmcache")
     assert token_chain._vllm_keys is None
     spaces = {

@@ -122,11 +122,11 @@ def test_conversation_stored_through_a_resumes_through_b(cluster):
 
 
 def test_promoted_prefix_is_resumable_at_once_and_values_without_a_parent_still_promote(cluster):
-    """Issue 12: L2 values carry the chunk-tree ``parent``, so B's tree places a promoted
-    prefix at once (resumable tokens, retention as resumable, not pending). A value of the
-    first format (no parent field, written before this change) promotes with the parent
-    unknown, as a put that does not say it: it resumes, it is not counted. Its checksum is
-    protocol v2's (blake3): verified with that, promoted with today's."""
+    """L2 values carry the chunk-tree ``parent``, so B's tree places a promoted prefix at
+    once (resumable tokens, retention as resumable, not pending). A value of the first
+    format (no parent field) promotes with the parent unknown, as a put that does not say
+    it: it resumes, it is not counted. Its checksum is protocol v2's (blake3): verified with
+    that, promoted with the current one."""
     from blake3 import blake3
 
     from cache_server.l2 import MAGIC_V1, L2Tier, _key_digest

@@ -116,7 +116,8 @@ def test_page_is_the_plugins_real_row_and_the_padding_ratio_is_pinned(decided):
 
 
 def test_without_the_plugins_fix_vllm_breaks_prefix_caching_on_cpus_without_amx(ckpt):
-    """The control: vLLM's own decision for this model type, which the fix replaces."""
+    """The control: vLLM's own decision for this model type, which the plugin's non-MLA mark
+    overrides."""
     d = _probe(ckpt, amx=False, keep_mark=False)
     assert "error" in d or d["prefix_caching"] is False, d
     if "error" in d:

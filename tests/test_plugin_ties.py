@@ -1,9 +1,9 @@
 """Sparse selection does not depend on how a prompt is split into steps (tie-heavy checkpoint).
 
 With 2 indexer heads and signed head weights many pools score exactly 0 after the ReLU;
-before the tie rule (lower pool index first, ``sparse_mla.top_pools``) the pools a query
-picked depended on how many pools the step's tensor held, so one-shot, chunked and reloaded
-runs of one prompt gave different tokens (up to 15.6 nats apart in prompt log-probs).
+without the tie rule (lower pool index first, ``sparse_mla.top_pools``) the pools a query
+picks depend on how many pools the step's tensor holds, so one-shot, chunked and reloaded
+runs of one prompt give different tokens (prompt log-probs up to 15.6 nats apart).
 
 Two engines on one tie-heavy float32 checkpoint:
 - one-shot: ``max_num_batched_tokens`` 4096, each prompt prefilled in a single step;

@@ -1,4 +1,4 @@
-"""Issue 12 through a real glm-cache-server: ``--eviction-policy`` and ``--l1-state-share``
+"""Retention through a real glm-cache-server: ``--eviction-policy`` and ``--l1-state-share``
 reach the store (what validation/bench_capacity.py compares), and bad values are refused."""
 
 from __future__ import annotations

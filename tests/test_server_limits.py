@@ -1,4 +1,4 @@
-"""Limits of glm-cache-server (issue 11, "Trust"): message and header size, leases per
+"""Limits of glm-cache-server: message and header size, leases per
 client and in bytes, namespaces. Against real server processes where a server is involved."""
 
 import subprocess
@@ -107,7 +107,7 @@ def test_a_header_within_the_cap_cannot_expand_much():
     # The costliest shape that does parse: 2-character strings, 51 bytes each from 3 sent.
     strings = _map_of_arrays(b"\xa2ab")
     peak = _peak_mib(lambda: p.unpack_header(strings, p.DEFAULT_MAX_HEADER_BYTES))
-    assert peak < 32  # about 20x the header, against 64x for empty containers before
+    assert peak < 32  # about 20x the header; parsed, empty containers would cost about 64x
 
 
 def test_real_headers_up_to_the_default_cap_still_parse():

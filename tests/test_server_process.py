@@ -313,9 +313,10 @@ def test_replicated_groups_are_stored_once_and_status_shows_the_saving(server, c
 
 
 def test_status_and_metrics_report_usable_prefixes(server, client):
-    """Issue 12: /status and /metrics say how much the cache can resume, not only what it
-    holds: resumable tokens (chunks on a path with attention throughout and a state at its
-    end, times the chunk size), states held, and newest states lost (seed 000's question)."""
+    """/status and /metrics say how much the cache can resume, not only what it holds:
+    resumable tokens (chunks on a path with attention throughout and a state at its end,
+    times the chunk size), states held, and newest states lost (whether the latest turns
+    can still resume)."""
     ns = "usable-prefixes"
     chunk = client.hello(ns, 256, world_size=2, replicated_groups=[2], attn_groups=[2],
                          state_groups=[1])["chunk_size"]
@@ -343,7 +344,7 @@ def test_status_and_metrics_report_usable_prefixes(server, client):
 
 def test_entering_a_started_server_process_does_not_start_a_second_one():
     """``with ServerProcess(...).start() as s``: one process, stopped on exit (a second start
-    on the same ports once left the first running after the test)."""
+    on the same ports would leave the first running after the test)."""
     srv = ServerProcess("--separate-object-groups").start()
     first = srv.proc
     with srv as same:
@@ -364,8 +365,8 @@ def _ipv6_loopback() -> bool:
 
 @pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback on this machine")
 def test_server_binds_an_ipv6_host_and_clients_reach_it():
-    """``--host ::1`` binds both sockets on IPv6 (it would not bind before: ZMQ needs the
-    address bracketed and IPv6 switched on); a client reaches ``tcp://[::1]:port``."""
+    """``--host ::1`` binds both sockets on IPv6 (ZMQ needs the address bracketed and IPv6
+    switched on); a client reaches ``tcp://[::1]:port``."""
     port, http_port = free_port(), free_port()
     proc = subprocess.Popen([sys.executable, "-m", "cache_server.cli", "--host", "::1", "--port", str(port),
                              "--http-port", str(http_port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)

@@ -267,9 +267,8 @@ def test_a_client_that_never_says_hello_offers_shm_at_its_first_transfer(shm_ser
 
 def test_a_put_of_many_small_objects_through_shm_is_answered(shm_server):
     """A save batch of many small objects (a TP 4 chunk of tiny pages, or a bench filling
-    a namespace) must fit the header bound: the offsets travel packed in one bin. Before,
-    one [offset, length] array per key crossed the header bound at about 100 keys, and
-    the refusal went unanswered (no id), so the client waited out its timeout."""
+    a namespace) must fit the header bound: the offsets travel packed in one bin (one
+    [offset, length] array per key would cross the bound at about 100 keys)."""
     keys = [_key(i, 0xA7) for i in range(2048)]
     payloads = [os.urandom(64) for _ in keys]
     with CacheClient(shm_server.url, timeout_s=10) as client:

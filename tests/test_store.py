@@ -223,7 +223,7 @@ def test_leased_superseded_state_is_not_evicted():
     s.release(lease)
 
 
-# --- retention after eviction (issue 11: an evicted child kept its parent superseded) ------
+# --- retention after eviction (an evicted child must not keep its parent superseded) -------
 
 
 def test_parent_whose_only_child_was_evicted_is_no_longer_superseded():
@@ -364,7 +364,7 @@ def test_eviction_order_matches_a_scan_everything_reference():
     assert s.counters.evictions > 500  # the run exercised eviction, not just inserts
 
 
-# --- lease caps (issue 11: 1000 lookups pinned every object, then every put was NO_SPACE) --
+# --- lease caps (lookups must not pin every object, leaving every put NO_SPACE) -----------
 
 
 def test_leases_cannot_pin_more_than_the_cap_and_puts_keep_succeeding():
@@ -441,7 +441,7 @@ def test_replicated_groups_need_only_the_rank_0_copy():
     assert s.lookup(NS, hashes, [ATTN], [STATE], world_size=4, replicated_groups=[ATTN])[0] == 0
 
 
-# --- usable prefixes and value-aware retention (issue 12, seed 000) ---------------------
+# --- usable prefixes and value-aware retention -------------------------------------------
 
 from cache_server.store import Layout  # noqa: E402
 
@@ -574,7 +574,7 @@ def test_usable_prefix_figures_match_a_brute_force_count():
         u = s.usable_prefixes(NS)
         assert (u["resumable_tokens"], u["resumable_states"], u["states_held"]) == recount(), step
         # every unleased object is an eviction candidate at its current priority and class
-        items = {item for by_class in s._heaps for heap in by_class for item in heap}
+        items = {item for by_class in s._eviction.heaps for heap in by_class for item in heap}
         for key, e in s._objects.items():
             assert e.leases or (e.prio, e.tick, key) in items, (step, key)
             assert e.prio == e.base + s._density_locked(key, e), (step, key)
@@ -587,7 +587,7 @@ def _path(parent: dict, i):
         i = parent[i]
 
 
-# --- value-aware order (issue 12, Marconi: recomputation saved per byte, with recency) ----
+# --- value-aware order (Marconi: recomputation saved per byte, with recency) -------------
 
 
 def _conv(s: ObjectStore, ids: list[int], state_bytes: int = 40, prev: int | None = None) -> None:

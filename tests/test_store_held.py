@@ -1,4 +1,4 @@
-"""ObjectStore.held: what a client need not send again (issue 10, item 3)."""
+"""ObjectStore.held: what a client need not send again."""
 
 from cache_server.store import ObjectStore
 

@@ -2,8 +2,9 @@
 
 Three Gated-DeltaNet (linear-attention, recurrent state) layers and one full-attention
 layer, dense MLPs (one small MoE), bfloat16, random weights, and a small byte-level BPE tokenizer trained
-here on local text. It exists so the connector can be brought up end to end on a hybrid
-model (state groups + attention group) without waiting on the GLM-5.3-Flash plugin.
+here on local text. It gives the connector's end-to-end tests a hybrid model (state
+groups and an attention group) that vLLM runs natively, independent of the GLM-5.3-Flash
+plugin.
 
 vLLM's CPU GDN kernel wants linear head dims of 128 and bfloat16. With two value heads
 (float32 SSM state on CPU) one GDN state page is ~131 tokens of attention KV (2 KV heads

@@ -1,4 +1,4 @@
-"""Capacity benchmark (issue 12): resumable conversation tokens per GB, this project's
+"""Capacity benchmark: resumable conversation tokens per GB, this project's
 storing and retention against an LMCache-style baseline, on real glm-cache-server processes
 with the same byte budget.
 
@@ -23,7 +23,7 @@ does not run on this machine); the driver plays vLLM's part:
   ``prefix_cache_retention_interval=0``), linked by ``prev`` to the state it resumed from
   and by ``parent`` to the previous chunk (``_state_saves``, ``_attention_saves``). Loads
   (``get``) are not issued: the lookup already refreshes what a load would.
-* Baseline (LMCache-style, as in seed 003's recipe): attention and a KDA state object with
+* Baseline (LMCache-style, as LMCache stores them): attention and a KDA state object with
   every chunk, on every rank (no replicated-group dedup), no ``prev``/``parent`` and no
   declared layout, so that server applies plain LRU, as LMCache's does.
 * This project's storing, under several server settings, each its own server with the same
@@ -34,10 +34,11 @@ does not run on this machine); the driver plays vLLM's part:
 Byte sizes are divided by ``--scale`` (and so is the budget), so everything fits this
 machine; results are reported at full scale (tokens per GB of the unscaled budget).
 
-Phases: (a) seed 000: six three-turn sessions growing to about 20k tokens, one 308k-token
-prompt, then each session's next turn (a probe is warm when it resumes at or past the
-state its previous turn left); (b) steady mixes: many sessions, each turn adding one to
-three chunks, at 20k-token and 100k-token conversations. At the end of each phase every
+Phases: (a) the production incident's workload ("seed 000" in the output): six three-turn
+sessions growing to about 20k tokens, one 308k-token prompt, then each session's next turn
+(a probe is warm when it resumes at or past the state its previous turn left); (b) steady
+mixes: many sessions, each turn adding one to three chunks, at 20k-token and 100k-token
+conversations. At the end of each phase every
 conversation is looked up (same order for both policies) and its resumable depth summed.
 """
 
@@ -77,7 +78,7 @@ class Sizes:
 
 def native_tp4_sizes(block: int | None = None) -> Sizes:
     """``block`` None: vLLM 0.32's unified block as derived by the fixture (1536 at TP 4);
-    else that many tokens a chunk (seed 003 reports 1152 from the vLLM it ran), attention
+    else that many tokens a chunk (1152: the block older vLLM releases derive), attention
     bytes scaled per token, the KDA state (one per block position) unchanged."""
     from validation import glm_flash_kv_layouts as L
 

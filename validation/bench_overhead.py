@@ -1,4 +1,4 @@
-"""What the connector costs when it brings nothing back (issue 10, item 7).
+"""What the connector costs when it brings nothing back.
 
 1. Admission of one 300k-token prompt at production shape (C = 1152, 4 TP ranks,
    260 chunks, a real glm-cache-server holding them all): hashing the prefix, the lookup

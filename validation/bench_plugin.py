@@ -25,8 +25,8 @@ KV cache, so its RSS includes that from the start). Prints one table with ratios
 log-log slope of prefill time between successive lengths (1 = linear, 2 = quadratic).
 
 ``--kda`` instead times the KDA recurrence alone (token loop vs the chunked form at
-several chunk sizes, real dimensions 64 heads x 128, one thread), which is how
-``kda.DEFAULT_CHUNK`` was chosen.
+several chunk sizes, real dimensions 64 heads x 128, one thread): the measurement behind
+``kda.DEFAULT_CHUNK``.
 
     PYTHONPATH=$PWD python validation/bench_plugin.py [--lengths 2048 8192 32768]
     PYTHONPATH=$PWD python validation/bench_plugin.py --skip-plugin --lengths 32768   # reference only

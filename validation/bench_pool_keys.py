@@ -1,10 +1,10 @@
 """Sparse-MLA decode step at long context: pooled indexer keys stored vs rebuilt every step.
 
 Row format 2 (``glm5next_plugin.mla_layer.CACHE_ROW_FORMAT``) stores each pool's key in
-its closing row, so a step reads ``P * index_head_dim`` values. Format 1 (the plugin
-before it; replayed here by :func:`step_rebuilding`, the old ``forward`` body) read the
-key and gate columns of every complete pool's tokens (``2 * S * index_head_dim`` values)
-and recomputed the softmax-weighted pool keys for the whole context, every step.
+its closing row, so a step reads ``P * index_head_dim`` values. Format 1 (stored rows
+without pool keys; its decode step is :func:`step_rebuilding`) reads the key and gate
+columns of every complete pool's tokens (``2 * S * index_head_dim`` values) and recomputes
+the softmax-weighted pool keys for the whole context, every step.
 
 One sparse-MLA layer at GLM-5.3-Flash's real sizes (``transformers.Glm5NextTextConfig``
 defaults: 64 heads, kv_lora_rank 512, index 32 heads x 128, kpool 16, top-k 2048;
@@ -54,8 +54,8 @@ def tiny_config():
 
 
 def step_rebuilding(layer: SparseMLAProjections, x: torch.Tensor, cache: torch.Tensor, md: SparseMLAMetadata):
-    """Row format 1's decode step (the plugin's ``forward`` before pool keys were stored):
-    every step gathers the index columns of all complete pools and rebuilds their keys."""
+    """Row format 1's decode step (no stored pool keys): every step gathers the index
+    columns of all complete pools and rebuilds their keys."""
     bs = cache.shape[1]
     n = md.num_actual_tokens
     rows = layer.cache_rows(x[:n]).to(cache.dtype)

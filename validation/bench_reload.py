@@ -5,8 +5,9 @@ glm-cache-server process into a real :class:`~connector.kv_pages.PagedKVCache` o
 KV cache vLLM builds for GLM-5.3-Flash (native layout, TP 4: unified block 1536 tokens,
 MLA latent + kpool indexer 11355 B per token, a 36.9 MB KDA state snapshot in 4 groups;
 see ``validation/glm_flash_kv_layouts.py``). The chunk is one block, 1536 tokens, as
-production runs it (C == N); per token the bytes are those of the issue's 1152-token
-chunks (13.08 MB each), so the total is the same: about 3.4 GB per rank at 300k tokens.
+production runs it (C == N); per token the bytes are those of 1152-token chunks (13.08 MB
+each, the chunk of the LMCache deployment), so the total is the same: about 3.4 GB per rank
+at 300k tokens.
 
 Steps: populate the server (puts, not timed), then time ``WorkerSide``'s load of the whole
 hit (streamed in ``batch_bytes`` batches, fetch of batch i+1 overlapping the page writes
@@ -214,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
             assert pages.read(s.group_id, [state_blocks[s.group_id]]) == state_src[s.group_id].numpy().tobytes()
         old = None
         if args.old_path:
-            # The previous path: one get of every object under one timeout_s, over TCP.
+            # --old-path: one get of every object under one timeout_s, over TCP, no batches.
             old = reload(replace(settings, batch_bytes=1 << 62, min_rate_mb_s=1e15, shm=False))
 
     # Same bytes, no network: the page scatter from memory, and a plain memcpy.

@@ -1,4 +1,4 @@
-"""Put cost of the chunk-tree retention (issue 12), in process, by object count and policy.
+"""Put cost of the chunk-tree retention, in process, by object count and policy.
 
 A tracked namespace (attention stored once, a state on 4 ranks) is filled to its budget
 with 13-chunk conversations; then every timed put (300 more conversations) evicts. The

