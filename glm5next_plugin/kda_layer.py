@@ -27,6 +27,7 @@ from torch import nn
 
 from . import kda
 from .tp import TP1, Shard, TPInfo, tp_info
+from .vllm_layer import register_layer
 
 
 class ForgetGate(nn.Module):
@@ -164,11 +165,7 @@ class KDAStateLayer(KDAProjections, _vllm_state_layer_base()):
         self.config = config
         self.vllm_config = vllm_config
         self.kv_cache: tuple[torch.Tensor, ...] = (torch.tensor([]), torch.tensor([]))
-        if vllm_config is not None:
-            ctx = vllm_config.compilation_config.static_forward_context
-            if prefix in ctx:
-                raise ValueError(f"Duplicate layer name: {prefix}")
-            ctx[prefix] = self
+        register_layer(self, vllm_config, prefix)
 
     # --- what vLLM asks of a state layer ---------------------------------------------
     @property

@@ -33,12 +33,14 @@ from torch import nn
 from . import sparse_mla
 from .blocks import RMSNorm
 from .tp import TP1, Shard, TPInfo, tp_info
+from .vllm_layer import register_layer
 
-# What the bytes of a sparse-MLA cache row mean; bumped whenever that changes, and part of
-# the external cache's namespace (connector.geometry.engine_fingerprint reads it from the
-# model class), so rows an older plugin saved are never loaded into this one.
-# 1: [latent | k | z] for every token (pools rebuilt every step).
-# 2: as 1, but a pool's closing row holds the pool key in place of its z.
+# What the bytes of a sparse-MLA cache row mean, part of the external cache's namespace
+# (connector.geometry.engine_fingerprint reads it from the model class): any change to the
+# row layout takes a new number, so rows written in another layout are never loaded.
+# Format 2: [latent | k | z] per token, except that a pool's closing row holds the pool key
+# in place of its z (format 1, the same rows without stored keys, is what
+# validation/bench_pool_keys.py times against).
 CACHE_ROW_FORMAT = "glm5next-plugin-sparse-mla-rows/2"
 
 
@@ -316,11 +318,7 @@ class SparseMLALayer(SparseMLAProjections, _attention_layer_base()):
         self.prefix = prefix
         self.vllm_config = vllm_config
         self.kv_cache = torch.tensor([])
-        if vllm_config is not None:
-            ctx = vllm_config.compilation_config.static_forward_context
-            if prefix in ctx:
-                raise ValueError(f"Duplicate layer name: {prefix}")
-            ctx[prefix] = self
+        register_layer(self, vllm_config, prefix)
 
     def get_attn_backend(self):
         return sparse_mla_backend(self.row_size)
