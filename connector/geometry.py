@@ -8,8 +8,6 @@ a resume reads) is arithmetic on it.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -341,66 +339,3 @@ def resolve_geometry(
         raise UnsupportedLayout("no attention group among the prefix-cacheable groups")
     block = math.lcm(*(g.block_size for g in groups))
     return Geometry(tuple(groups), tuple(tokens_per_block), block, chunk_size or block)
-
-
-def model_cache_row_format(vllm_config: VllmConfig) -> str | None:
-    """The cache-row format the engine's model class declares (class attribute
-    ``kv_cache_row_format``), or None when it declares none (vLLM's own models).
-
-    A model whose page sizes stay the same while what the bytes mean changes (the GLM
-    plugin storing pool keys in its rows) declares a new format, so that objects saved by
-    the old code land in another namespace and are never loaded into the new one. Read
-    from the class vLLM resolves for the model config (cached by vLLM; importing the class
-    builds nothing), so the scheduler sees it without the model's layers."""
-    from vllm.model_executor.model_loader.utils import get_model_cls
-
-    fmt = getattr(get_model_cls(vllm_config.model_config), "kv_cache_row_format", None)
-    return None if fmt is None else str(fmt)
-
-
-def engine_fingerprint(
-    vllm_config: VllmConfig,
-    kv_cache_config: KVCacheConfig,
-    geometry: Geometry,
-    row_format: str | None = None,
-    chunk_keys: dict[str, Any] | None = None,
-) -> str:
-    """Namespace for this engine's cache entries: bytes are only valid for an engine with
-    the same model, dtypes, cache group geometry, block sizes, parallel layout and cache
-    row format (``row_format``: :func:`model_cache_row_format`; None, and then left out of
-    the digest, for models that declare none). The chunk size is left out: it is
-    negotiated per namespace, and keys already depend on it. ``chunk_keys`` describes a
-    key scheme other than the default token chain (everything the keys depend on); None
-    leaves the digest as it always was."""
-    model_config = vllm_config.model_config
-    parallel = vllm_config.parallel_config
-    cache_config = vllm_config.cache_config
-    desc = {
-        "model": model_config.model,
-        "revision": model_config.revision,
-        "dtype": str(model_config.dtype),
-        "kv_cache_dtype": str(cache_config.cache_dtype),
-        "mamba_cache_dtype": str(getattr(cache_config, "mamba_cache_dtype", None)),
-        "mamba_ssm_cache_dtype": str(getattr(cache_config, "mamba_ssm_cache_dtype", None)),
-        "kv_cache_layout": str(getattr(kv_cache_config, "kv_cache_layout", None)),
-        "tp": parallel.tensor_parallel_size,
-        "pp": parallel.pipeline_parallel_size,
-        "dcp": parallel.decode_context_parallel_size,
-        "groups": [
-            [
-                g.group_id,
-                g.is_state,
-                g.block_size,
-                [[p.name, p.page_bytes, p.dtype, p.states_per_page] for p in g.layers],
-            ]
-            for g in geometry.groups
-        ],
-        "group_tokens_per_block": list(geometry.group_tokens_per_block),
-    }
-    if row_format is not None:
-        desc["cache_row_format"] = row_format
-    if chunk_keys is not None:
-        desc["chunk_keys"] = chunk_keys
-    digest = hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).hexdigest()[:16]
-    name = str(model_config.served_model_name or model_config.model).rstrip("/")
-    return f"{name.split('/')[-1]}-{digest}"

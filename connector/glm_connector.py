@@ -8,7 +8,7 @@ Usage::
 
 vLLM loads one class for both roles; this one is thin and hands each call to its half:
 
-* Scheduler side (``connector.scheduler``) decides. It resolves the cache geometry, negotiates the chunk size,
+* Scheduler side (``connector.scheduler``) decides. It negotiates the chunk size,
   looks prefixes up under the strict-prefix rule, and each step writes a plain
   :class:`GlmConnectorMetadata`: which objects to load into which blocks, which blocks to
   save under which keys.
@@ -18,34 +18,9 @@ vLLM loads one class for both roles; this one is thin and hands each call to its
   sends them from a background thread.
 
 A miss, a timeout, a dead server or a bad object is a cold compute: never a wrong output,
-never a stalled engine. Extra config keys (``kv_connector_extra_config``):
-
-``server``           ZMQ URL of glm-cache-server (default ``tcp://127.0.0.1:5555``)
-``timeout_s``        per-request timeout, and the floor of a batch's deadline (default 2.0)
-``retry_after_s``    after the server failed, skip it this long before trying again (5.0)
-``save_decode``      also save whole chunks of generated tokens (default false)
-``max_pending_save_bytes``  saves beyond this many queued bytes are not copied; they are
-                     reported dropped and saved again later (default 1 GiB)
-``batch_bytes``      loads and saves move in batches of about this many bytes, network
-                     overlapping the page copies (default 16 MiB)
-``min_rate_mb_s``    each batch's deadline is ``timeout_s`` plus its bytes at this rate
-                     (MB/s, default 100): big transfers get the time their size needs
-``shm``              payloads through shared memory when glm-cache-server runs on this
-                     host (negotiated, TCP otherwise; default true)
-``auth_token_file``  file holding the server's shared secret (its ``--auth-token-file``),
-                     read once at start-up; an unusable file, or a token the server
-                     refuses, means no external cache (logged), never a request without it
-``transfer_cpus``    CPU engines: where the worker's transfer threads run (vLLM pins a
-                     worker to its model's OpenMP cores): "auto" (default: the engine's
-                     CPUs the model is not pinned to, i.e. the cores vLLM reserves; with
-                     one worker per host), "off", or CPU ids such as "6,7"
-``strict_prefix``    operator policy, diagnostic only: false lets a hit cover the whole
-                     prompt, the bug of seed 004 (default true). Such an engine loads but
-                     never saves, so its wrong states cannot reach other replicas. There
-                     is no per-request switch: API clients cannot turn the rule off.
-
-Which recurrent states exist, and how to run vLLM when the chunk exceeds its block:
-see ``connector.scheduler``.
+never a stalled engine. Settings (``kv_connector_extra_config``): :mod:`connector.config`,
+listed in ``docs/operating.md``. Which recurrent states exist, and how to run vLLM when
+the chunk exceeds its block: :mod:`connector.scheduler`.
 """
 
 from __future__ import annotations
@@ -61,17 +36,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from connector.common import (  # noqa: F401  (re-exported: the connector's public rules)
-    GlmConnectorMetadata,
-    LoadJob,
-    ObjectMove,
-    Settings,
-    auth_token_from_config,
-    logger,
-    resolve_or_disable,
-    uncacheable_reason,
-)
-from connector.geometry import model_cache_row_format
+from connector.config import Settings, logger
+from connector.geometry import Geometry, UnsupportedLayout, disabled_geometry, resolve_geometry
+from connector.keys import model_cache_row_format
 from connector.scheduler import SchedulerSide
 from connector.stats import SCHEDULER_KEYS, DeltaReporter, GlmCachePromMetrics, GlmCacheStats
 from connector.worker import WorkerSide
@@ -86,6 +53,21 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
+
+
+def resolve_or_disable(
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig
+) -> tuple[Geometry, str | None]:
+    """The engine's cache geometry, or an empty one and the reason when vLLM handed us
+    a layout we do not understand (fail closed: serve without the external cache, never
+    guess a layout). Logged once here. Fixable misconfigurations (prefix caching off,
+    recurrent state without align-mode snapshots) still raise ``GeometryError`` and stop
+    vLLM at start-up: the operator asked for the cache and one flag fixes it."""
+    try:
+        return resolve_geometry(vllm_config, kv_cache_config), None
+    except UnsupportedLayout as e:
+        logger.error("GlmCacheConnector: %s; serving without the external cache", e)
+        return disabled_geometry(kv_cache_config), str(e)
 
 
 class GlmCacheConnector(KVConnectorBase_V1, SupportsHMA):
@@ -123,7 +105,7 @@ class GlmCacheConnector(KVConnectorBase_V1, SupportsHMA):
     def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
         super().bind_kv_cache_manager(kv_cache_manager)
         assert self._scheduler is not None
-        self._scheduler._kv_cache_manager = kv_cache_manager
+        self._scheduler.kv_cache_manager = kv_cache_manager
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int

@@ -1,4 +1,9 @@
-"""Chunk keys: LMCache's blake3 hash chain over whole chunks of token ids.
+"""Chunk keys and the engine's namespace: what names a cached object.
+
+An object is found under (namespace, chunk key, group, rank). The namespace fingerprints
+the engine (:func:`engine_fingerprint`); a chunk key names the chunk's whole prefix, from
+one of two schemes (:func:`choose_key_scheme`): vLLM's own block hash at the chunk's end,
+or LMCache's blake3 hash chain over whole chunks of token ids, below.
 
 ``h_0 = NONE_HASH`` and ``h_i = blake3(h_{i-1} || tokens of chunk i as big-endian uint32)``,
 where ``NONE_HASH = blake3(int64_be(0) || uint32_be(0))`` (LMCache's ``hash_func((0, (0,),
@@ -8,20 +13,32 @@ A ``cache_salt`` replaces the chain's seed with ``blake3(NONE_HASH || b"cache_sa
 salt)``, so the same tokens under different salts share no key at any depth. Without a
 salt the chain is exactly LMCache's.
 
-Cost (issue 10: 6.7 ms for a 300k-token prompt, most of it ``struct.pack`` of Python
-ints). Tokens are packed with ``array.array`` (one C loop over the list, then one
-byte swap) and each chunk is hashed from a slice of that buffer; a chain already
-computed for a prefix is extended, never recomputed (:func:`extend_chunk_hashes`).
+Tokens are packed with ``array.array`` (one C loop over the list, then one byte swap;
+``struct.pack`` of Python ints was most of the cost) and each chunk is hashed from a
+slice of that buffer; a chain already computed for a prefix is extended, never
+recomputed (:func:`extend_chunk_hashes`).
 """
 
 from __future__ import annotations
 
 import array
+import hashlib
+import json
 import struct
 import sys
+from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from blake3 import blake3
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+    from connector.geometry import Geometry
 
 NONE_HASH: bytes = blake3(struct.pack(">q", 0) + struct.pack(">I", 0)).digest()
 _SALT_TAG = b"cache_salt:"
@@ -98,3 +115,263 @@ def block_hash_keys(block_hashes: Sequence[bytes], chunk_size: int, span: int, s
     per_chunk = chunk_size // span
     end = min(n_chunks, len(block_hashes) // per_chunk)
     return [bytes(block_hashes[(k + 1) * per_chunk - 1]) for k in range(start, end)]
+
+
+def parent_of(hashes: list[bytes], k: int) -> bytes | None:
+    """The chunk key before chunk ``k`` of a chain (None for the first chunk)."""
+    return hashes[k - 1] if k > 0 else None
+
+
+def uncacheable_reason(request: Any) -> str | None:
+    """Why a request's KV must not be shared through the cache, or None.
+
+    Images/video (placeholder tokens whose KV depends on the pixels), LoRA adapters
+    (other weights) and prompt embeddings (no token ids at all) are not named by every
+    key scheme, and would let different requests share a key, so such requests are not
+    cached (fail closed) rather than keyed by something partial."""
+    if getattr(request, "mm_features", None):
+        return "multimodal inputs"
+    if getattr(request, "lora_request", None) is not None:
+        return "a LoRA adapter"
+    if getattr(request, "prompt_embeds", None) is not None:
+        return "prompt embeddings"
+    return None
+
+
+# vLLM's block hash algorithms whose hashes we trust to name a prefix
+# (vllm.config.cache.PrefixCachingHashAlgo): collision resistant, and the same in every
+# process (a fixed seed, or PYTHONHASHSEED).
+_CRYPTO_BLOCK_HASHES = frozenset({"sha256", "sha256_cbor"})
+
+
+def hash_block_size(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> int | None:
+    """The token span of ``request.block_hashes`` (vLLM sets it on the scheduler's KV
+    cache config at start-up); None where unknown, and None unless vLLM hashes blocks
+    with a cryptographic hash: with ``xxhash`` a block-hash collision would hand one
+    prompt another's chunk keys, and so its KV from the shared cache on every replica,
+    not only a wrong local prefix hit."""
+    algo = getattr(vllm_config.cache_config, "prefix_caching_hash_algo", None)
+    if algo not in _CRYPTO_BLOCK_HASHES:
+        return None
+    size = getattr(kv_cache_config, "hash_block_size", None)
+    return size if isinstance(size, int) and size > 0 else None
+
+
+@dataclass(frozen=True)
+class KeyScheme:
+    """Where this engine's chunk keys come from.
+
+    ``span`` is None for the token chain; otherwise keys are vLLM's block hashes, one per
+    ``span`` tokens, taken at chunk ends. ``identity`` is what those keys depend on (None
+    for the token chain), for the namespace."""
+
+    span: int | None = None
+    identity: dict[str, Any] | None = None
+
+
+def choose_key_scheme(wanted: str, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
+                      block: int, logger: Any) -> KeyScheme:
+    """``chunk_keys: vllm`` (and ``auto`` where usable): chunk k's key is vLLM's block
+    hash at the chunk's end (``request.block_hashes``, which vLLM's engine computes for
+    every request on arrival whenever a KV connector is configured: a sha256 chain over
+    the whole prefix, with the cache salt, LoRA and multimodal inputs as extra keys).
+    Nothing is hashed by us, at admission or on save.
+
+    Those hashes are the same in every process only for vLLM's cryptographic algorithms
+    (their NONE_HASH seed is fixed, or PYTHONHASHSEED), and their bytes depend on the
+    algorithm, the seed, the block span, vLLM's hashing code (its version) and Python's
+    pickle (its version): all go into the namespace, so engines that would compute other
+    keys for the same tokens never share objects. Elsewhere (``xxhash`` algorithms, a
+    block span that does not divide the block) the connector says why and keeps the
+    token chain."""
+    if wanted == "lmcache":
+        return KeyScheme()
+    import vllm
+
+    algo = getattr(vllm_config.cache_config, "prefix_caching_hash_algo", None)
+    span = hash_block_size(vllm_config, kv_cache_config)
+    why = None
+    if span is None or block % span:
+        why = (f"prefix_caching_hash_algo {algo!r} (usable: {sorted(_CRYPTO_BLOCK_HASHES)}), block hash "
+               f"span {getattr(kv_cache_config, 'hash_block_size', None)!r} (must divide {block})")
+    else:
+        try:  # vLLM 0.32's names; a version without them keeps the token chain
+            from vllm.utils.hashing import get_hash_fn_by_name
+            from vllm.v1.core.kv_cache_utils import resolve_none_hash_seed
+
+            seed = resolve_none_hash_seed(get_hash_fn_by_name(algo))
+        except (ImportError, AttributeError, ValueError) as e:
+            why = f"cannot tell vLLM {vllm.__version__}'s block hash seed: {e}"
+    if why is not None:
+        log = logger.warning if wanted == "vllm" else logger.info
+        log("GlmCacheConnector: chunk keys hash token ids (chunk_keys=%s; vLLM's block hashes not usable: %s)",
+            wanted, why)
+        return KeyScheme()
+    logger.info("GlmCacheConnector: chunk keys are vLLM's block hashes (%s, every %d tokens)", algo, span)
+    return KeyScheme(span, {
+        "scheme": "vllm-block-hashes",
+        "algo": algo,
+        "seed": hashlib.sha256(str(seed).encode()).hexdigest()[:16],
+        "span": span,
+        "vllm": vllm.__version__,
+        "python": f"{sys.version_info[0]}.{sys.version_info[1]}",
+    })
+
+
+class ChunkMemo:
+    """Token-chain keys of recently seen prefixes, keyed by vLLM's own block hash at the
+    chunk's end, so a conversation's next turn does not hash its whole history again.
+
+    vLLM hashes every request's blocks when it arrives (``Request.block_hashes``: a chain
+    over the whole prefix, the cache salt included, that its prefix cache already trusts
+    to identify the tokens), so a prefix whose end-of-chunk block hash was seen before has
+    the same chunk key as then. Only chunks not seen are hashed from their tokens; the
+    keys themselves do not change. Bounded (LRU); the scheduler thread alone uses it.
+    Entries are plain bytes (key: vLLM's hash and the chunk size), which the garbage
+    collector does not track: hundreds of tuples per admission set off collections
+    costing milliseconds."""
+
+    def __init__(self, max_entries: int = 1 << 16) -> None:
+        self.entries: OrderedDict[bytes, bytes] = OrderedDict()
+        self._max = max_entries
+
+    @staticmethod
+    def _vllm_hash(request: Request, C: int, k: int, span: int | None) -> bytes | None:
+        """The memo key of chunk ``k``: vLLM's block hash at its end and the chunk size
+        (None if not known)."""
+        if span is None or C % span:
+            return None
+        i = (k + 1) * C // span - 1
+        block_hashes = request.block_hashes
+        vh = block_hashes[i] if i < len(block_hashes) else None
+        return vh + C.to_bytes(4, "little") if isinstance(vh, bytes) else None
+
+    def extend(self, hashes: list[bytes], request: Request, C: int, n_chunks: int, span: int | None) -> None:
+        """Append the memo's keys for chunks ``len(hashes)`` onwards while it has them."""
+        while len(hashes) < n_chunks:
+            key = self._vllm_hash(request, C, len(hashes), span)
+            ours = self.entries.get(key) if key is not None else None
+            if ours is None:
+                return
+            self.entries.move_to_end(key)
+            hashes.append(ours)
+
+    def remember(self, hashes: list[bytes], request: Request, C: int, start: int, span: int | None) -> None:
+        for k in range(start, len(hashes)):
+            key = self._vllm_hash(request, C, k, span)
+            if key is None:
+                return
+            self.entries[key] = hashes[k]
+        while len(self.entries) > self._max:
+            self.entries.popitem(last=False)
+
+
+def request_tokens(request: Request, n_tokens: int) -> Sequence[int]:
+    """Token ids covering the first ``n_tokens``: the prompt, a plain list, when they lie
+    in it (``all_token_ids`` is a read-only view that copies on slicing)."""
+    prompt = request.prompt_token_ids
+    if isinstance(prompt, list) and len(prompt) >= n_tokens:
+        return prompt
+    return request.all_token_ids
+
+
+class ChunkKeys:
+    """Chunk keys of requests, under one engine's :class:`KeyScheme`.
+
+    A request's keys are one list, computed once and extended as the request grows; the
+    caller owns the list (one per request and chunk size)."""
+
+    def __init__(self, scheme: KeyScheme, hash_span: int | None) -> None:
+        self.scheme = scheme
+        self.memo = ChunkMemo()
+        self._hash_span = hash_span  # vLLM's block hash span, for the memo (None: no memo)
+
+    def extend(self, hashes: list[bytes], request: Request, C: int, n_chunks: int,
+               memo_only: bool = False) -> list[bytes]:
+        """Extend ``hashes`` (the request's keys so far) to ``n_chunks`` keys where the
+        request has the tokens; returns it. Token-chain chunks an earlier request already
+        hashed (the previous turn of a conversation) come from the memo; ``memo_only``:
+        nothing is hashed. With vLLM's block hashes, keys are read off
+        ``request.block_hashes`` as far as vLLM has hashed."""
+        span = self.scheme.span
+        if span is not None:
+            hashes.extend(block_hash_keys(request.block_hashes, C, span, len(hashes), n_chunks))
+            return hashes
+        if len(hashes) < n_chunks:
+            done = len(hashes)
+            self.memo.extend(hashes, request, C, n_chunks, self._hash_span)
+            if not memo_only:
+                extend_chunk_hashes(hashes, request_tokens(request, n_chunks * C), C, request.cache_salt,
+                                    max_chunks=n_chunks)
+                self.memo.remember(hashes, request, C, done, self._hash_span)
+        return hashes
+
+    def adopt(self, hashes: list[bytes], request: Request, C: int, computed: list[bytes]) -> None:
+        """Take keys computed elsewhere (the lookup thread) for the same chain."""
+        if len(computed) > len(hashes):
+            done = len(hashes)
+            hashes.extend(computed[done:])
+            self.memo.remember(hashes, request, C, done, self._hash_span)
+
+
+def engine_fingerprint(
+    vllm_config: VllmConfig,
+    kv_cache_config: KVCacheConfig,
+    geometry: Geometry,
+    row_format: str | None = None,
+    chunk_keys: dict[str, Any] | None = None,
+) -> str:
+    """Namespace for this engine's cache entries: bytes are only valid for an engine with
+    the same model, dtypes, cache group geometry, block sizes, parallel layout and cache
+    row format (``row_format``: :func:`model_cache_row_format`; None, and then left out of
+    the digest, for models that declare none). The chunk size is left out: it is
+    negotiated per namespace, and keys already depend on it. ``chunk_keys`` describes a
+    key scheme other than the default token chain (:attr:`KeyScheme.identity`); None
+    leaves the digest as the token chain's."""
+    model_config = vllm_config.model_config
+    parallel = vllm_config.parallel_config
+    cache_config = vllm_config.cache_config
+    desc = {
+        "model": model_config.model,
+        "revision": model_config.revision,
+        "dtype": str(model_config.dtype),
+        "kv_cache_dtype": str(cache_config.cache_dtype),
+        "mamba_cache_dtype": str(getattr(cache_config, "mamba_cache_dtype", None)),
+        "mamba_ssm_cache_dtype": str(getattr(cache_config, "mamba_ssm_cache_dtype", None)),
+        "kv_cache_layout": str(getattr(kv_cache_config, "kv_cache_layout", None)),
+        "tp": parallel.tensor_parallel_size,
+        "pp": parallel.pipeline_parallel_size,
+        "dcp": parallel.decode_context_parallel_size,
+        "groups": [
+            [
+                g.group_id,
+                g.is_state,
+                g.block_size,
+                [[p.name, p.page_bytes, p.dtype, p.states_per_page] for p in g.layers],
+            ]
+            for g in geometry.groups
+        ],
+        "group_tokens_per_block": list(geometry.group_tokens_per_block),
+    }
+    if row_format is not None:
+        desc["cache_row_format"] = row_format
+    if chunk_keys is not None:
+        desc["chunk_keys"] = chunk_keys
+    digest = hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).hexdigest()[:16]
+    name = str(model_config.served_model_name or model_config.model).rstrip("/")
+    return f"{name.split('/')[-1]}-{digest}"
+
+
+def model_cache_row_format(vllm_config: VllmConfig) -> str | None:
+    """The cache-row format the engine's model class declares (class attribute
+    ``kv_cache_row_format``), or None when it declares none (vLLM's own models).
+
+    A model whose page sizes stay the same while what the bytes mean changes (the GLM
+    plugin storing pool keys in its rows) declares a new format, so that objects saved by
+    other code land in another namespace and are never loaded into this one. Read from
+    the class vLLM resolves for the model config (cached by vLLM; importing the class
+    builds nothing), so the scheduler sees it without the model's layers."""
+    from vllm.model_executor.model_loader.utils import get_model_cls
+
+    fmt = getattr(get_model_cls(vllm_config.model_config), "kv_cache_row_format", None)
+    return None if fmt is None else str(fmt)

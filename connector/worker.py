@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
 from cache_server.client import CacheClient, CacheServerUnavailable
-from connector.common import (
-    CLIENT_ERRORS,
+from connector.config import Settings, logger
+from connector.metadata import (
     SAVE_DROPPED,
     SAVE_NO_SPACE,
     SAVE_SERVER_ERROR,
@@ -31,17 +31,29 @@ from connector.common import (
     LoadJob,
     ObjectMove,
     SaveFailure,
-    Settings,
-    batches,
-    logger,
-    unauthorized,
 )
+from connector.remote import CLIENT_ERRORS, unauthorized
 from connector.geometry import Geometry
 
 if TYPE_CHECKING:
     import torch
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
+
+def batches(sizes: list[int], limit: int) -> list[range]:
+    """Consecutive index ranges whose sizes sum to at most ``limit`` each (an item
+    larger than ``limit`` is a range of its own); every index in exactly one range."""
+    out: list[range] = []
+    start, acc = 0, 0
+    for i, n in enumerate(sizes):
+        if i > start and acc + n > limit:
+            out.append(range(start, i))
+            start, acc = i, 0
+        acc += n
+    if start < len(sizes):
+        out.append(range(start, len(sizes)))
+    return out
+
 
 _PR_SET_NAME = 15
 

@@ -279,15 +279,15 @@ def test_read_token_file_rejects_non_ascii(tmp_path):
 @pytest.fixture(scope="module")
 def glm_connector():
     pytest.importorskip("vllm")
-    import connector.glm_connector as gc
+    import connector.config as config
 
-    return gc
+    return config
 
 
 def _server_link():
-    from connector.scheduler import _ServerLink
+    from connector.remote import ServerLink
 
-    return _ServerLink
+    return ServerLink
 
 
 def kv_config(**extra):

@@ -63,7 +63,7 @@ def _ask_until_answered(side, req, computed=0, limit_s=10.0):
 
 
 def test_answer_arrives_on_a_later_call(server, side):
-    _store_prefix(server, side._namespace, PROMPT, "live", 3)
+    _store_prefix(server, side.namespace, PROMPT, "live", 3)
     req = request("live", PROMPT, "live")
     first, dt = _timed(side, req)
     assert first == (None, False)  # the lookup is out; the request waits this step
@@ -71,11 +71,11 @@ def test_answer_arrives_on_a_later_call(server, side):
     assert out == (768, True)
     assert max([dt, *calls]) < PROMPT_CALL_S
     # Hashed once for the request: the save path reuses the same list.
-    assert side._keys["live"][1] == chunk_hashes(PROMPT, C, "live")[:3]
+    assert side._requests["live"].keys == chunk_hashes(PROMPT, C, "live")[:3]
 
 
 def test_stopped_server_never_holds_the_scheduler_and_the_hit_returns(server, side):
-    _store_prefix(server, side._namespace, PROMPT, "stop", 3)
+    _store_prefix(server, side.namespace, PROMPT, "stop", 3)
     os.kill(server.proc.pid, signal.SIGSTOP)
     try:
         t0 = time.monotonic()
@@ -89,7 +89,7 @@ def test_stopped_server_never_holds_the_scheduler_and_the_hit_returns(server, si
         assert out == (0, False) and dt < PROMPT_CALL_S
         # Finishing a request whose lease must be released does not wait either.
         t1 = time.perf_counter()
-        side.request_finished(request("stopped", PROMPT, "stop"), [])
+        side.request_finished_all_groups(request("stopped", PROMPT, "stop"), ([],))
         assert time.perf_counter() - t1 < PROMPT_CALL_S
     finally:
         os.kill(server.proc.pid, signal.SIGCONT)
@@ -103,7 +103,7 @@ def test_answer_for_another_local_hit_is_asked_again(server, side):
     """vLLM's local prefix hit grew between two steps: the answer computed for the old
     one is not used (its lease is released); the request is asked again."""
     tokens = list(range(3000, 4800))  # 1800 tokens: strict prefix 7 chunks
-    _store_prefix(server, side._namespace, tokens, "grow", 5)
+    _store_prefix(server, side.namespace, tokens, "grow", 5)
     with CacheClient(server.url) as c:
         before = c.stats()["active_leases"]  # earlier tests' (the stopped one's expires later)
     req = request("grow", tokens, "grow")
@@ -112,7 +112,7 @@ def test_answer_for_another_local_hit_is_asked_again(server, side):
     out, calls = _ask_until_answered(side, req, computed=2 * C)
     assert out == (5 * C - 2 * C, True)
     assert len(calls) >= 2  # the first answer was for another start: asked again
-    side.request_finished(req, [])
+    side.request_finished_all_groups(req, ([],))
     deadline = time.monotonic() + 5
     with CacheClient(server.url) as c:
         while c.stats()["active_leases"] > before and time.monotonic() < deadline:
@@ -124,22 +124,22 @@ def test_lookup_reports_what_the_server_holds_from_chunk_zero(server, side):
     """A lookup from past a local hit that finds nothing deeper still says how deep the
     server's attention goes: those chunks are not saved again."""
     tokens = list(range(5000, 6300))  # 1300 tokens
-    _store_prefix(server, side._namespace, tokens, "held", 3)
+    _store_prefix(server, side.namespace, tokens, "held", 3)
     hashes = chunk_hashes(tokens, C, "held")
     with CacheClient(server.url) as c:
-        n, lease, held, state = c.lookup_held(side._namespace, hashes[:5], [1], [0], 1, start_chunk=3,
+        n, lease, held, state = c.lookup_held(side.namespace, hashes[:5], [1], [0], 1, start_chunk=3,
                                               lease=False)
         assert (n, lease, held, state) == (0, None, 3, True)  # chunks 0-2 and the state at 2
-        assert c.lookup_held(side._namespace, hashes[:5], [1], [0], 1, start_chunk=2,
+        assert c.lookup_held(side.namespace, hashes[:5], [1], [0], 1, start_chunk=2,
                              lease=False)[3] is False  # no state at chunk 1
         # Older clients do not ask and get the old reply.
-        reply, _ = c.request({"op": "lookup", "ns": side._namespace, "hashes": hashes[:5],
+        reply, _ = c.request({"op": "lookup", "ns": side.namespace, "hashes": hashes[:5],
                               "attn_groups": [1], "state_groups": [0], "world_size": 1, "start_chunk": 3})
         assert "held" not in reply
     req = request("held", tokens, "held")
     out, _ = _ask_until_answered(side, req, computed=3 * C)
     assert out == (0, False)
-    assert side._hits["held"].held == 3 and side._hits["held"].start_state
+    assert side._requests["held"].hit.held == 3 and side._requests["held"].hit.start_state
 
 
 def test_next_turn_takes_its_history_hashes_from_the_memo(server, side):
@@ -149,13 +149,13 @@ def test_next_turn_takes_its_history_hashes_from_the_memo(server, side):
     turn1 = list(range(7000, 8000))
     turn2 = turn1 + list(range(9000, 9600))
     r1 = request("t1", turn1, "memo", hash_block=C)
-    assert side._hashes(r1, 3) == chunk_hashes(turn1, C, "memo")
+    assert side.request_keys(r1, 3) == chunk_hashes(turn1, C, "memo")
     r2 = request("t2", turn2, "memo", hash_block=C)
-    memo = side._memo
+    memo = side.keys.memo
     taken = []
     memo.extend(taken, r2, C, 6, C)
     assert taken == chunk_hashes(turn1, C, "memo")  # the 3 chunks turn 1 hashed
-    assert side._hashes(r2, 6) == chunk_hashes(turn2, C, "memo")
+    assert side.request_keys(r2, 6) == chunk_hashes(turn2, C, "memo")
     # Another salt shares nothing (vLLM's block hash covers the salt).
     other = []
     memo.extend(other, request("t3", turn2, "other", hash_block=C), C, 6, C)
@@ -169,10 +169,10 @@ def test_no_memo_unless_vllm_hashes_blocks_with_a_cryptographic_hash(server):
     side = scheduler_side(server.url, block=C, hash_algo="xxhash", chunk_keys="lmcache")
     try:
         turn1 = list(range(7000, 8000))
-        assert side._hashes(request("x1", turn1, "memo", hash_block=C), 3) == chunk_hashes(turn1, C, "memo")
-        assert len(side._memo._entries) == 0
+        assert side.request_keys(request("x1", turn1, "memo", hash_block=C), 3) == chunk_hashes(turn1, C, "memo")
+        assert len(side.keys.memo.entries) == 0
         turn2 = turn1 + list(range(9000, 9600))
-        assert side._hashes(request("x2", turn2, "memo", hash_block=C), 6) == chunk_hashes(turn2, C, "memo")
+        assert side.request_keys(request("x2", turn2, "memo", hash_block=C), 6) == chunk_hashes(turn2, C, "memo")
     finally:
         side.shutdown()
 
@@ -181,10 +181,10 @@ def test_answer_is_reused_while_the_request_waits_for_budget(server, side):
     """vLLM asks again when it could not allocate the request (no token budget this
     step): the answer given is reused for a while, without a new lookup or a step of
     "not yet", and its one lease is kept; later it is asked afresh."""
-    from connector.scheduler import _REUSE_ANSWER_S
+    from connector.scheduler import REUSE_ANSWER_S
 
     tokens = list(range(11000, 12000))
-    _store_prefix(server, side._namespace, tokens, "reuse", 3)
+    _store_prefix(server, side.namespace, tokens, "reuse", 3)
     req = request("reuse", tokens, "reuse")
     out, _ = _ask_until_answered(side, req)
     assert out == (768, True)
@@ -193,11 +193,11 @@ def test_answer_is_reused_while_the_request_waits_for_budget(server, side):
         for _ in range(3):
             assert _timed(side, req)[0] == (768, True)
         assert c.stats()["lookups"] == lookups and c.stats()["active_leases"] == leases
-        time.sleep(_REUSE_ANSWER_S + 0.1)
+        time.sleep(REUSE_ANSWER_S + 0.1)
         assert _timed(side, req)[0] == (None, False)  # stale: asked again, old lease released
         out, _ = _ask_until_answered(side, req)
         assert out == (768, True)
-        side.request_finished(req, [])
+        side.request_finished_all_groups(req, ([],))
         deadline = time.monotonic() + 5
         while c.stats()["active_leases"] > leases - 1 and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -216,16 +216,16 @@ def test_a_prefix_not_on_the_server_is_probed_not_hashed(server, side):
         out, _ = _ask_until_answered(side, req)
         assert out == (0, False)
         assert c.stats()["lookups"] == lookups + 1  # the probe alone
-    assert side._keys["probe-miss"][1] == chunk_hashes(tokens, C, "probe")[:1]
-    assert side._hits["probe-miss"].held == 0
-    assert side._hashes(req, 5) == chunk_hashes(tokens, C, "probe")[:5]
+    assert side._requests["probe-miss"].keys == chunk_hashes(tokens, C, "probe")[:1]
+    assert side._requests["probe-miss"].hit.held == 0
+    assert side.request_keys(req, 5) == chunk_hashes(tokens, C, "probe")[:5]
 
 
 def test_a_probe_hit_is_looked_up_whole_with_hashes_from_the_lookup_thread(server, side):
     """The first chunk is there: the lookup thread hashes the rest and asks for all of it
     (leased); the answer brings the request's hashes back, the same as hashing here."""
     tokens = list(range(22000, 23400))
-    _store_prefix(server, side._namespace, tokens, "probe", 4)
+    _store_prefix(server, side.namespace, tokens, "probe", 4)
     req = request("probe-hit", tokens, "probe")
     with CacheClient(server.url) as c:
         lookups, leases = c.stats()["lookups"], c.stats()["active_leases"]
@@ -233,5 +233,5 @@ def test_a_probe_hit_is_looked_up_whole_with_hashes_from_the_lookup_thread(serve
         assert out == (4 * C, True)
         assert c.stats()["lookups"] == lookups + 2  # the probe, then the whole prefix
         assert c.stats()["active_leases"] == leases + 1
-    assert side._keys["probe-hit"][1] == chunk_hashes(tokens, C, "probe")[:5]
-    side.request_finished(req, [])
+    assert side._requests["probe-hit"].keys == chunk_hashes(tokens, C, "probe")[:5]
+    side.request_finished_all_groups(req, ([],))

@@ -11,10 +11,10 @@ import torch
 from connector.geometry import (
     GeometryError,
     UnsupportedLayout,
-    engine_fingerprint,
     resolve_geometry,
     strict_prefix_chunks,
 )
+from connector.keys import engine_fingerprint
 
 vkv = pytest.importorskip("vllm.v1.kv_cache_interface")
 
@@ -138,7 +138,7 @@ def test_plugin_model_declares_its_row_format_to_the_connector(tmp_path):
     from vllm.config import ModelConfig
     from vllm.plugins import load_general_plugins
 
-    from connector.geometry import model_cache_row_format
+    from connector.keys import model_cache_row_format
     from glm5next_plugin import tiny_checkpoint
     from glm5next_plugin.mla_layer import CACHE_ROW_FORMAT, sparse_mla_backend
 

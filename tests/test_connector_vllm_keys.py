@@ -36,7 +36,7 @@ def sides(server):
 def _answer(side, req):
     first = side.get_num_new_matched_tokens(req, 0)
     assert first == (None, False)
-    side._lookups[req.request_id].future.result()
+    side._requests[req.request_id].lookup.future.result()
     return side.get_num_new_matched_tokens(req, 0)
 
 
@@ -45,38 +45,40 @@ def test_keys_are_vllms_block_hashes_at_chunk_ends(sides):
     divides the chunk; the same as vllm_chunk_keys computes outside the engine."""
     for span in (C, C // 4):
         side = sides(hash_block=span)
-        assert side._vllm_keys is not None and side._vllm_keys[0] == span
+        assert side.keys.scheme.span is not None and side.keys.scheme.span == span
         req = request(f"r{span}", PROMPT, "salt", hash_block=span)
         per_chunk = C // span
         expected = [req.block_hashes[(k + 1) * per_chunk - 1] for k in range(3)]
-        assert side._hashes(req, 3) == expected
+        assert side.request_keys(req, 3) == expected
         assert expected == vllm_chunk_keys(PROMPT, C, span, "salt")
         assert expected != chunk_hashes(PROMPT, C, "salt")  # not the token chain
     # The salt is in vLLM's hash: another salt shares no key.
-    other = sides()._hashes(request("o", PROMPT, "another", hash_block=C), 3)
+    other = sides().request_keys(request("o", PROMPT, "another", hash_block=C), 3)
     assert not set(other) & set(vllm_chunk_keys(PROMPT, C, C, "salt"))
 
 
 def test_a_held_prompt_is_admitted_with_one_lookup_and_nothing_hashed(server, sides, monkeypatch):
     """The server holds the prefix under block-hash keys (another replica saved it): one
     lookup answers it; no token is hashed (no probe, no chain)."""
-    import connector.scheduler as sched
+    import connector.keys
+    import connector.remote
 
     side = sides()
     hashes = vllm_chunk_keys(PROMPT, C, C, "held")
     with CacheClient(server.url) as c:
         items = [(h, 1, 0, b"a" * 64) for h in hashes] + [(hashes[-1], 0, 0, b"s" * 64)]
-        assert set(c.put(side._namespace, items, parent=[None, *hashes[:-1], hashes[1]])) == {"stored"}
+        assert set(c.put(side.namespace, items, parent=[None, *hashes[:-1], hashes[1]])) == {"stored"}
         lookups = c.stats()["lookups"]
 
         def no_hashing(*a, **k):
             raise AssertionError("chunk keys hashed from token ids")
 
-        monkeypatch.setattr(sched, "extend_chunk_hashes", no_hashing)
+        monkeypatch.setattr(connector.keys, "extend_chunk_hashes", no_hashing)
+        monkeypatch.setattr(connector.remote, "extend_chunk_hashes", no_hashing)
         out = _answer(side, request("held", PROMPT, "held", hash_block=C))
         assert out == (768, True)
         assert c.stats()["lookups"] == lookups + 1
-        assert len(side._memo._entries) == 0
+        assert len(side.keys.memo.entries) == 0
 
 
 def test_the_namespace_names_the_key_scheme(sides):
@@ -84,15 +86,15 @@ def test_the_namespace_names_the_key_scheme(sides):
     hashes vs the token chain, and block hashes of another algorithm or span. Keys from
     token ids stay in the token chain's namespace, whatever the other settings."""
     token_chain = sides(chunk_keys="lmcache")
-    assert token_chain._vllm_keys is None
+    assert token_chain.keys.scheme.span is None
     spaces = {
-        token_chain._namespace,
-        sides()._namespace,
-        sides(hash_algo="sha256_cbor")._namespace,
-        sides(hash_block=C // 2)._namespace,
+        token_chain.namespace,
+        sides().namespace,
+        sides(hash_algo="sha256_cbor").namespace,
+        sides(hash_block=C // 2).namespace,
     }
     assert len(spaces) == 4
-    assert sides(chunk_keys="vllm")._namespace == sides(chunk_keys="auto")._namespace
+    assert sides(chunk_keys="vllm").namespace == sides(chunk_keys="auto").namespace
 
 
 def test_non_cryptographic_block_hashes_keep_token_keys(sides):
@@ -101,15 +103,15 @@ def test_non_cryptographic_block_hashes_keep_token_keys(sides):
     namespace, even when asked for vLLM's keys."""
     for wanted in ("auto", "vllm"):
         side = sides(hash_algo="xxhash", chunk_keys=wanted)
-        assert side._vllm_keys is None
-        assert side._namespace == sides(hash_algo="xxhash", chunk_keys="lmcache")._namespace
-        assert side._hashes(request(f"x-{wanted}", PROMPT, "s", hash_block=C), 3) == chunk_hashes(PROMPT, C, "s")
+        assert side.keys.scheme.span is None
+        assert side.namespace == sides(hash_algo="xxhash", chunk_keys="lmcache").namespace
+        assert side.request_keys(request(f"x-{wanted}", PROMPT, "s", hash_block=C), 3) == chunk_hashes(PROMPT, C, "s")
 
 
 def test_chunk_keys_setting_is_checked():
     from vllm.config import KVTransferConfig
 
-    from connector.common import Settings
+    from connector.config import Settings
 
     def settings(value):
         cfg = KVTransferConfig(kv_connector="GlmCacheConnector", kv_role="kv_both",
@@ -127,8 +129,8 @@ def test_a_vllm_without_the_seed_api_keeps_token_keys(sides, monkeypatch):
     0.32): a version without it gets the token chain, in the chain's namespace."""
     import vllm.v1.core.kv_cache_utils as kcu
 
-    chain = sides(chunk_keys="lmcache")._namespace
+    chain = sides(chunk_keys="lmcache").namespace
     monkeypatch.delattr(kcu, "resolve_none_hash_seed")
     side = sides()
-    assert side._vllm_keys is None
-    assert side._namespace == chain
+    assert side.keys.scheme.span is None
+    assert side.namespace == chain

@@ -13,7 +13,9 @@ import torch
 
 from testing.server_process import ServerProcess
 from cache_server.client import CacheClient
-from connector.common import (
+from connector.config import Settings
+from connector.geometry import CacheGroup, Geometry, LayerPage
+from connector.metadata import (
     SAVE_DROPPED,
     SAVE_NO_SPACE,
     GlmConnectorMetadata,
@@ -21,11 +23,9 @@ from connector.common import (
     LoadJob,
     ObjectMove,
     SaveFailure,
-    Settings,
-    batches,
 )
-from connector.geometry import CacheGroup, Geometry, LayerPage
-from connector.worker import WorkerSide
+from connector.saves import MAX_SAVE_RETRIES, SavePlanner
+from connector.worker import WorkerSide, batches
 
 vkv = pytest.importorskip("vllm.v1.kv_cache_interface")
 
@@ -245,56 +245,51 @@ def test_worker_metadata_of_every_rank_is_kept_when_aggregated():
 
 
 def _scheduler_with(tracked_chunks: int):
-    """A SchedulerSide holding one tracked request of ``tracked_chunks`` saved chunks
-    (only the save-outcome bookkeeping is exercised: no engine, no server)."""
-    from connector import scheduler as sched
+    """A save planner and one tracked request of ``tracked_chunks`` saved chunks (only the
+    save-outcome bookkeeping is exercised: no engine, no server)."""
+    from connector.keys import chunk_hashes
+    from connector.requests import RequestState
 
     _, _, _, geo = _engine_cache()
-    s = object.__new__(sched.SchedulerSide)
-    s._geometry = geo
-    s._save_decode = False
-    s._tracked = {}
-    s.save_stats = __import__("collections").Counter()
     tokens = list(range(16, 16 + tracked_chunks * C + 5))
     req = SimpleNamespace(request_id="r", num_tokens=len(tokens), num_prompt_tokens=len(tokens),
                           all_token_ids=tokens, cache_salt=None)
-    from connector.keys import chunk_hashes
-
-    t = sched._Tracked(req, chunk_hashes(tokens, C), saved_chunks=tracked_chunks)
-    s._tracked["r"] = t
-    return s, t, sched
+    t = RequestState(req, keys=chunk_hashes(tokens, C), keys_chunk_size=C, scheduled=True,
+                     saved_chunks=tracked_chunks)
+    planner = SavePlanner(lambda: geo, lambda state, n: state.keys, lambda: None, save_decode=False)
+    return planner, t, lambda failures: planner.failed(failures, {"r": t}.get)
 
 
 def test_scheduler_moves_the_saved_depth_back_to_the_first_hole_and_backs_off():
-    s, t, sched = _scheduler_with(5)
-    s._saves_failed([SaveFailure("r", t.hashes[3], ATTN, SAVE_NO_SPACE),
-                     SaveFailure("r", t.hashes[1], ATTN, "timeout"),
-                     SaveFailure("r", t.hashes[4], STATE, SAVE_NO_SPACE)])
+    planner, t, fail = _scheduler_with(5)
+    fail([SaveFailure("r", t.keys[3], ATTN, SAVE_NO_SPACE),
+          SaveFailure("r", t.keys[1], ATTN, "timeout"),
+          SaveFailure("r", t.keys[4], STATE, SAVE_NO_SPACE)])
     assert t.saved_chunks == 1 and t.save_retries == 1 and not t.saves_given_up
     assert t.resave_at > time.monotonic()
-    assert s._attention_saves(t, 5 * C) == []  # backing off: nothing is re-sent yet
+    assert planner.attention_saves(t, 5 * C) == []  # backing off: nothing is re-sent yet
     # A failure of a save sent before that correction is the same incident: no new retry.
-    s._saves_failed([SaveFailure("r", t.hashes[0], ATTN, SAVE_DROPPED)])
+    fail([SaveFailure("r", t.keys[0], ATTN, SAVE_DROPPED)])
     assert t.saved_chunks == 0 and t.save_retries == 1
     # Failures of an unknown (finished) request, or of states only, change nothing.
-    s._saves_failed([SaveFailure("gone", t.hashes[0], ATTN, "timeout"),
-                     SaveFailure("r", t.hashes[2], STATE, "timeout")])
-    assert t.saved_chunks == 0 and s.save_stats["lost"] == 2
+    fail([SaveFailure("gone", t.keys[0], ATTN, "timeout"),
+          SaveFailure("r", t.keys[2], STATE, "timeout")])
+    assert t.saved_chunks == 0 and planner.stats["lost"] == 2
 
 
 def test_scheduler_gives_up_after_bounded_retries_or_a_permanent_failure():
-    s, t, sched = _scheduler_with(4)
-    for i in range(sched.MAX_SAVE_RETRIES):
+    planner, t, fail = _scheduler_with(4)
+    for i in range(MAX_SAVE_RETRIES):
         t.resave_at = 0.0  # the back-off has passed
-        s._saves_failed([SaveFailure("r", t.hashes[2], ATTN, SAVE_NO_SPACE)])
+        fail([SaveFailure("r", t.keys[2], ATTN, SAVE_NO_SPACE)])
         assert not t.saves_given_up and t.save_retries == i + 1
     t.resave_at = 0.0
-    s._saves_failed([SaveFailure("r", t.hashes[2], ATTN, SAVE_NO_SPACE)])
+    fail([SaveFailure("r", t.keys[2], ATTN, SAVE_NO_SPACE)])
     assert t.saves_given_up and t.saved_chunks == 2
-    assert s._attention_saves(t, 4 * C) == []  # given up: never sent again
+    assert planner.attention_saves(t, 4 * C) == []  # given up: never sent again
 
-    s, t, _ = _scheduler_with(4)
-    s._saves_failed([SaveFailure("r", t.hashes[3], ATTN, "too_large")])
+    planner, t, fail = _scheduler_with(4)
+    fail([SaveFailure("r", t.keys[3], ATTN, "too_large")])
     assert t.saves_given_up and t.save_retries == 0
 
 

@@ -14,7 +14,7 @@ import textwrap
 import pytest
 
 from testing.server_process import ServerProcess
-from connector.common import Settings, cpu_setting
+from connector.config import Settings, cpu_setting
 from connector.worker import _pool, spare_cpus
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -53,7 +53,7 @@ _CHILD = textwrap.dedent("""
     sys.path.insert(0, os.path.join(os.getcwd(), "tests"))
     import torch
     from test_connector_worker_stream import ATTN, NB, NS, _hash, _worker
-    from connector.common import GlmConnectorMetadata, ObjectMove
+    from connector.metadata import GlmConnectorMetadata, ObjectMove
     from cache_server.client import CacheClient
     w, buf = _worker(sys.argv[1], transfer_cpus=json.loads(sys.argv[3]))
     buf.copy_(torch.randint(-100, 100, buf.shape, dtype=torch.int8))

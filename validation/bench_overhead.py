@@ -72,15 +72,15 @@ def _admission(reps: int, scheme: str) -> dict[str, float]:
         # once), the KDA states are per rank.
         side = scheduler_side(srv.url, block=C_PROD, tp=RANKS, timeout_s=2.0, retry_after_s=5.0, latent_rows=True,
                               chunk_keys=scheme)
-        assert (side._vllm_keys is not None) == vllm_keys
-        replicated = side._replicated_groups()
-        ns = side._namespace
+        assert (side.keys.scheme.span is not None) == vllm_keys
+        replicated = side.remote.replicated_groups()
+        ns = side.namespace
         # vLLM hashes every request's blocks on arrival (Request.block_hashes, here at
         # C_PROD tokens a block): not counted in any row below.
         arrived = request("keys", tokens, "bench", hash_block=C_PROD)
-        hashes = side._hashes(arrived, n_chunks) if vllm_keys else chunk_hashes(tokens, C_PROD, "bench")
-        side._keys.clear()
-        side._memo._entries.clear()
+        hashes = side.request_keys(arrived, n_chunks) if vllm_keys else chunk_hashes(tokens, C_PROD, "bench")
+        side._requests.clear()
+        side.keys.memo.entries.clear()
         assert len(hashes) == n_chunks
         attn = [g.group_id for g in side._geometry.attn_groups]
         state = [g.group_id for g in side._geometry.state_groups]
@@ -96,12 +96,12 @@ def _admission(reps: int, scheme: str) -> dict[str, float]:
         for _ in range(reps):
             t0 = time.perf_counter()
             if vllm_keys:
-                side._keys.clear()
-                side._hashes(arrived, n_chunks)
+                side._requests.clear()
+                side.request_keys(arrived, n_chunks)
             else:
                 chunk_hashes(tokens, C_PROD, "bench")
             hash_t.append(time.perf_counter() - t0)
-        side._keys.clear()
+        side._requests.clear()
         rpc_t = []
         for _ in range(reps):
             t0 = time.perf_counter()
@@ -117,7 +117,7 @@ def _admission(reps: int, scheme: str) -> dict[str, float]:
             t1 = time.perf_counter()
             # vLLM asks again next step; here the moment the lookup thread is done (polling
             # in a loop would take the GIL from the thread it waits for).
-            side._lookups[req.request_id].future.result()
+            side._requests[req.request_id].lookup.future.result()
             k = 1
             while True:
                 t2 = time.perf_counter()
@@ -127,7 +127,7 @@ def _admission(reps: int, scheme: str) -> dict[str, float]:
                 k += 1
             t3 = time.perf_counter()
             assert first == (None, False), first
-            side.request_finished(req, [])
+            side.request_finished_all_groups(req, ([],))
             return t3 - t0, t1 - t0, t3 - t2, k, got
 
         fresh: list[tuple] = []
@@ -142,20 +142,20 @@ def _admission(reps: int, scheme: str) -> dict[str, float]:
             fresh.append(got)
             # A prompt the server holds whole, first seen by this replica (another saved
             # it): with our keys the probe hits and the lookup thread hashes all of it.
-            side._memo._entries.clear()
+            side.keys.memo.entries.clear()
             got = admit(request(f"held-{i}", tokens, "bench", hash_block=C_PROD))
             assert got[4] == (n_chunks * C_PROD, True), got[4]
             held_rows.append(got)
-            side._memo._entries.clear()
-            side._keys.clear()
+            side.keys.memo.entries.clear()
+            side._requests.clear()
             # The next turn of a conversation whose previous turn (first 290k tokens)
             # was admitted before: with our keys its history's hashes come from the memo.
-            side._hashes(request(f"prev-{i}", tokens[:290_000], "bench", hash_block=C_PROD), 290_000 // C_PROD)
-            side._keys.clear()
+            side.request_keys(request(f"prev-{i}", tokens[:290_000], "bench", hash_block=C_PROD), 290_000 // C_PROD)
+            side._requests.clear()
             got = admit(request(f"turn-{i}", tokens, "bench", hash_block=C_PROD))
             assert got[4] == (n_chunks * C_PROD, True), got[4]
             turn.append(got)
-            side._memo._entries.clear()
+            side.keys.memo.entries.clear()
         side.shutdown()
         client.close()
     print(f"\n== Admission, chunk_keys={scheme}: {PROMPT_TOKENS} tokens, C={C_PROD}, {n_chunks} chunks, TP {RANKS} "

@@ -19,7 +19,7 @@ def scheduler_side(url: str, *, block: int = 256, tp: int = 1, timeout_s: float 
     setting of that name; ``hash_block``: the tokens per vLLM block hash (default ``block``)."""
     from vllm.v1 import kv_cache_interface as vkv
 
-    from connector.common import Settings
+    from connector.config import Settings
     from connector.geometry import resolve_geometry
     from connector.scheduler import SchedulerSide
 

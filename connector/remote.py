@@ -1,0 +1,262 @@
+"""The scheduler side's conversation with glm-cache-server: handshake and chunk-size
+negotiation, back-off after failures, lookups and probes on a background thread, lease
+releases on another.
+
+Nothing here makes the scheduler thread wait on the network after start-up: a question
+whose answer has not come yet is answered "not yet" (``None``), and the hooks ask again
+next step."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from typing import Any
+
+from cache_server.client import CacheClient, CacheServerError, CacheServerUnavailable
+from cache_server.protocol import ErrorCode
+from connector.config import Settings, logger
+from connector.geometry import Geometry, GeometryError
+from connector.keys import extend_chunk_hashes
+
+CLIENT_ERRORS = (CacheServerUnavailable, CacheServerError, OSError)
+
+
+def unauthorized(err: BaseException) -> bool:
+    return isinstance(err, CacheServerError) and err.code == ErrorCode.UNAUTHORIZED.value
+
+
+@dataclass
+class LookupAnswer:
+    """What the lookup thread brings back (``error`` set: the server failed, serve cold)."""
+
+    chunks: int = 0
+    lease_id: int | None = None
+    held: int | None = None  # attention chunks from 0 on the server; None: not reported
+    start_state: bool = False
+    error: BaseException | None = None
+    # the request's chunk keys, when the lookup thread computed them (after a probe hit)
+    hashes: list[bytes] | None = None
+
+    def held_chunks(self, start: int) -> int:
+        """Attention chunks from 0 known to be on the server: the reported depth, or, from
+        a server that does not report it, the hit itself when it started at chunk 0."""
+        if self.held is not None:
+            return self.held
+        return self.chunks if start == 0 else 0
+
+
+class ServerLink:
+    """The connection state: one client per thread that talks to the server, back-off.
+
+    ``disabled`` (the auth token file was unusable, or the layout is not served) keeps it
+    unusable for good: we never talk to the server without the token we were told to use."""
+
+    def __init__(
+        self,
+        url: str,
+        timeout_s: float,
+        retry_after_s: float,
+        auth_token: str | None = None,
+        disabled: bool = False,
+    ) -> None:
+        # One client (socket and lock) per thread, so a slow lookup never holds a lock the
+        # scheduler thread or a release waits on: ``client`` for the start-up handshake and
+        # clear (scheduler thread), ``lookup_client`` for the lookup thread,
+        # ``release_client`` for the releaser.
+        self.client = CacheClient(url, timeout_s=timeout_s, auth_token=auth_token)
+        self.lookup_client = CacheClient(url, timeout_s=timeout_s, auth_token=auth_token)
+        self.release_client = CacheClient(url, timeout_s=timeout_s, auth_token=auth_token)
+        self.timeout_s = timeout_s
+        self.retry_after_s = retry_after_s
+        self.disabled = disabled
+        self._down_until = 0.0
+        self._refused_logged = False
+        self.hello: dict[str, Any] | None = None
+
+    def usable(self) -> bool:
+        return not self.disabled and time.monotonic() >= self._down_until
+
+    def close(self) -> None:
+        for c in (self.client, self.lookup_client, self.release_client):
+            c.close()
+
+    def failed(self, what: str, err: BaseException) -> None:
+        if unauthorized(err):
+            # Like a dead server (no hits, no saves), but it will not heal by itself:
+            # say so once, loudly; retries keep going in case the server is fixed.
+            log = logger.debug if self._refused_logged else logger.error
+            log(
+                "glm-cache-server refused our token on %s (%s): serving without the external "
+                "cache; auth_token_file must hold the server's --auth-token-file token",
+                what, err,
+            )
+            self._refused_logged = True
+        else:
+            logger.warning(
+                "glm-cache-server %s failed (%s); serving cold, retrying in %.0fs",
+                what, err, self.retry_after_s,
+            )
+        self._down_until = time.monotonic() + self.retry_after_s
+        # A restarted server has forgotten our namespace: handshake again next time.
+        self.hello = None
+
+
+class RemoteCache:
+    """The server, as the scheduler hooks ask it.
+
+    ``on_hello(hello)`` is called on the scheduler thread with each handshake's reply; it
+    may raise :class:`GeometryError` or ``KeyError`` to refuse it (a failed handshake)."""
+
+    def __init__(self, settings: Settings, disabled: bool, world_size: int,
+                 geometry: Callable[[], Geometry], namespace: Callable[[], str],
+                 on_hello: Callable[[dict[str, Any]], None]) -> None:
+        self.link = ServerLink(settings.url, settings.timeout_s, settings.retry_after_s,
+                               settings.auth_token, disabled)
+        self._world_size = world_size
+        self._geometry = geometry
+        self._namespace = namespace
+        self._on_hello = on_hello
+        self._releaser = ThreadPoolExecutor(max_workers=1, thread_name_prefix="glm-release")
+        self._lookup_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="glm-lookup")
+        self._handshake: tuple[Future[dict[str, Any]], float] | None = None  # (future, deadline)
+
+    def connect(self) -> None:
+        """The start-up handshake, synchronous and bounded by the client timeout: a dead
+        server costs start-up ``timeout_s`` once, then the back-off applies."""
+        if self.link.usable():
+            try:
+                self._on_hello(self._hello_io(self.link.client))
+            except (*CLIENT_ERRORS, GeometryError, KeyError) as e:
+                self.link.failed("handshake", e)
+
+    def usable(self) -> bool:
+        return self.link.usable()
+
+    def replicated_groups(self) -> list[int]:
+        """Groups stored once for the whole TP group (``CacheGroup.replicated_across_tp``)."""
+        return [g.group_id for g in self._geometry().groups if g.replicated_across_tp]
+
+    def _hello_io(self, client: CacheClient) -> dict[str, Any]:
+        """The handshake's network part (no state changes: safe on the lookup thread)."""
+        geo = self._geometry()
+        return client.hello(self._namespace(), geo.scheduler_block_size, self._world_size,
+                            self.replicated_groups(),
+                            attn_groups=[g.group_id for g in geo.attn_groups],
+                            state_groups=[g.group_id for g in geo.state_groups])
+
+    def ready(self) -> bool | None:
+        """True when negotiated; None while a background handshake is under way; False
+        while the server is away (serve cold). Starts a handshake when one is needed."""
+        if self._handshake is not None:
+            future, deadline = self._handshake
+            if future.done():
+                self._handshake = None
+                try:
+                    self._on_hello(future.result())
+                except (*CLIENT_ERRORS, GeometryError, KeyError) as e:
+                    self.link.failed("handshake", e)
+                    return False
+            elif time.monotonic() < deadline:
+                return None
+            else:
+                return False  # its own timeout will end it; requests go on cold meanwhile
+        if self.link.hello is not None:
+            return True
+        if not self.link.usable():
+            return False
+        self._handshake = (self._lookup_pool.submit(self._hello_io, self.link.lookup_client),
+                           time.monotonic() + self.answer_wait_s())
+        return None
+
+    def answer_wait_s(self) -> float:
+        """How long a request may wait for the lookup thread: the client's own timeout
+        (after which it gives up and the back-off starts) plus a little scheduling slack."""
+        return self.link.timeout_s * 1.25 + 0.05
+
+    def lookup(self, namespace: str, hashes: list[bytes], start: int, lease: bool) -> Future[LookupAnswer]:
+        """Look ``hashes`` up from chunk ``start`` on the lookup thread."""
+        return self._lookup_pool.submit(self._lookup_io, namespace, hashes, start, lease)
+
+    def probe(self, namespace: str, first: list[bytes], tokens: Sequence[int], C: int,
+              cache_salt: str | None, n_chunks: int) -> Future[LookupAnswer]:
+        """Probe a prefix nobody here has hashed yet by its first chunk, on the lookup
+        thread (see :meth:`_probe_io`)."""
+        return self._lookup_pool.submit(self._probe_io, namespace, first, tokens, C, cache_salt, n_chunks)
+
+    def _lookup_io(self, namespace: str, hashes: list[bytes], start: int, lease: bool) -> LookupAnswer:
+        """One lookup RPC (skipped while the link backs off)."""
+        if not self.link.usable():
+            return LookupAnswer(error=ConnectionError("server in back-off"))
+        geo = self._geometry()
+        try:
+            n, lease_id, held, start_state = self.link.lookup_client.lookup_held(
+                namespace, hashes,
+                [g.group_id for g in geo.attn_groups],
+                [g.group_id for g in geo.state_groups],
+                self._world_size, start, lease=lease,
+                replicated_groups=self.replicated_groups(),
+            )
+        except CLIENT_ERRORS as e:
+            self.link.failed("lookup", e)
+            return LookupAnswer(error=e)
+        return LookupAnswer(n, lease_id, held, start_state)
+
+    def _probe_io(self, namespace: str, first: list[bytes], tokens: Sequence[int], C: int,
+                  cache_salt: str | None, n_chunks: int) -> LookupAnswer:
+        """Is the first chunk's attention on the server (no lease)? No: nothing deeper can
+        resume either, and the other ``n_chunks - 1`` chunks are never hashed for it (a
+        cold request hashes its chunks as they are saved). Yes, or a server that does not
+        say: hash the prefix here and look it up as usual; the keys travel back with the
+        answer."""
+        probe = self._lookup_io(namespace, first, 0, lease=False)
+        if probe.error is not None:
+            return probe
+        if probe.held == 0:
+            return LookupAnswer(0, None, 0, False)
+        hashes = extend_chunk_hashes(list(first), tokens, C, cache_salt, max_chunks=n_chunks)
+        return replace(self._lookup_io(namespace, hashes, 0, lease=True), hashes=hashes)
+
+    def release_when_answered(self, future: Future[LookupAnswer]) -> None:
+        """A lookup no longer wanted: release the lease it got (or will get)."""
+        future.add_done_callback(self._release_unused)
+
+    def _release_unused(self, future: Future[LookupAnswer]) -> None:
+        if future.cancelled():
+            return
+        lease_id = future.result().lease_id
+        if lease_id is not None:
+            self.release(lease_id)
+
+    def release(self, lease_id: int) -> None:
+        """Release a lease from the releaser thread (its own client: never waits behind a
+        lookup). Safe from any thread."""
+
+        def release() -> None:
+            if not self.link.usable():
+                return  # the lease expires on its own; don't queue timeouts behind a dead server
+            try:
+                self.link.release_client.release(lease_id)
+            except CLIENT_ERRORS as e:  # the lease expires on its own
+                logger.debug("GlmCacheConnector: release of lease %s failed: %s", lease_id, e)
+
+        try:
+            self._releaser.submit(release)
+        except RuntimeError:  # shut down
+            pass
+
+    def clear(self, namespace: str) -> bool:
+        if self.link.hello is None:
+            return False
+        try:
+            self.link.client.clear(namespace)
+            return True
+        except CLIENT_ERRORS as e:
+            self.link.failed("clear", e)
+            return False
+
+    def shutdown(self) -> None:
+        self._lookup_pool.shutdown(wait=False, cancel_futures=True)
+        self._releaser.shutdown(wait=False)
+        self.link.close()

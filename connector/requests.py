@@ -1,0 +1,89 @@
+"""What the scheduler side knows of each request: one record from the first time vLLM asks
+about it until it finishes."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
+
+    from connector.remote import LookupAnswer
+
+
+@dataclass
+class Hit:
+    """A lookup answer accepted for a request, not yet turned into a load (between vLLM
+    asking for matched tokens and allocating the request's blocks)."""
+
+    start_chunk: int
+    end_chunk: int  # exclusive; the resume point is end_chunk * C
+    local_tokens: int
+    held: int = 0  # attention chunks [0, held) the server already holds (all groups, ranks)
+    start_state: bool = False  # the server holds the states at chunk start_chunk - 1
+
+
+@dataclass
+class Lookup:
+    """A request's question to the server: on the lookup thread (``answered_at`` None),
+    or answered and kept while vLLM asks again without allocating."""
+
+    question: tuple[Any, ...]  # (namespace, chunk size, start chunk, chunks asked, lease)
+    future: Future[LookupAnswer]
+    deadline: float  # unanswered past it: the request is admitted cold
+    answered_at: float | None = None
+
+
+@dataclass
+class RequestState:
+    """One request, as the scheduler side tracks it."""
+
+    request: Request
+    # Admission: when the current one began (None: not under way), its lookup, and the
+    # hit accepted for it; the lease holding the hit's objects on the server.
+    admission_started: float | None = None
+    lookup: Lookup | None = None
+    hit: Hit | None = None
+    lease_id: int | None = None
+    load_in_flight: bool = False  # a worker is writing a load into its blocks
+    load_failed: bool = False  # vLLM recomputes it; offering the same hit again would loop
+    finished: bool = False  # vLLM finished it while a load was in flight: kept for the report
+    # Chunk keys of the cacheable tokens so far, for chunk size ``keys_chunk_size``.
+    keys: list[bytes] = field(default_factory=list)
+    keys_chunk_size: int = 0
+    # Saves: from the first allocation on (``scheduled``).
+    scheduled: bool = False
+    saved_chunks: int = 0  # attention chunks [0, saved_chunks) are saved or on the server
+    loaded_tokens: int = 0  # resume point of an external load (its states are on the server)
+    state_chunk: int = 0  # chunks covered by the newest state on this path (0: none yet)
+    save_retries: int = 0  # corrections of failed saves so far
+    resave_at: float = 0.0  # when the holes may be saved again (monotonic time)
+    saves_given_up: bool = False
+
+    def keys_for(self, chunk_size: int) -> list[bytes]:
+        """The request's key list for ``chunk_size`` (a new server's chunk size starts a
+        new list: keys of another grid name other prefixes)."""
+        if self.keys_chunk_size != chunk_size:
+            self.keys, self.keys_chunk_size = [], chunk_size
+        return self.keys
+
+    def within_wait(self, wait_s: float) -> bool:
+        """True while the current admission is younger than ``wait_s`` (starting it now if
+        it had not started): no request waits on the server longer."""
+        now = time.monotonic()
+        if self.admission_started is None:
+            self.admission_started = now
+        return now - self.admission_started < wait_s
+
+
+class Requests(dict[str, RequestState]):
+    """Every request the scheduler side is tracking, by request id."""
+
+    def of(self, request: Request) -> RequestState:
+        state = self.get(request.request_id)
+        if state is None:
+            state = self[request.request_id] = RequestState(request)
+        return state

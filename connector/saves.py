@@ -1,0 +1,173 @@
+"""What to save, and what to do when a save does not land.
+
+Attention objects are saved for every whole chunk a request computes, starting where the
+server's contiguous attention ends (so no chunk is sent twice); KDA states only at chunk
+boundaries, where vLLM (align mode) offers a snapshot. Saves the workers report as not
+landed move the request's saved depth back to the first hole, to be saved again after a
+back-off, or end the request's saves."""
+
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from connector.config import logger
+from connector.keys import parent_of
+from connector.metadata import TRANSIENT_SAVE_FAILURES, ObjectMove, SaveFailure
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+
+    from connector.geometry import Geometry
+    from connector.requests import Hit, RequestState
+
+# Attention holes are saved again at most this many times per request, after a back-off
+# that doubles from RESAVE_BACKOFF_S (a server out of space needs time to free some).
+MAX_SAVE_RETRIES = 6
+RESAVE_BACKOFF_S = 0.1
+
+
+def owned(req_id: str, moves: list[ObjectMove]) -> list[ObjectMove]:
+    """Tag save moves with their request, so their outcome can find it again."""
+    for m in moves:
+        m.req_id = req_id
+    return moves
+
+
+class SavePlanner:
+    """Plans the saves of tracked requests and applies their outcomes.
+
+    ``keys(state, n)`` extends a request's chunk keys to ``n`` chunks where it can and
+    returns its key list."""
+
+    def __init__(self, geometry: Callable[[], Geometry], keys: Callable[[RequestState, int], list[bytes]],
+                 kv_cache_manager: Callable[[], KVCacheManager | None], save_decode: bool) -> None:
+        self._geometry = geometry
+        self._keys = keys
+        self._kv_cache_manager = kv_cache_manager
+        self._save_decode = save_decode
+        self.stats: collections.Counter[str] = collections.Counter()  # see failed()
+
+    def cacheable_chunks(self, state: RequestState, computed: int) -> int:
+        """Whole chunks of this request that may be saved once ``computed`` tokens exist
+        and have keys (vLLM hashes a block once it is full)."""
+        req = state.request
+        limit = req.num_tokens if self._save_decode else req.num_prompt_tokens
+        n = min(computed, limit) // self._geometry().chunk_size
+        return min(n, len(self._keys(state, n)))
+
+    def attention_saves(self, state: RequestState, computed: int) -> list[ObjectMove]:
+        n = self.cacheable_chunks(state, computed)
+        if n <= state.saved_chunks or state.saves_given_up or time.monotonic() < state.resave_at:
+            return []
+        manager = self._kv_cache_manager()
+        assert manager is not None
+        block_ids = manager.get_block_ids(state.request.request_id)
+        null_id = manager.block_pool.null_block.block_id
+        geo = self._geometry()
+        C = geo.chunk_size
+        keys = state.keys
+        moves: list[ObjectMove] = []
+        for g in geo.attn_groups:
+            per_chunk = C // g.block_size
+            ids = block_ids[g.group_id]
+            for k in range(state.saved_chunks, n):
+                chunk_ids = ids[k * per_chunk : (k + 1) * per_chunk]
+                if len(chunk_ids) != per_chunk or null_id in chunk_ids:
+                    break  # not allocated, or dropped (e.g. out of a sliding window)
+                moves.append(ObjectMove(keys[k], g.group_id, list(chunk_ids), parent=parent_of(keys, k)))
+        state.saved_chunks = n
+        return moves
+
+    def state_saves(self, state: RequestState, entries: list[tuple[int, int, int]]) -> list[ObjectMove]:
+        """States vLLM snapshots at block boundaries; we keep those at chunk boundaries."""
+        geo = self._geometry()
+        C = geo.chunk_size
+        state_ids = {g.group_id for g in geo.state_groups}
+        moves: list[ObjectMove] = []
+        prev_chunk = state.state_chunk
+        for group_id, block_id, boundary in sorted(entries, key=lambda e: e[2]):
+            if group_id not in state_ids or boundary <= 0 or boundary % C:
+                continue
+            if boundary <= state.loaded_tokens:
+                continue  # came from the server
+            k = boundary // C
+            if self.cacheable_chunks(state, boundary) < k:
+                continue
+            if k > state.state_chunk:  # a newer state on this path: the previous one is superseded
+                prev_chunk, state.state_chunk = state.state_chunk, k
+            keys = state.keys
+            prev = keys[prev_chunk - 1] if 0 < prev_chunk < k else None
+            moves.append(ObjectMove(keys[k - 1], group_id, [block_id], prev, parent_of(keys, k - 1)))
+        return moves
+
+    def local_state_resave(self, state: RequestState, blocks: KVCacheBlocks, hit: Hit) -> list[ObjectMove]:
+        """vLLM resumes from its local cache at a chunk boundary the server lacks (the
+        server restarted or evicted it): offer that snapshot again, since no boundary
+        offload will (the block was cached earlier). Attention chunks follow as usual."""
+        geo = self._geometry()
+        C = geo.chunk_size
+        local = hit.local_tokens
+        if local == 0 or local % C or local // C <= hit.end_chunk:
+            return []
+        if hit.start_chunk == local // C and hit.start_state:
+            return []  # the lookup started there and found the states present: nothing lost
+        k = local // C
+        keys = self._keys(state, k)
+        moves = []
+        for g in geo.state_groups:
+            blk = blocks.blocks[g.group_id][local // g.block_size - 1]
+            if not blk.is_null:
+                moves.append(ObjectMove(keys[k - 1], g.group_id, [blk.block_id], parent=parent_of(keys, k - 1)))
+        return moves
+
+    def failed(self, failures: list[SaveFailure], tracked: Callable[[str], RequestState | None]) -> None:
+        """Saves the workers report as not landed: move each request's saved depth back to
+        its first attention hole, so that later steps save the holes again from the blocks
+        the request still holds (after a back-off), or give its saves up cleanly.
+        ``tracked(req_id)`` is the request's state while it holds its blocks.
+
+        A failed state save is not retried: vLLM (align mode) does not keep a request's
+        interior state blocks alive, so that block may hold other bytes by now. The server
+        then simply has no resume point there (a shallower hit, never a wrong one)."""
+        self.stats["failed"] += len(failures)
+        attn_ids = {g.group_id for g in self._geometry().attn_groups}
+        by_req: dict[str, list[SaveFailure]] = {}
+        for f in failures:
+            by_req.setdefault(f.req_id, []).append(f)
+            self.stats[f"failed_{f.reason}"] += 1
+        for req_id, fs in by_req.items():
+            state = tracked(req_id) if req_id else None
+            if state is None:  # finished (its blocks are gone) or not traceable
+                self.stats["lost"] += len(fs)
+                continue
+            index = {h: k for k, h in enumerate(state.keys)}
+            holes = [index[f.chunk_hash] for f in fs if f.group_id in attn_ids and f.chunk_hash in index]
+            if not holes or state.saves_given_up:
+                self.stats["lost"] += len(fs)
+                continue
+            first = min(holes)
+            permanent = any(f.reason not in TRANSIENT_SAVE_FAILURES for f in fs)
+            if permanent or state.save_retries >= MAX_SAVE_RETRIES:
+                state.saves_given_up = True
+                state.saved_chunks = min(state.saved_chunks, first)
+                self.stats["given_up"] += 1
+                logger.warning(
+                    "GlmCacheConnector: %s: saves from chunk %d did not land (%s) after %d "
+                    "retries; not saving this request further", req_id, first,
+                    sorted({f.reason for f in fs}), state.save_retries,
+                )
+                continue
+            state.saved_chunks = min(state.saved_chunks, first)
+            now = time.monotonic()
+            if now < state.resave_at:
+                continue  # sent before the last correction: the same incident, not a new retry
+            state.resave_at = now + RESAVE_BACKOFF_S * (2 ** state.save_retries)
+            state.save_retries += 1
+            self.stats["corrected"] += 1
+            logger.info(
+                "GlmCacheConnector: %s: %d saves did not land (%s); saving again from chunk %d",
+                req_id, len(fs), sorted({f.reason for f in fs}), first,
+            )
