@@ -12,8 +12,8 @@ import zmq
 
 from cache_server.auth import TokenFileError, is_loopback, read_token_file, world_readable
 from cache_server.http import start_http
-from cache_server.protocol import DEFAULT_MAX_HEADER_BYTES
-from cache_server.server import GIB, MIB, PUT_OBJECTS_BOUND, CacheServer, ServerConfig
+from cache_server.config import GIB, MIB, PUT_OBJECTS_BOUND, ServerConfig
+from cache_server.server import CacheServer
 
 logger = logging.getLogger("glm_cache_server")
 
@@ -40,35 +40,42 @@ _fraction = _number(float, "a fraction in (0, 1]", lambda v: 0 < v <= 1)
 _open_fraction = _number(float, "a fraction in (0, 1)", lambda v: 0 < v < 1)
 
 
+_DEFAULTS = ServerConfig()  # the server's defaults, written once (cache_server.config)
+
+
 def build_parser() -> argparse.ArgumentParser:
+    """The command line; every default is :class:`ServerConfig`'s, in the flag's unit."""
+    d = _DEFAULTS
     ap = argparse.ArgumentParser(
         prog="glm-cache-server",
         description="Standalone LRU cache server for hybrid (KDA + sparse-MLA) prompt state, "
                     "shared by any number of vLLM replicas running GlmCacheConnector.")
-    ap.add_argument("--host", default="127.0.0.1",
-                    help="address to bind the ZMQ and HTTP sockets (default 127.0.0.1; binding beyond "
+    ap.add_argument("--host", default=d.host,
+                    help="address to bind the ZMQ and HTTP sockets (default %(default)s; binding beyond "
                          "loopback needs --auth-token-file or --insecure-no-auth)")
-    ap.add_argument("--port", type=_port, default=5555, help="ZMQ ROUTER port (default 5555; 0 picks a free one)")
-    ap.add_argument("--http-port", type=_port, default=8080,
-                    help="HTTP port for /healthcheck, /status, /metrics (default 8080; 0 disables HTTP)")
-    ap.add_argument("--chunk-size", type=_positive_int, default=256,
+    ap.add_argument("--port", type=_port, default=d.port, metavar="N",
+                    help="ZMQ ROUTER port (default %(default)s; 0 picks a free one)")
+    ap.add_argument("--http-port", type=_port, default=d.http_port, metavar="N",
+                    help="HTTP port for /healthcheck, /status, /metrics (default %(default)s; 0 disables HTTP)")
+    ap.add_argument("--chunk-size", type=_positive_int, default=d.min_chunk_size, metavar="N",
                     help="minimum chunk size in tokens; each engine gets the smallest multiple of its "
-                         "alignment at least this large (default 256)")
-    ap.add_argument("--l1-size-gb", type=_positive_float, default=1.0,
-                    help="byte budget of the in-memory store in GiB (default 1)")
-    ap.add_argument("--eviction-policy", choices=["value", "LRU"], default="value",
+                         "alignment at least this large (default %(default)s)")
+    ap.add_argument("--l1-size-gb", type=_positive_float, default=d.l1_size_bytes / GIB, metavar="GIB",
+                    help="byte budget of the in-memory store in GiB (default %(default)s)")
+    ap.add_argument("--eviction-policy", choices=["value", "LRU"], default=d.eviction_policy,
                     help="order within each retention class (worthless, superseded, the rest): 'value' "
-                         "(recency and prefill saved per byte, GreedyDual) or 'LRU' (default value)")
-    ap.add_argument("--l1-state-share", type=_open_fraction, default=None, metavar="FRACTION",
+                         "(recency and prefill saved per byte, GreedyDual) or 'LRU' (default %(default)s)")
+    ap.add_argument("--l1-state-share", type=_open_fraction, default=d.l1_state_share, metavar="FRACTION",
                     help="give the state groups of engines that declared them a separate share of "
                          "--l1-size-gb, in (0, 1); default: one budget for all (measured better)")
-    ap.add_argument("--separate-object-groups", action="store_true",
+    ap.add_argument("--separate-object-groups", action="store_true", default=d.separate_object_groups,
                     help="store one object per cache group (required for hybrid KDA/Mamba models)")
-    ap.add_argument("--max-object-size-mb", type=_positive_float, default=None,
-                    help="largest object accepted, in MiB (default 256, or the whole budget if smaller)")
-    ap.add_argument("--lease-ttl-s", type=_positive_float, default=60.0,
-                    help="seconds a lookup's hit stays pinned if never released (default 60)")
-    ap.add_argument("--debug-fault-hooks", action="store_true",
+    ap.add_argument("--max-object-size-mb", type=_positive_float, default=None, metavar="MIB",
+                    help=f"largest object accepted, in MiB (default {d.max_object_bytes / MIB:g}, or the whole "
+                         "budget if smaller)")
+    ap.add_argument("--lease-ttl-s", type=_positive_float, default=d.lease_ttl_s, metavar="SECONDS",
+                    help="seconds a lookup's hit stays pinned if never released (default %(default)s)")
+    ap.add_argument("--debug-fault-hooks", action="store_true", default=d.debug_fault_hooks,
                     help="testing only: enable the debug_corrupt op (flips a byte of a stored object: bit "
                          "rot cannot be caused otherwise) and debug_die_on (SIGKILL on the next get/put, to "
                          "crash mid-transfer); never in production")
@@ -80,46 +87,47 @@ def build_parser() -> argparse.ArgumentParser:
     auth.add_argument("--insecure-no-auth", action="store_true",
                       help="allow binding beyond loopback without a token: anyone who reaches the port "
                            "may read, write and clear the cache")
-    ap.add_argument("--max-message-mb", type=_positive_float, default=None,
+    ap.add_argument("--max-message-mb", type=_positive_float, default=None, metavar="MIB",
                     help="largest request in MiB, header and payloads together; ZMQ disconnects a peer that "
                          "sends a bigger frame, a bigger total is answered too_large (default: "
                          f"{PUT_OBJECTS_BOUND} maximum-size objects, at most the L1 budget, plus the header cap)")
-    ap.add_argument("--max-header-kb", type=_positive_int, default=DEFAULT_MAX_HEADER_BYTES >> 10,
-                    help="largest request header in KiB, refused before parsing "
-                         f"(default {DEFAULT_MAX_HEADER_BYTES >> 10})")
-    ap.add_argument("--max-leases-per-client", type=_positive_int, default=1024,
-                    help="leases one connection holds; its oldest is dropped for a new one (default 1024)")
-    ap.add_argument("--max-leased-fraction", type=_fraction, default=0.5,
+    ap.add_argument("--max-header-kb", type=_positive_int, default=d.max_header_bytes >> 10, metavar="KIB",
+                    help="largest request header in KiB, refused before parsing (default %(default)s)")
+    ap.add_argument("--max-leases-per-client", type=_positive_int, default=d.max_leases_per_client, metavar="N",
+                    help="leases one connection holds; its oldest is dropped for a new one (default %(default)s)")
+    ap.add_argument("--max-leased-fraction", type=_fraction, default=d.max_leased_fraction, metavar="FRACTION",
                     help="share of the L1 budget leases may pin; the oldest leases are dropped to stay under it "
-                         "(default 0.5)")
-    ap.add_argument("--max-namespaces", type=_positive_int, default=64,
+                         "(default %(default)s)")
+    ap.add_argument("--max-namespaces", type=_positive_int, default=d.max_namespaces, metavar="N",
                     help="namespaces known at once; a new one replaces the least recently used empty one, "
-                         "else it is refused (default 64)")
-    ap.add_argument("--l2", metavar="URL", default=None,
+                         "else it is refused (default %(default)s)")
+    ap.add_argument("--l2", metavar="URL", default=d.l2_url,
                     help="second tier on a Redis/Valkey store shared by many servers: redis://host:port or "
                          "redis+cluster://host:port,host:port,... (query: timeout_s, retry_after_s, queue_mb, "
                          "prefix, ttl_s); every stored object is written through asynchronously, a lookup "
                          "promotes what L2 adds (default: none)")
-    ap.add_argument("--no-shm", action="store_true",
+    ap.add_argument("--no-shm", action="store_false", dest="shm", default=d.shm,
                     help="offer no shared memory to clients on this host: every payload travels over the "
                          "socket (default: same-host clients that offer a /dev/shm segment at hello move "
                          "payloads through it)")
-    ap.add_argument("--workers", type=_positive_int, default=4,
+    ap.add_argument("--workers", type=_positive_int, default=d.workers, metavar="N",
                     help="threads answering requests, so one engine's large transfer does not hold the others "
-                         "behind it (default 4)")
-    ap.add_argument("--io-threads", type=_positive_int, default=2,
-                    help="ZMQ I/O threads reading and writing the sockets (default 2)")
+                         "behind it (default %(default)s)")
+    ap.add_argument("--io-threads", type=_positive_int, default=d.io_threads, metavar="N",
+                    help="ZMQ I/O threads reading and writing the sockets (default %(default)s)")
     ap.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
-                    type=str.upper, help="log level (default INFO)")
+                    type=str.upper, help="log level (default %(default)s)")
     return ap
 
 
 def config_from_args(args: argparse.Namespace, auth_token: str | None = None) -> ServerConfig:
+    """The :class:`ServerConfig` a parsed command line asks for."""
+    l1_size_bytes = int(args.l1_size_gb * GIB)
     return ServerConfig(
         host=args.host, port=args.port, http_port=args.http_port, min_chunk_size=args.chunk_size,
-        l1_size_bytes=int(args.l1_size_gb * GIB),
+        l1_size_bytes=l1_size_bytes,
         max_object_bytes=(int(args.max_object_size_mb * MIB) if args.max_object_size_mb is not None
-                          else min(256 * MIB, int(args.l1_size_gb * GIB))),
+                          else min(_DEFAULTS.max_object_bytes, l1_size_bytes)),
         separate_object_groups=args.separate_object_groups, lease_ttl_s=args.lease_ttl_s,
         eviction_policy=args.eviction_policy, l1_state_share=args.l1_state_share,
         debug_fault_hooks=args.debug_fault_hooks,
@@ -127,7 +135,29 @@ def config_from_args(args: argparse.Namespace, auth_token: str | None = None) ->
         max_message_bytes=int(args.max_message_mb * MIB) if args.max_message_mb is not None else None,
         max_header_bytes=args.max_header_kb << 10, max_leases_per_client=args.max_leases_per_client,
         max_leased_fraction=args.max_leased_fraction, max_namespaces=args.max_namespaces, l2_url=args.l2,
-        shm=not args.no_shm, workers=args.workers, io_threads=args.io_threads)
+        shm=args.shm, workers=args.workers, io_threads=args.io_threads)
+
+
+def flags_table(parser: argparse.ArgumentParser | None = None) -> str:
+    """The command line as a Markdown table, ``| flag | default | meaning |``, one row per
+    option in the order of ``--help`` (``--help`` itself left out), for the docs."""
+    ap = parser or build_parser()
+    rows = ["| flag | default | meaning |", "| --- | --- | --- |"]
+    for action in ap._actions:
+        if isinstance(action, argparse._HelpAction) or action.help == argparse.SUPPRESS:
+            continue
+        flag = max(action.option_strings, key=len)
+        if action.nargs != 0:
+            flag += " " + (action.metavar or ("{" + ",".join(action.choices) + "}" if action.choices
+                                              else action.dest.upper()))
+        if action.nargs == 0:  # a switch: the default is not giving it
+            default = "off"
+        else:
+            default = "none" if action.default is None else f"`{action.default}`"
+        meaning = (action.help or "") % dict(vars(action), prog=ap.prog)
+        cell = meaning.replace("|", r"\|")
+        rows.append(f"| `{flag}` | {default} | {cell} |")
+    return "\n".join(rows) + "\n"
 
 
 def _return_freed_payloads_to_the_os() -> None:

@@ -22,19 +22,11 @@ Semantics, and why:
   the reader is still busy with an abandoned promotion, lookups skip L2. After an L2 error,
   L2 is skipped for ``retry_after_s``. Every L2 error or timeout is a miss, never a stall
   past the timeout, never a wrong byte.
-* **Verification.** An L2 value is ``header || payload``; the header carries a magic, a
-  digest of the full key (namespace, hash, group, rank: a value under the wrong key is
-  refused), the object's checksum as its storing client wrote it (``protocol.checksum``)
-  the ``prev`` link and the chunk-tree ``parent`` (format 3; a format-1 value, written
-  before the parent was kept, promotes with the parent unknown, as a put that does not say
-  it; values of formats 1-2 carry protocol v2's blake3 checksum, are verified with it and
-  promoted with today's), so a promoted prefix is placed in its namespace's chunk tree and counts as resumable
-  (and is retained as such) at once. Promotion recomputes the checksum of the payload; a mismatch is
-  counted (``errors{kind=checksum}``), the value deleted from L2, and the object treated as
-  absent. The checksum goes into L1 with the object, so the loading client checks it again.
+* **Verification.** An L2 value carries its key's digest and the object's checksum
+  (:mod:`cache_server.l2_values`); promotion verifies both, and a value that fails is
+  counted (``errors{kind=checksum}`` or ``format``), deleted from L2, and treated as absent.
 * **Keys carry the namespace**: ``{prefix}:{ns tag}:{hash hex}:{group}:{rank}``, the tag
-  being the first 16 bytes of blake3(namespace) in hex (namespaces are long engine
-  fingerprints; a tag keeps keys short and free of separators). One store serves many
+  a short digest of the namespace (:func:`~cache_server.l2_values.namespace_tag`). One store serves many
   models and salts without collisions. ``clear`` (of a namespace or all) also deletes the
   keys in L2, in the background, in write order; until that is done, lookups of that
   namespace do not consult L2.
@@ -62,19 +54,13 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlparse
 
-from blake3 import blake3
-
 from cache_server import protocol as p
+from cache_server.l2_values import HEADER_BYTES, decode_value, encode_value, namespace_tag
+from cache_server.layout import group_ranks, resume_depth
 from cache_server.store import UNKNOWN_PARENT, ObjectStore, StoreKey
 
 logger = logging.getLogger("glm_cache_server.l2")
 
-MAGIC_V1 = b"GL2\x01"  # magic, key digest, checksum, prev
-MAGIC_V2 = b"GL2\x02"  # ... and the chunk-tree parent (tag byte: 0 unknown, 1 none: the first chunk, 2 a hash)
-MAGIC = b"GL2\x03"  # as format 2, the checksum being protocol v3's (XXH3-128; formats 1-2: blake3)
-KEY_DIGEST_BYTES = 8
-HEADER_BYTES_V1 = len(MAGIC) + KEY_DIGEST_BYTES + p.CHECKSUM_BYTES + 1 + p.HASH_BYTES
-HEADER_BYTES = HEADER_BYTES_V1 + 1 + p.HASH_BYTES
 MAX_VALUE_BYTES = 512 * (1 << 20) - 1024  # Redis' proto-max-bulk-len default is 512 MB
 GET_BATCH = 4  # objects per pipelined GET: a 40 MB state object is one of these
 WRITE_BATCH_BYTES = 64 << 20
@@ -147,77 +133,6 @@ class L2Config:
         return f"{scheme}://{auth}" + ",".join(f"{h}:{port}" for h, port in self.nodes)
 
 
-def namespace_tag(namespace: str) -> str:
-    """The namespace's part of an L2 key."""
-    return blake3(namespace.encode()).digest(16).hex()
-
-
-def _key_digest(key: StoreKey) -> bytes:
-    ns, digest, group, rank = key
-    return blake3(b"%s\0%s\0%d\0%d" % (ns.encode(), digest, group, rank)).digest(KEY_DIGEST_BYTES)
-
-
-def encode_value(key: StoreKey, payload: bytes | memoryview, checksum: bytes, prev: bytes | None,
-                 parent: bytes | None = UNKNOWN_PARENT) -> bytes:
-    """``header || payload`` (one copy, on the writer thread). ``parent`` as the store's
-    ``put`` takes it: a hash, None (the first chunk) or :data:`UNKNOWN_PARENT`."""
-    if len(checksum) != p.CHECKSUM_BYTES:
-        raise ValueError("checksum must be CHECKSUM_BYTES long")
-    if parent is not None and parent != UNKNOWN_PARENT and len(parent) != p.HASH_BYTES:
-        raise ValueError("parent must be a HASH_BYTES hash, None or UNKNOWN_PARENT")
-    tail = (b"\1" + prev) if prev is not None else b"\0" + bytes(p.HASH_BYTES)
-    up = b"\1" + bytes(p.HASH_BYTES) if parent is None else \
-        b"\0" + bytes(p.HASH_BYTES) if parent == UNKNOWN_PARENT else b"\2" + parent
-    return b"".join((MAGIC, _key_digest(key), checksum, tail, up, payload))
-
-
-def decode_value(key: StoreKey, value: bytes) -> tuple[memoryview, bytes, bytes | None, bytes | None] | str:
-    """``(payload, checksum, prev, parent)`` of a verified value, or why it was refused.
-    Format-1 values (no parent) decode with the parent :data:`UNKNOWN_PARENT`."""
-    view = memoryview(value)
-    magic = bytes(view[:len(MAGIC)])
-    header = {MAGIC: HEADER_BYTES, MAGIC_V2: HEADER_BYTES, MAGIC_V1: HEADER_BYTES_V1}.get(magic)
-    if header is None or len(value) < header:
-        return "format"
-    at = len(MAGIC)
-    if view[at:at + KEY_DIGEST_BYTES] != _key_digest(key):
-        return "format"
-    at += KEY_DIGEST_BYTES
-    checksum = bytes(view[at:at + p.CHECKSUM_BYTES])
-    at += p.CHECKSUM_BYTES
-    prev = bytes(view[at + 1:at + 1 + p.HASH_BYTES]) if view[at] else None
-    at += 1 + p.HASH_BYTES
-    parent: bytes | None = UNKNOWN_PARENT
-    if header == HEADER_BYTES:
-        tag = view[at]
-        if tag > 2:
-            return "format"
-        parent = None if tag == 1 else bytes(view[at + 1:at + 1 + p.HASH_BYTES]) if tag == 2 else UNKNOWN_PARENT
-    payload = view[header:]
-    if magic != MAGIC:
-        # Written by a server of protocol v2: its checksum is blake3's. Verified with that,
-        # the payload gets today's checksum, which the loading client checks again.
-        if blake3(payload).digest(length=p.CHECKSUM_BYTES) != checksum:
-            return "checksum"
-        return payload, p.checksum(payload), prev, parent
-    if p.checksum(payload) != checksum:
-        return "checksum"
-    return payload, checksum, prev, parent
-
-
-def resume_depth(start: int, n: int, has_attn: Callable[[int], bool], has_state: Callable[[int], bool],
-                 with_state: bool) -> int:
-    """The store's lookup rule on any presence test: the deepest ``j`` with attention for
-    chunks ``start..j-1`` and (if the model has state groups) a state at ``j-1``."""
-    depth = start
-    while depth < n and has_attn(depth):
-        depth += 1
-    if with_state:
-        while depth > start and not has_state(depth - 1):
-            depth -= 1
-    return depth
-
-
 @dataclass
 class L2Counters:
     """Monotonic counters for /status and /metrics."""
@@ -238,8 +153,6 @@ class L2Counters:
 class L2Tier:
     """The L2 tier of one server: a reader thread (promotions) and a writer thread
     (write-through and clears), each with its own client, both bounded by timeouts."""
-
-    LATENCY_BUCKETS = (1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
     def __init__(self, config: L2Config, observe: Callable[[str, float], None] | None = None) -> None:
         self.config = config
@@ -441,16 +354,13 @@ class L2Tier:
         deadline; called by the request loop before it answers a lookup from L1. Returns the
         depth L1 alone had and whether L2 was consulted (see :meth:`count_answer`)."""
         replicated = frozenset(replicated_groups)
-
-        def keys(i: int, groups: Sequence[int]) -> list[StoreKey]:
-            return [(namespace, hashes[i], g, r) for g in groups
-                    for r in (range(1) if g in replicated else range(world_size))]
-
+        attn_ranks = group_ranks(attn_groups, world_size, replicated)
+        state_ranks = group_ranks(state_groups, world_size, replicated)
         n = len(hashes)
-        attn = {i: keys(i, attn_groups) for i in range(start_chunk, n)}
-        state = {i: keys(i, state_groups) for i in range(start_chunk, n)}
+        attn = {i: [(namespace, hashes[i], g, r) for g, r in attn_ranks] for i in range(start_chunk, n)}
+        state = {i: [(namespace, hashes[i], g, r) for g, r in state_ranks] for i in range(start_chunk, n)}
         l1_depth = resume_depth(start_chunk, n, lambda i: all(k in store for k in attn[i]),
-                                lambda i: all(k in store for k in state[i]), bool(state_groups))
+                                (lambda i: all(k in store for k in state[i])) if state_groups else None)
         if l1_depth == n or n <= start_chunk:
             return l1_depth, False
         with self._lock:
@@ -512,7 +422,7 @@ class L2Tier:
             in_l2 = {k for k, e in zip(absent, pipe.execute()) if e}
             self._observe("exists", time.perf_counter() - t0)
             depth = resume_depth(start, n, lambda i: all(k in store or k in in_l2 for k in attn[i]),
-                                 lambda i: all(k in store or k in in_l2 for k in state[i]), with_state)
+                                 (lambda i: all(k in store or k in in_l2 for k in state[i])) if with_state else None)
             if depth <= start:
                 return
             need = [k for i in range(start, depth) for k in attn[i] if k in in_l2]
@@ -567,41 +477,3 @@ class L2Tier:
             self._queue.clear()
             self._queue_cv.notify_all()
         self._reader.shutdown(wait=False, cancel_futures=True)
-
-
-class L2Collector:
-    """Prometheus view of an :class:`L2Tier`, read at scrape time (``glm_cache_l2_*``)."""
-
-    def __init__(self, tier: L2Tier, prefix: str) -> None:
-        self._tier = tier
-        self._prefix = prefix
-
-    def collect(self) -> Any:
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
-        s = self._tier.snapshot()
-        name = f"{self._prefix}_l2"
-        yield GaugeMetricFamily(f"{name}_up", "1 unless L2 is being skipped after an error", value=int(s["up"]))
-        for key, doc in (("lookups", "Lookups that consulted L2"),
-                         ("hits", "Lookups answered deeper than L1 alone thanks to L2"),
-                         ("misses", "Lookups that consulted L2 and got nothing deeper"),
-                         ("skipped", "Lookups that did not consult L2 (down, busy, namespace being cleared)"),
-                         ("timeouts", "Lookups whose promotion hit the deadline"),
-                         ("promoted_objects", "Objects promoted from L2 into L1"),
-                         ("promoted_bytes", "Bytes promoted from L2 into L1"),
-                         ("written_objects", "Objects written through to L2"),
-                         ("written_bytes", "Bytes written to L2 (values, headers included)")):
-            yield CounterMetricFamily(f"{name}_{key}", doc, value=s[key])
-        dropped = CounterMetricFamily(f"{name}_dropped_writes", "Writes to L2 not made, by reason "
-                                      "(queue_full, too_large, down, error)", labels=["reason"])
-        for reason in ("queue_full", "too_large", "down", "error"):
-            dropped.add_metric([reason], s["dropped"].get(reason, 0))
-        yield dropped
-        errors = CounterMetricFamily(f"{name}_errors", "L2 errors, by kind (timeout, connection, checksum, "
-                                     "format, other)", labels=["kind"])
-        for kind in sorted({"timeout", "connection", "checksum", "format", "other", *s["errors"]}):
-            errors.add_metric([kind], s["errors"].get(kind, 0))
-        yield errors
-        yield GaugeMetricFamily(f"{name}_queue_bytes", "Bytes waiting for the L2 writer", value=s["queue_bytes"])
-        yield GaugeMetricFamily(f"{name}_queue_items", "Writes and clears waiting for the L2 writer",
-                                value=s["queue_items"])

@@ -6,7 +6,8 @@ latency and error counts are recorded by the request loop.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -14,7 +15,11 @@ from prometheus_client.registry import Collector
 
 from cache_server.store import ObjectStore
 
+if TYPE_CHECKING:
+    from cache_server.l2 import L2Tier
+
 PREFIX = "glm_cache"
+L2_LATENCY_BUCKETS = (1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 # (status key, metric name, help) for the monotonic store counters.
 _COUNTERS = (
@@ -68,7 +73,7 @@ class _StoreCollector(Collector):
         yield GaugeMetricFamily(f"{PREFIX}_superseded_objects",
                                 "State objects with a newer state on their path (evicted first)",
                                 value=s["superseded_objects"])
-        # Usable prefixes (issue 12): what the cache can resume, not only what it holds.
+        # Usable prefixes: what the cache can resume, not only what it holds.
         usable = {ns: u for ns in self._store.tracked_namespaces()
                   if (u := self._store.usable_prefixes(ns)) is not None}
         for key, kind, doc in (
@@ -86,6 +91,41 @@ class _StoreCollector(Collector):
             yield family
         for key, name, doc in _COUNTERS:
             yield CounterMetricFamily(f"{PREFIX}_{name}", doc, value=s[key])
+
+
+class _L2Collector(Collector):
+    """The L2 tier's figures, read at scrape time (``glm_cache_l2_*``)."""
+
+    def __init__(self, tier: L2Tier) -> None:
+        self._tier = tier
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._tier.snapshot()
+        name = f"{PREFIX}_l2"
+        yield GaugeMetricFamily(f"{name}_up", "1 unless L2 is being skipped after an error", value=int(s["up"]))
+        for key, doc in (("lookups", "Lookups that consulted L2"),
+                         ("hits", "Lookups answered deeper than L1 alone thanks to L2"),
+                         ("misses", "Lookups that consulted L2 and got nothing deeper"),
+                         ("skipped", "Lookups that did not consult L2 (down, busy, namespace being cleared)"),
+                         ("timeouts", "Lookups whose promotion hit the deadline"),
+                         ("promoted_objects", "Objects promoted from L2 into L1"),
+                         ("promoted_bytes", "Bytes promoted from L2 into L1"),
+                         ("written_objects", "Objects written through to L2"),
+                         ("written_bytes", "Bytes written to L2 (values, headers included)")):
+            yield CounterMetricFamily(f"{name}_{key}", doc, value=s[key])
+        dropped = CounterMetricFamily(f"{name}_dropped_writes", "Writes to L2 not made, by reason "
+                                      "(queue_full, too_large, down, error)", labels=["reason"])
+        for reason in ("queue_full", "too_large", "down", "error"):
+            dropped.add_metric([reason], s["dropped"].get(reason, 0))
+        yield dropped
+        errors = CounterMetricFamily(f"{name}_errors", "L2 errors, by kind (timeout, connection, checksum, "
+                                     "format, other)", labels=["kind"])
+        for kind in sorted({"timeout", "connection", "checksum", "format", "other", *s["errors"]}):
+            errors.add_metric([kind], s["errors"].get(kind, 0))
+        yield errors
+        yield GaugeMetricFamily(f"{name}_queue_bytes", "Bytes waiting for the L2 writer", value=s["queue_bytes"])
+        yield GaugeMetricFamily(f"{name}_queue_items", "Writes and clears waiting for the L2 writer",
+                                value=s["queue_items"])
 
 
 class ServerMetrics:
@@ -106,6 +146,16 @@ class ServerMetrics:
             "and hits answered without a lease (leased_bytes)", ["limit"], registry=self.registry)
         for limit in ("message_bytes", "header_bytes", "namespaces", "leased_bytes"):
             self.limit_refusals.labels(limit=limit)  # present at 0 from the start
+
+    def observe_l2(self) -> Callable[[str, float], None]:
+        """Register the L2 round-trip histogram; returns what the tier calls per round trip."""
+        latency = Histogram(f"{PREFIX}_l2_request_seconds", "Time of one L2 round trip, by op (exists, get, set, "
+                            "clear)", ["op"], registry=self.registry, buckets=L2_LATENCY_BUCKETS)
+        return lambda op, seconds: latency.labels(op=op).observe(seconds)
+
+    def watch_l2(self, tier: L2Tier) -> None:
+        """Export the tier's figures."""
+        self.registry.register(_L2Collector(tier))
 
     def render(self) -> bytes:
         """Prometheus text exposition."""

@@ -18,74 +18,23 @@ Same-host clients may move payloads through shared memory instead of frames
 from __future__ import annotations
 
 import logging
-import mmap
 import os
 import signal
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import zmq
 
 from cache_server import protocol as p
 from cache_server.auth import AUTH_FIELD, token_matches
+from cache_server.config import ServerConfig
 from cache_server.metrics import ServerMetrics
-from cache_server.shm import DATA_OFFSET, SegmentTable, align_up
+from cache_server.shm import GetRegion, SegmentTable, SizedSpan, owned_copy, put_spans
 from cache_server.store import UNKNOWN_PARENT, Layout, ObjectStore
 
 logger = logging.getLogger("glm_cache_server")
-
-GIB = 1 << 30
-MIB = 1 << 20
-PUT_OBJECTS_BOUND = 16  # maximum-size objects one put may carry by default (--max-message-mb)
-
-
-def default_max_message_bytes(max_object_bytes: int, l1_size_bytes: int,
-                              max_header_bytes: int = p.DEFAULT_MAX_HEADER_BYTES) -> int:
-    """Default ``--max-message-mb``: a header plus :data:`PUT_OBJECTS_BOUND` maximum-size
-    objects, but no more than the budget (a put larger than the store cannot be kept
-    whole), and never less than one maximum-size object."""
-    return max(max_object_bytes, min(PUT_OBJECTS_BOUND * max_object_bytes, l1_size_bytes)) + max_header_bytes
-
-
-@dataclass(frozen=True)
-class ServerConfig:
-    """Everything the CLI sets."""
-
-    host: str = "127.0.0.1"
-    port: int = 5555
-    http_port: int = 8080  # 0 disables HTTP
-    min_chunk_size: int = 256
-    l1_size_bytes: int = 1 * GIB
-    max_object_bytes: int = 256 * MIB
-    separate_object_groups: bool = False
-    lease_ttl_s: float = 60.0
-    eviction_policy: str = "value"  # cache_server.store: "value" (recency and value per byte) or "LRU"
-    l1_state_share: float | None = None  # share of l1_size_bytes for state groups; None: one budget
-    debug_fault_hooks: bool = False  # enables ``debug_corrupt`` (tests of the checksum path)
-    # Shared secret every request must carry; None: no authentication (loopback, or
-    # --insecure-no-auth). Kept out of repr so it never reaches a log line.
-    auth_token: str | None = field(default=None, repr=False)
-    max_message_bytes: int | None = None  # None: default_max_message_bytes(...)
-    max_header_bytes: int = p.DEFAULT_MAX_HEADER_BYTES
-    max_leases_per_client: int = 1024
-    max_leased_fraction: float = 0.5  # of l1_size_bytes that leases may pin
-    max_namespaces: int = 64
-    l2_url: str | None = field(default=None, repr=False)  # --l2: second tier (cache_server.l2); may hold a password
-    shm: bool = True  # --no-shm: offer no shared memory to same-host clients
-    workers: int = 4  # --workers: threads answering requests
-    io_threads: int = 2  # --io-threads: ZMQ I/O threads (socket reads and writes)
-
-    @property
-    def message_limit_bytes(self) -> int:
-        """The effective ``--max-message-mb`` in bytes."""
-        if self.max_message_bytes is not None:
-            return self.max_message_bytes
-        return default_max_message_bytes(self.max_object_bytes, self.l1_size_bytes, self.max_header_bytes)
-
 
 class CacheServer:
     """Serves the protocol of :mod:`cache_server.protocol` on a ZMQ ROUTER socket."""
@@ -270,15 +219,18 @@ class CacheServer:
         """The error for an oversize request, found before parsing anything in it."""
         total = sum(_buffer(f).nbytes for f in frames)
         if total > self.config.message_limit_bytes:
-            self.metrics.limit_refusals.labels(limit="message_bytes").inc()
-            return p.ProtocolError(p.ErrorCode.TOO_LARGE, f"request is {total} bytes; the maximum is "
-                                                          f"{self.config.message_limit_bytes} (--max-message-mb)")
+            return self._message_refusal(total)
         header_bytes = _buffer(frames[0]).nbytes
         if header_bytes > self.config.max_header_bytes:
             self.metrics.limit_refusals.labels(limit="header_bytes").inc()
             return p.ProtocolError(p.ErrorCode.TOO_LARGE, f"header is {header_bytes} bytes; the maximum is "
                                                           f"{self.config.max_header_bytes} (--max-header-kb)")
         return None
+
+    def _message_refusal(self, total: int) -> p.ProtocolError:
+        self.metrics.limit_refusals.labels(limit="message_bytes").inc()
+        return p.ProtocolError(p.ErrorCode.TOO_LARGE, f"request is {total} bytes; the maximum is "
+                                                      f"{self.config.message_limit_bytes} (--max-message-mb)")
 
     def _admit_namespace(self, ns: str) -> tuple[int, int] | None:
         """Enter ``ns`` in the namespace table (or refresh it) and return its negotiation.
@@ -371,33 +323,11 @@ class CacheServer:
                                                                   replicated)
         return reply, []
 
-    def _shm_segment(self, spec: Any) -> np.ndarray:
-        """The mapped bytes of the segment a request names (``shm_unknown`` if none)."""
-        if not isinstance(spec, dict):
-            raise p.ProtocolError(p.ErrorCode.BAD_REQUEST, "shm must be a map")
-        seg = p.int_field(spec, "seg", minimum=1)
-        mapped = self.segments.use(seg)
-        view = mapped.view if mapped is not None else None
-        if view is None:
-            raise p.ProtocolError(p.ErrorCode.SHM_UNKNOWN, "unknown shared-memory segment; attach a new one")
-        return view
-
-    @staticmethod
-    def _shm_span(view: np.ndarray, off: Any, n: Any, what: str) -> tuple[int, int]:
-        if not all(isinstance(x, int) and not isinstance(x, bool) for x in (off, n)) or off < DATA_OFFSET \
-                or n < 0 or off + n > view.nbytes:
-            raise p.ProtocolError(p.ErrorCode.BAD_REQUEST,
-                                  f"{what} must lie within the segment, at or after byte {DATA_OFFSET}")
-        return off, n
-
     def _get(self, h: dict[str, Any], _: list[memoryview]) -> tuple[dict[str, Any], list[Any]]:
         ns = p.field(h, "ns", str)
         keys = p.key_list(h)
-        view, cursor, end = None, 0, 0
-        if "shm" in h:  # copy what fits into the client's region; the rest goes as frames
-            view = self._shm_segment(h["shm"])
-            cursor, length = self._shm_span(view, h["shm"].get("off"), h["shm"].get("len"), "the get region")
-            end = cursor + length
+        # Copy what fits into the client's region; the rest goes as frames.
+        region = GetRegion(self.segments, h["shm"]) if "shm" in h else None
         found, sums, payloads, places = [], [], [], []
         for digest, group, rank in keys:
             hit = self.store.get_with_checksum((ns, digest, group, rank))  # the store's lock ends here
@@ -405,19 +335,14 @@ class CacheServer:
             if hit is None:
                 continue
             sums.append(hit[1])
-            n = memoryview(hit[0]).nbytes
-            if view is not None and cursor + n <= end:
-                if n:  # numpy copies without the GIL
-                    np.copyto(view[cursor:cursor + n], np.frombuffer(hit[0], dtype=np.uint8))
-                places.append([cursor, n])
-                cursor = align_up(cursor + n)
-            else:
-                places.append(None)
+            place = None if region is None else region.place(hit[0])
+            places.append(place)
+            if place is None:
                 payloads.append(hit[0])
         reply: dict[str, Any] = {"found": found, "sums": sums}
-        if view is not None:
+        if region is not None:
             reply["shm"] = places
-            self.segments.count(get_bytes=sum(x[1] for x in places if x is not None))
+            self.segments.count(get_bytes=region.copied)
         return reply, payloads
 
     def _put(self, h: dict[str, Any], frames: list[memoryview]) -> tuple[dict[str, Any], list[Any]]:
@@ -427,22 +352,12 @@ class CacheServer:
         if "shm" in h:  # payloads lie in the client's segment, not in frames
             if frames:
                 raise p.ProtocolError(p.ErrorCode.BAD_REQUEST, "a put through shared memory carries no payload frames")
-            view = self._shm_segment(h["shm"])
-            # Offset then length per key, little-endian uint64s in one bin: arrays of small
-            # integers would spend an element every few header bytes, which the header bound
-            # (protocol.unpack_header) refuses for a put of more than a few dozen objects.
-            at = h["shm"].get("at")
-            if not isinstance(at, bytes) or len(at) != 16 * len(keys):
-                raise p.ProtocolError(p.ErrorCode.BAD_REQUEST,
-                                      "shm.at must be 16 bytes per key: offset and length, uint64 little-endian")
-            pairs = np.frombuffer(at, dtype="<u8").reshape(-1, 2).tolist()
-            spans = [self._shm_span(view, off, n, f"shm.at[{i}]") for i, (off, n) in enumerate(pairs)]
+            view = self.segments.request_view(h["shm"])
+            spans = put_spans(view, h["shm"].get("at"), len(keys))
             total = sum(n for _, n in spans)
             if total > self.config.message_limit_bytes:  # the same bound on what one put makes us copy
-                self.metrics.limit_refusals.labels(limit="message_bytes").inc()
-                raise p.ProtocolError(p.ErrorCode.TOO_LARGE, f"request is {total} bytes; the maximum is "
-                                                             f"{self.config.message_limit_bytes} (--max-message-mb)")
-            frames = [_SizedSpan(n) for _, n in spans]  # sizes only, for the checks below
+                raise self._message_refusal(total)
+            frames = [SizedSpan(n) for _, n in spans]  # sizes only, for the checks below
         if len(keys) != len(frames):
             raise p.ProtocolError(p.ErrorCode.BAD_REQUEST,
                                   f"put has {len(keys)} keys but {len(frames)} payload frames")
@@ -466,7 +381,7 @@ class CacheServer:
                                   f"parent must list one {p.HASH_BYTES}-byte hash, nil or empty bytes per key")
         self._admit_namespace(ns)
         if spans is not None:  # the store keeps its own copy: the client reuses its segment
-            frames = [_owned_copy(view[off:off + n]) for off, n in spans]
+            frames = [owned_copy(view[off:off + n]) for off, n in spans]
             self.segments.count(put_bytes=sum(n for _, n in spans))
         results = [self.store.put((ns, *key), frame, prev, s, parent).value
                    for key, frame, prev, s, parent in zip(keys, frames, prevs, sums, parents)]
@@ -587,46 +502,11 @@ def _make_l2(config: ServerConfig, metrics: ServerMetrics) -> Any:
     """The L2 tier of ``--l2`` with its metrics, or None."""
     if config.l2_url is None:
         return None
-    from prometheus_client import Histogram
+    from cache_server.l2 import L2Config, L2Tier
 
-    from cache_server.l2 import L2Collector, L2Config, L2Tier
-
-    latency = Histogram("glm_cache_l2_request_seconds", "Time of one L2 round trip, by op (exists, get, set, "
-                        "clear)", ["op"], registry=metrics.registry, buckets=L2Tier.LATENCY_BUCKETS)
-    tier = L2Tier(L2Config.from_url(config.l2_url, allow_debug=config.debug_fault_hooks),
-                  observe=lambda op, seconds: latency.labels(op=op).observe(seconds))
-    metrics.registry.register(L2Collector(tier, "glm_cache"))
+    tier = L2Tier(L2Config.from_url(config.l2_url, allow_debug=config.debug_fault_hooks), observe=metrics.observe_l2())
+    metrics.watch_l2(tier)
     return tier
-
-
-_POPULATED = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
-OWN_MAPPING_BYTES = 1 << 20
-
-
-def _owned_copy(src: np.ndarray) -> memoryview:
-    """The store's own copy of a payload a client left in shared memory.
-
-    A large one gets its own pre-faulted anonymous mapping (freed with the object). Not
-    ``np.empty``: numpy asks for transparent huge pages on large arrays, and once the
-    kernel has no free huge pages each allocation waits on memory compaction: measured
-    here, 4 ms per 40 MB copy while they last, then 120-870 ms, against 15-25 ms for a
-    pre-faulted mapping (MAP_POPULATE faults every page in one call). libc would give a
-    mapping of its own too, past the server's mmap threshold (``cli``)."""
-    n = src.nbytes
-    if n < OWN_MAPPING_BYTES:
-        return memoryview(src.tobytes())
-    buf = mmap.mmap(-1, n, flags=_POPULATED)
-    np.copyto(np.frombuffer(buf, dtype=np.uint8), src)  # without the GIL
-    return memoryview(buf)
-
-
-class _SizedSpan:
-    """Stands for a payload in shared memory where only its size is checked."""
-
-    __slots__ = ("nbytes",)
-
-    def __init__(self, nbytes: int) -> None:
-        self.nbytes = nbytes
 
 
 def _buffer(frame: Any) -> memoryview:

@@ -13,7 +13,8 @@ import pytest
 from redis.cluster import ClusterNode, RedisCluster
 
 from cache_server import protocol as p
-from cache_server.l2 import HEADER_BYTES, L2Config, L2ConfigError, decode_value, encode_value, namespace_tag
+from cache_server.l2 import L2Config, L2ConfigError
+from cache_server.l2_values import HEADER_BYTES, decode_value, encode_value, namespace_tag
 from testing.server_process import ServerProcess
 from cache_server.store import UNKNOWN_PARENT
 from cache_server.client import CacheClient
@@ -129,7 +130,8 @@ def test_promoted_prefix_is_resumable_at_once_and_values_without_a_parent_still_
     that, promoted with the current one."""
     from blake3 import blake3
 
-    from cache_server.l2 import MAGIC_V1, L2Tier, _key_digest
+    from cache_server.l2 import L2Tier
+    from cache_server.l2_values import MAGIC_V1, key_digest
 
     hashes = _hashes(4, seed=20)
     items = _objects(hashes)
@@ -156,7 +158,7 @@ def test_promoted_prefix_is_resumable_at_once_and_values_without_a_parent_still_
         for h, g, rank, payload in _objects(old):
             key = (NS, h, g, rank)
             v2_sum = blake3(payload).digest(length=p.CHECKSUM_BYTES)
-            r.set(tier.redis_key(key), b"".join((MAGIC_V1, _key_digest(key), v2_sum,
+            r.set(tier.redis_key(key), b"".join((MAGIC_V1, key_digest(key), v2_sum,
                                                  b"\0" + bytes(p.HASH_BYTES), payload)))
         tier.close()
         assert cb.lookup(NS, old, [ATTN], [STATE], lease=False)[0] == 3

@@ -178,7 +178,7 @@ def test_status_reports_the_limits(client):
 
 
 def test_default_max_message_is_sixteen_objects_capped_by_the_budget_plus_the_header():
-    from cache_server.server import default_max_message_bytes
+    from cache_server.config import default_max_message_bytes
 
     assert default_max_message_bytes(256 * MIB, 1 << 30, MIB) == (1 << 30) + MIB  # the CLI defaults
     assert default_max_message_bytes(256 * MIB, 100 << 30, MIB) == 16 * 256 * MIB + MIB
