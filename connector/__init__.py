@@ -1,4 +1,4 @@
-"""vLLM KV-transfer connector for glm-cache-server and the server's client.
+"""vLLM KV-transfer connector for glm-cache-server.
 
 ``GlmCacheConnector`` is resolved lazily: vLLM's factory does
 ``getattr(import_module("connector"), "GlmCacheConnector")``, while users of the light

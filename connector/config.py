@@ -101,15 +101,16 @@ class Settings:
     url: str = setting("server", "tcp://127.0.0.1:5555", _text, "ZMQ URL of glm-cache-server")
     timeout_s: float = setting(
         "timeout_s", 2.0, _real,
-        "per-request timeout (s), and the floor of a transfer batch's deadline")
+        "per-request timeout in seconds (no engine step waits on the server longer), and the floor of a batch's deadline")
     retry_after_s: float = setting(
         "retry_after_s", 5.0, _real,
-        "after the server failed, serve cold this long (s) before trying it again")
+        "after the server failed, serve cold this many seconds before trying it again")
     save_decode: bool = setting("save_decode", False, flag, "also save whole chunks of generated tokens")
     strict_prefix: bool = setting(
         "strict_prefix", True, flag,
-        "diagnosis only: false lets a hit cover the whole prompt, so the last token reaches "
-        "the KDA state twice; such an engine loads but never saves. No per-request switch")
+        "operator policy, diagnostic only: false lets a hit cover the whole prompt, which applies the "
+        "prompt's last token to the KDA state twice. Such an engine loads but never saves. There is no "
+        "per-request switch")
     max_pending_save_bytes: int = setting(
         "max_pending_save_bytes", 1 << 30, _integer,
         "saves beyond this many queued bytes are not copied; they are reported dropped and saved again later")
@@ -118,25 +119,27 @@ class Settings:
     # needs and a stalled server still fails within a bounded time.
     batch_bytes: int = setting(
         "batch_bytes", 16 << 20, positive(int),
-        "loads and saves move in batches of about this many bytes, the network overlapping the page copies")
+        "loads and saves move in batches of about this many bytes, network overlapping the page copies")
     min_rate_mb_s: float = setting(
         "min_rate_mb_s", 100.0, positive(float),
-        "a batch's deadline is timeout_s plus its bytes at this rate (MB/s)")
+        "each batch's deadline is `timeout_s` plus its bytes at this rate (MB/s): big transfers get the time their size needs")
     shm: bool = setting(
         "shm", True, flag,
         "payloads through shared memory when glm-cache-server runs on this host (negotiated; TCP otherwise)")
     chunk_keys: str = setting(
         "chunk_keys", "auto", choice(CHUNK_KEY_SCHEMES),
-        "where chunk keys come from: vllm (vLLM's block hashes at chunk ends), lmcache (blake3 "
-        "chain over token ids), auto (vllm where the engine's block hashes can be shared keys)")
+        "where chunk keys come from: `vllm` (vLLM's own block hashes at chunk ends), `lmcache` (a blake3 "
+        "chain over token ids), or `auto` (`vllm` where the engine's block hashes can be shared keys, "
+        "else `lmcache`)")
     auth_token_file: str | None = setting(
         "auth_token_file", None, _optional_path,
-        "file holding the server's shared secret (its --auth-token-file), read once at start-up; "
-        "an unusable file or a refused token means no external cache (logged)")
+        "file holding the server's `--auth-token-file` token, read once at start-up; an unusable file, "
+        "or a token the server refuses, means no external cache (logged), never a request without it")
     transfer_cpus: str | tuple[int, ...] = setting(
         "transfer_cpus", "auto", cpu_setting,
-        "CPU engines: where the worker's transfer threads run: auto (the engine's CPUs the model "
-        "is not pinned to, with one worker per host), off, or CPU ids such as \"6,7\"")
+        "CPU engines: where the worker's transfer threads run: `auto` (the engine's CPUs the model is "
+        "not pinned to, i.e. the cores vLLM reserves; with one worker per host), `off`, or CPU ids "
+        "such as `\"6,7\"`")
     # Read from auth_token_file by from_config.
     auth_token: str | None = None
     auth_broken: bool = False  # the token file was unusable: no external cache at all
@@ -176,13 +179,14 @@ def settings_table() -> str:
         if value is None:
             return "none"
         if isinstance(value, bool):
-            return str(value).lower()
-        if isinstance(value, int) and value >= 1 << 20 and value % (1 << 20) == 0:
-            return f"{value} ({value >> 20} MiB)"
-        return str(value)
+            return f"`{str(value).lower()}`"
+        for unit, shift in (("GiB", 30), ("MiB", 20)):
+            if isinstance(value, int) and value >= 1 << shift and value % (1 << shift) == 0:
+                return f"`{value}` ({value >> shift} {unit})"
+        return f"`{value}`"
 
     rows = ["| setting | default | meaning |", "|---|---|---|"]
-    rows += [f"| `{f.metadata['key']}` | `{shown(f.default)}` | {f.metadata['doc']} |" for f in _declared()]
+    rows += [f"| `{f.metadata['key']}` | {shown(f.default)} | {f.metadata['doc']} |" for f in _declared()]
     return "\n".join(rows) + "\n"
 
 

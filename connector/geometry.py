@@ -135,7 +135,7 @@ def strict_prefix_chunks(num_tokens: int, chunk_size: int) -> int:
     """Whole chunks a request may resume from: at most ``C * floor((N-1)/C)`` tokens.
 
     A hit covering all N tokens would restore the recurrent state after token N-1 while
-    vLLM recomputes that token to get logits, applying it to the state twice (seed 004).
+    vLLM recomputes that token to get logits, applying it to the state twice.
     Resuming one checkpoint earlier recomputes the suffix instead.
     """
     if num_tokens <= 0:

@@ -9,7 +9,7 @@
    whole), one the server holds but this replica has not seen (probe, then the lookup
    thread hashes it and looks it up), and a conversation's next turn (history hashes from
    the memo). Both key schemes (``chunk_keys``): "lmcache", our blake3 chain over the
-   token ids (the default), and "vllm", the block hashes vLLM's engine computes for every
+   token ids, and "vllm" (what the default "auto" picks here), the block hashes vLLM's engine computes for every
    request on arrival (nothing hashed by us). Goal: a whole admission in 2 ms or less.
 2. Generation throughput with the connector on vs off on the same workload: 8 requests
    of 600 prompt tokens + 192 generated, tiny GLM-5.3-Flash checkpoint, vLLM CPU
