@@ -2,7 +2,7 @@
 
 ``GlmCacheConnector`` is resolved lazily: vLLM's factory does
 ``getattr(import_module("connector"), "GlmCacheConnector")``, while users of the light
-parts (``cache_server.client``, ``connector.keys``) must not pay for importing vLLM and torch.
+parts (``connector.keys``) must not pay for importing vLLM and torch.
 """
 
 from typing import Any
