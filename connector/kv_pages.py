@@ -167,7 +167,7 @@ class PagedKVCache:
         accelerator that buffer is pinned, the copies are asynchronous and one sync ends
         them. The view owns its buffer: nothing later overwrites it. Measured at the TP 4
         layouts (``validation/gpu_pages_check.py``): on an H200 40.6-44.1 GB/s, against
-        10-11.6 for the previous gather-then-copy (and 48-52 for one pinned copy of the same
+        10-11.6 for a gather-then-copy (and 48-52 for one pinned copy of the same
         bytes); on this machine's CPU 27-39 GB/s for state objects, against 0.1-10 for
         gather-then-``bytes``."""
         g = self._groups[group_id]

@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="also time these batch sizes (MiB), interleaved with the main one")
     ap.add_argument("--repeat", type=int, default=3, help="reloads to time (median reported)")
     ap.add_argument("--old-path", action="store_true",
-                    help="also time the previous path: one get of every object under timeout_s "
+                    help="also time an unstreamed load: one get of every object under timeout_s "
                          "(holds all payloads at once: needs the bytes again in memory)")
     ap.add_argument("--mem-fraction", type=float, default=0.5,
                     help="use at most this fraction of MemAvailable (default 0.5)")
@@ -290,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"({failed_by_size[mb]} missed deadlines)")
     print(f"reload / memcpy throughput: {memcpy_s / load_s:.2f}x")
     if args.old_path:
-        print("previous path (one get, one 2 s timeout): " + (f"{old:.3f} s" if old is not None else "FAILED (recompute)"))
+        print("unstreamed (one get, one 2 s timeout): " + (f"{old:.3f} s" if old is not None else "FAILED (recompute)"))
     print(json.dumps(out))
     return 0
 
