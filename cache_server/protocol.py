@@ -148,7 +148,7 @@ def checksum(payload: bytes | memoryview) -> bytes:
     before any byte reaches the engine's cache. It is integrity, not authentication:
     whoever may write may also compute it (authentication is the server's token), so a
     fast non-cryptographic hash serves: about 30 GB/s on one core here, against about
-    14 GB/s for blake3 on two (protocol v2), which was most of a same-host 40 MB get
+    14 GB/s for blake3 on two, which would be most of a same-host 40 MB get
     (``validation/bench_server.py``)."""
     return xxhash.xxh3_128_digest(payload)
 
@@ -168,8 +168,8 @@ def unpack_header(frame: bytes | memoryview, max_bytes: int | None = None) -> di
     bytes. Before anything is built, a skipping pass (which allocates nothing) checks the
     frame is one complete msgpack value: msgpack pre-sizes an array by its declared length,
     so a truncated chain of nested arrays would otherwise allocate far more than it sends.
-    The review measured an 8 MiB header of nested containers expand to 516 MiB of Python
-    objects; real headers spend at least a 32-byte hash per array element (hash lists) or
+    Unbounded, an 8 MiB header of nested containers was measured to expand to 516 MiB of
+    Python objects; real headers spend at least a 32-byte hash per array element (hash lists) or
     per array (keys), so they never come near these bounds.
     """
     kwargs: dict[str, Any] = {"max_bin_len": 1 << 20, "max_str_len": 1 << 20, "max_array_len": 1 << 20,

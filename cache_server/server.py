@@ -318,7 +318,7 @@ class CacheServer:
         if lease and chunks and lease_id is None:  # its objects alone are over the leased-bytes cap
             self.metrics.limit_refusals.labels(limit="leased_bytes").inc()
         reply: dict[str, Any] = {"chunks": chunks, "lease_id": lease_id}
-        if p.field(h, "held", bool, default=False):  # asked for: older clients never see it
+        if p.field(h, "held", bool, default=False):  # only when asked: a client that does not ask never sees it
             reply["held"], reply["start_state"] = self.store.held(ns, hashes, attn, state, world_size, start,
                                                                   replicated)
         return reply, []

@@ -3,8 +3,8 @@
 An object is addressed by ``(namespace, chunk hash, group, rank)`` (:mod:`cache_server.layout`
 says which objects a prefix needs). The store does not know which group is which: a lookup
 says, or an engine's declared layout does (:meth:`ObjectStore.set_layout`), which turns on
-the namespace's chunk tree (:mod:`cache_server.chunk_tree`: usable-prefix figures, and what
-nothing can resume through any more).
+the namespace's chunk tree (:mod:`cache_server.chunk_tree`: which stored prefixes a lookup
+can still resume).
 
 Nothing is dropped before it must be: a put evicts whole unleased objects only when the
 budget is full, in the order of :mod:`cache_server.eviction` (worthless, then superseded
@@ -366,7 +366,8 @@ class ObjectStore:
         if not attn_groups and not state_groups:
             raise ValueError("a lookup needs at least one group")
         replicated = frozenset(replicated_groups)
-        attn, state = group_ranks(attn_groups, world_size, replicated), group_ranks(state_groups, world_size, replicated)
+        attn = group_ranks(attn_groups, world_size, replicated)
+        state = group_ranks(state_groups, world_size, replicated)
         with self._lock:
             self._leases.expire()
             self.counters.lookups += 1
@@ -403,7 +404,8 @@ class ObjectStore:
         objects are present at chunk ``start_chunk - 1`` (False for ``start_chunk`` 0).
         Touches nothing (no LRU update, no counters)."""
         replicated = frozenset(replicated_groups)
-        attn, state = group_ranks(attn_groups, world_size, replicated), group_ranks(state_groups, world_size, replicated)
+        attn = group_ranks(attn_groups, world_size, replicated)
+        state = group_ranks(state_groups, world_size, replicated)
         with self._lock:
             depth = attention_depth(0, len(hashes), lambda i: self._holds_locked(namespace, hashes[i], attn))
             at_start = 0 < start_chunk <= len(hashes) and bool(state) and \

@@ -30,5 +30,6 @@ def test_flags_table_has_one_row_per_option_with_defaults_expanded():
         assert sum(bool(re.match(rf"\| `{re.escape(option)}[ `]", row)) for row in rows) == 1, option
     assert "--help" not in table and "%(" not in table
     chunk_row = next(row for row in rows if row.startswith("| `--chunk-size N` |"))
-    assert f"| `{ServerConfig.min_chunk_size}` |" in chunk_row and f"(default {ServerConfig.min_chunk_size})" in chunk_row
+    default = ServerConfig.min_chunk_size
+    assert f"| `{default}` |" in chunk_row and f"(default {default})" in chunk_row
     assert flags_table() == table  # deterministic: the docs compare against it
