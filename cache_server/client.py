@@ -41,6 +41,16 @@ class CacheServerUnavailable(ConnectionError):
     """No reply within the timeout: the server is absent, dead or overloaded."""
 
 
+# What a client call raises when the server cannot serve it: an error reply, no reply in
+# time, or a socket error. Callers that serve without the cache on failure catch these.
+CLIENT_ERRORS = (CacheServerUnavailable, CacheServerError, OSError)
+
+
+def unauthorized(err: BaseException) -> bool:
+    """True for the server's refusal of our token."""
+    return isinstance(err, CacheServerError) and err.code == p.ErrorCode.UNAUTHORIZED.value
+
+
 class CacheClient:
     """One DEALER connection to a glm-cache-server; thread-safe (requests are serialised).
 

@@ -14,18 +14,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
 
-from cache_server.client import CacheClient, CacheServerError, CacheServerUnavailable
-from cache_server.protocol import ErrorCode
+from cache_server.client import CLIENT_ERRORS, CacheClient, unauthorized
 from connector.config import Settings, logger
 from connector.geometry import Geometry, GeometryError
 from connector.keys import extend_chunk_hashes
-
-CLIENT_ERRORS = (CacheServerUnavailable, CacheServerError, OSError)
-
-
-def unauthorized(err: BaseException) -> bool:
-    return isinstance(err, CacheServerError) and err.code == ErrorCode.UNAUTHORIZED.value
-
 
 @dataclass
 class LookupAnswer:

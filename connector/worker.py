@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
-from cache_server.client import CacheClient, CacheServerUnavailable
+from cache_server.client import CLIENT_ERRORS, CacheClient, CacheServerUnavailable, unauthorized
 from connector.config import Settings, logger
 from connector.metadata import (
     SAVE_DROPPED,
@@ -32,7 +32,6 @@ from connector.metadata import (
     ObjectMove,
     SaveFailure,
 )
-from connector.remote import CLIENT_ERRORS, unauthorized
 from connector.geometry import Geometry
 
 if TYPE_CHECKING:

@@ -4,7 +4,8 @@ import msgpack
 import pytest
 
 from cache_server import protocol as p
-from cache_server.server import CacheServer, ServerConfig
+from cache_server.config import ServerConfig
+from cache_server.server import CacheServer
 
 
 @pytest.mark.parametrize("minimum,alignment,chunk", [(256, 1152, 1152), (256, 16, 256), (256, 100, 300), (256, 96, 288),
