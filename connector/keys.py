@@ -320,6 +320,7 @@ def engine_fingerprint(
     geometry: Geometry,
     row_format: str | None = None,
     chunk_keys: dict[str, Any] | None = None,
+    identity: dict[str, Any] | None = None,
 ) -> str:
     """Namespace for this engine's cache entries: bytes are only valid for an engine with
     the same model, dtypes, cache group geometry, block sizes, parallel layout and cache
@@ -327,7 +328,9 @@ def engine_fingerprint(
     the digest, for models that declare none). The chunk size is left out: it is
     negotiated per namespace, and keys already depend on it. ``chunk_keys`` describes a
     key scheme other than the default token chain (:attr:`KeyScheme.identity`); None
-    leaves the digest as the token chain's."""
+    leaves the digest as the token chain's. ``identity`` is what else the bytes depend on:
+    the weights, the model config, vLLM's version and the device family
+    (:func:`connector.identity.engine_identity`)."""
     model_config = vllm_config.model_config
     parallel = vllm_config.parallel_config
     cache_config = vllm_config.cache_config
@@ -357,6 +360,8 @@ def engine_fingerprint(
         desc["cache_row_format"] = row_format
     if chunk_keys is not None:
         desc["chunk_keys"] = chunk_keys
+    if identity is not None:
+        desc["identity"] = identity
     digest = hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).hexdigest()[:16]
     name = str(model_config.served_model_name or model_config.model).rstrip("/")
     return f"{name.split('/')[-1]}-{digest}"

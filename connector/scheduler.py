@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from connector.config import SchedulerBlockAligner, Settings, logger, require_recompute_on_load_failure
 from connector.geometry import Geometry, strict_prefix_chunks
+from connector.identity import UnnamedWeights, engine_identity
 from connector.keys import (
     ChunkKeys,
     choose_key_scheme,
@@ -79,9 +80,14 @@ class SchedulerSide:
         scheme = choose_key_scheme(settings.chunk_keys, vllm_config, kv_cache_config,
                                    geometry.scheduler_block_size, logger)
         self.keys = ChunkKeys(scheme, span)
-        # the model's cache-row format and the key scheme join the namespace
+        try:
+            identity = engine_identity(vllm_config.model_config)
+        except UnnamedWeights as e:  # what identity cannot name is not cached
+            logger.error("GlmCacheConnector: %s; serving without the external cache", e)
+            identity = None
+        # the model's cache-row format, the key scheme, the weights and the engine join the namespace
         self._fingerprint = engine_fingerprint(vllm_config, kv_cache_config, geometry, row_format,
-                                               chunk_keys=scheme.identity)
+                                               chunk_keys=scheme.identity, identity=identity)
         self.namespace = ""  # set by each handshake; "" while none succeeded
         self._logged_geometry: Geometry | None = None
         self._requests = Requests()
@@ -97,7 +103,8 @@ class SchedulerSide:
                 "GlmCacheConnector: strict_prefix=false (diagnosis only): full-prompt hits apply the last "
                 "token to the KDA state twice and outputs drift; this engine loads but never saves"
             )
-        self.remote = RemoteCache(settings, settings.auth_broken or refused_layout is not None, world_size,
+        disabled = settings.auth_broken or refused_layout is not None or identity is None
+        self.remote = RemoteCache(settings, disabled, world_size,
                                   lambda: self._geometry, lambda: self._fingerprint, self._apply_hello)
         self.remote.connect()
 

@@ -3,9 +3,26 @@ configs (the shapes vLLM hands the connector), real ``vllm.v1.request.Request`` 
 
 from __future__ import annotations
 
+import atexit
+import shutil
+import tempfile
+from functools import cache
+from pathlib import Path
 from types import SimpleNamespace
 
 import torch
+
+
+@cache
+def weights_dir() -> Path:
+    """A model directory with one small safetensors file (the connector names the weights
+    by their content), removed when the process exits."""
+    from safetensors.torch import save_file
+
+    path = Path(tempfile.mkdtemp(prefix="glm-sched-weights-"))
+    atexit.register(shutil.rmtree, path, True)
+    save_file({"w": torch.arange(64, dtype=torch.float32)}, str(path / "model.safetensors"))
+    return path
 
 
 def scheduler_side(url: str, *, block: int = 256, tp: int = 1, timeout_s: float = 1.0,
@@ -37,8 +54,8 @@ def scheduler_side(url: str, *, block: int = 256, tp: int = 1, timeout_s: float 
                                      prefix_caching_hash_algo=hash_algo),
         parallel_config=SimpleNamespace(decode_context_parallel_size=1, tensor_parallel_size=tp,
                                         pipeline_parallel_size=1),
-        model_config=SimpleNamespace(model="/ckpt/tiny-sched", revision=None, dtype=torch.float32,
-                                     served_model_name=None),
+        model_config=SimpleNamespace(model=str(weights_dir()), revision=None, dtype=torch.float32,
+                                     served_model_name="tiny-sched"),
         scheduler_config=SimpleNamespace(max_num_batched_tokens=block),
         kv_transfer_config=SimpleNamespace(kv_load_failure_policy="recompute"),
     )
