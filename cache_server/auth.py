@@ -16,36 +16,42 @@ from pathlib import Path
 
 AUTH_FIELD = "auth"  # request header field carrying the token
 MIN_TOKEN_CHARS = 16  # a shorter secret is guessable by a client that may retry freely
+# The L2 secret can be attacked offline (guesses checked against values read from the store,
+# no server involved), so it must be longer.
+MIN_L2_SECRET_CHARS = 32
 
 
 class TokenFileError(ValueError):
     """A token file that cannot be used; the message says why and what to do."""
 
 
-def read_token_file(path: str | os.PathLike[str]) -> str:
-    """The token held in ``path``, surrounding whitespace stripped.
+def read_token_file(path: str | os.PathLike[str], what: str = "auth token",
+                    min_chars: int = MIN_TOKEN_CHARS) -> str:
+    """The token held in ``path``, surrounding whitespace stripped (``what`` names it in
+    errors: the L2 secret is read the same way, with ``min_chars`` :data:`MIN_L2_SECRET_CHARS`).
 
     Refuses (``TokenFileError``) a missing or unreadable file, an empty one, a token shorter
-    than :data:`MIN_TOKEN_CHARS` and one with characters an HTTP header cannot carry, so a
-    typo fails at start-up instead of as a stream of ``unauthorized`` replies.
+    than ``min_chars`` and one with characters an HTTP header cannot carry, so a typo fails
+    at start-up instead of as a stream of ``unauthorized`` replies. No message shows the
+    file's content.
     """
     p = Path(path)
     try:
         raw = p.read_bytes()
     except OSError as e:
-        raise TokenFileError(f"cannot read auth token file {str(p)!r}: {e.strerror or e}") from None
+        raise TokenFileError(f"cannot read {what} file {str(p)!r}: {e.strerror or e}") from None
     try:
         token = raw.decode("ascii").strip()
     except UnicodeDecodeError:
-        raise TokenFileError(f"auth token file {str(p)!r} must hold printable ASCII") from None
+        raise TokenFileError(f"{what} file {str(p)!r} must hold printable ASCII") from None
     if not token:
-        raise TokenFileError(f"auth token file {str(p)!r} is empty")
+        raise TokenFileError(f"{what} file {str(p)!r} is empty")
     if any(not 0x21 <= ord(c) <= 0x7E for c in token):
-        raise TokenFileError(f"auth token in {str(p)!r} must be one word of printable ASCII "
+        raise TokenFileError(f"{what} in {str(p)!r} must be one word of printable ASCII "
                              "(no spaces, no control characters)")
-    if len(token) < MIN_TOKEN_CHARS:
-        raise TokenFileError(f"auth token in {str(p)!r} has {len(token)} characters; use at least "
-                             f"{MIN_TOKEN_CHARS}, e.g. python -c 'import secrets; print(secrets.token_urlsafe(32))'")
+    if len(token) < min_chars:
+        raise TokenFileError(f"{what} in {str(p)!r} has {len(token)} characters; use at least "
+                             f"{min_chars}, e.g. python -c 'import secrets; print(secrets.token_urlsafe(32))'")
     return token
 
 

@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import zmq
 
-from cache_server.auth import TokenFileError, is_loopback, read_token_file, world_readable
+from cache_server.auth import MIN_L2_SECRET_CHARS, TokenFileError, is_loopback, read_token_file, world_readable
 from cache_server.http import start_http
 from cache_server.config import GIB, MIB, PUT_OBJECTS_BOUND, ServerConfig
 from cache_server.server import CacheServer
@@ -105,7 +105,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="second tier on a Redis/Valkey store shared by many servers: redis://host:port or "
                          "redis+cluster://host:port,host:port,... (query: timeout_s, retry_after_s, queue_mb, "
                          "prefix, ttl_s); every stored object is written through asynchronously, a lookup "
-                         "promotes what L2 adds (default: none)")
+                         "promotes what L2 adds; needs --l2-secret-file (default: none)")
+    ap.add_argument("--l2-secret-file", metavar="PATH", default=None,
+                    help=f"file holding the secret (one word, at least {MIN_L2_SECRET_CHARS} characters) that "
+                         "authenticates every L2 value (keyed blake3 over key, metadata and payload), so a value "
+                         "written into the store by anyone else is refused; every server sharing the store needs "
+                         "the same one, no client ever does (required with --l2)")
     ap.add_argument("--no-shm", action="store_false", dest="shm", default=d.shm,
                     help="offer no shared memory to clients on this host: every payload travels over the "
                          "socket (default: same-host clients that offer a /dev/shm segment at hello move "
@@ -120,8 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def config_from_args(args: argparse.Namespace, auth_token: str | None = None) -> ServerConfig:
-    """The :class:`ServerConfig` a parsed command line asks for."""
+def config_from_args(args: argparse.Namespace, auth_token: str | None = None,
+                     l2_secret: bytes | None = None) -> ServerConfig:
+    """The :class:`ServerConfig` a parsed command line asks for (the secrets read from their files)."""
     l1_size_bytes = int(args.l1_size_gb * GIB)
     return ServerConfig(
         host=args.host, port=args.port, http_port=args.http_port, min_chunk_size=args.chunk_size,
@@ -135,6 +141,7 @@ def config_from_args(args: argparse.Namespace, auth_token: str | None = None) ->
         max_message_bytes=int(args.max_message_mb * MIB) if args.max_message_mb is not None else None,
         max_header_bytes=args.max_header_kb << 10, max_leases_per_client=args.max_leases_per_client,
         max_leased_fraction=args.max_leased_fraction, max_namespaces=args.max_namespaces, l2_url=args.l2,
+        l2_secret=l2_secret,
         shm=args.shm, workers=args.workers, io_threads=args.io_threads)
 
 
@@ -193,7 +200,21 @@ def main(argv: list[str] | None = None) -> int:
     elif not is_loopback(args.host) and not args.insecure_no_auth:
         ap.error(f"--host {args.host} is reachable beyond this machine: pass --auth-token-file PATH "
                  "(or, on a network you trust completely, --insecure-no-auth)")
-    config = config_from_args(args, auth_token)
+    l2_secret = None
+    if args.l2 is None and args.l2_secret_file is not None:
+        ap.error("--l2-secret-file is given without --l2")
+    if args.l2 is not None:
+        if args.l2_secret_file is None:
+            ap.error("--l2 needs --l2-secret-file PATH: the secret every server sharing the store holds, which "
+                     "authenticates each L2 value (e.g. python -c 'import secrets; print(secrets.token_urlsafe(48))'"
+                     " > PATH; chmod 600 PATH)")
+        try:
+            l2_secret = read_token_file(args.l2_secret_file, "L2 secret", MIN_L2_SECRET_CHARS).encode()
+        except TokenFileError as e:
+            ap.error(str(e))
+        if world_readable(args.l2_secret_file):
+            logger.warning("L2 secret file %s is readable by every local user; chmod 600 it", args.l2_secret_file)
+    config = config_from_args(args, auth_token, l2_secret)
     if config.max_object_bytes > config.l1_size_bytes:
         ap.error(f"--max-object-size-mb ({args.max_object_size_mb}) exceeds --l1-size-gb ({args.l1_size_gb} GiB)")
     if config.message_limit_bytes < config.max_object_bytes:
@@ -203,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         from cache_server.l2 import L2Config, L2ConfigError
 
         try:
-            L2Config.from_url(config.l2_url, allow_debug=config.debug_fault_hooks)
+            L2Config.from_url(config.l2_url, allow_debug=config.debug_fault_hooks, secret=l2_secret)
         except L2ConfigError as e:
             ap.error(str(e))
     try:

@@ -340,8 +340,9 @@ class CacheClient:
         tree. Payloads must not change until this returns. ``timeout_s`` overrides
         :attr:`timeout_s` for this call."""
         payloads = [_bytes_view(item[3]) for item in items]
-        header: dict[str, Any] = {"op": "put", "ns": namespace, "keys": [[h, g, r] for h, g, r, _ in items],
-                                  "sums": [p.checksum(v) for v in payloads]}
+        keys = [(h, g, r) for h, g, r, _ in items]
+        header: dict[str, Any] = {"op": "put", "ns": namespace, "keys": [list(k) for k in keys],
+                                  "sums": [p.checksum(v, namespace, k) for k, v in zip(keys, payloads)]}
         if prev is not None:
             header["prev"] = list(prev)
         if parent is not None:
@@ -375,8 +376,9 @@ class CacheClient:
             timeout_s: float | None = None) -> list[memoryview | None]:
         """Payloads of ``(hash, group, rank)`` keys, None where absent.
 
-        Every payload is checked against the checksum its writer stored with it; one that
-        does not match is deleted on the server (``delete`` with reason ``checksum``, counted
+        Every payload is checked against the checksum its writer stored with it, which
+        covers the key it was stored for (:func:`~cache_server.protocol.checksum`); one that
+        does not match (flipped bits, or another key's object) is deleted on the server (``delete`` with reason ``checksum``, counted
         there) and answered as absent, so no corrupt byte ever reaches the caller.
         ``timeout_s`` overrides :attr:`timeout_s` for this call."""
         header = {"op": "get", "ns": namespace, "keys": [list(k) for k in keys]}
@@ -418,7 +420,7 @@ class CacheClient:
                 out.append(None)
                 continue
             frame, stored = next(it)
-            if stored != p.checksum(frame):
+            if stored != p.checksum(frame, namespace, (key[0], key[1], key[2])):
                 corrupt.append(tuple(key))
                 out.append(None)
             else:

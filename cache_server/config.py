@@ -45,6 +45,8 @@ class ServerConfig:
     max_leased_fraction: float = 0.5  # of l1_size_bytes that leases may pin
     max_namespaces: int = 64
     l2_url: str | None = field(default=None, repr=False)  # --l2: second tier (cache_server.l2); may hold a password
+    # --l2-secret-file: keys the MAC of every L2 value; the servers sharing a store share it
+    l2_secret: bytes | None = field(default=None, repr=False)
     shm: bool = True  # --no-shm: offer no shared memory to same-host clients
     workers: int = 4  # --workers: threads answering requests
     io_threads: int = 2  # --io-threads: ZMQ I/O threads (socket reads and writes)

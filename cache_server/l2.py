@@ -17,14 +17,20 @@ Semantics, and why:
   lookup from L1 (with the usual lease). Bytes never go from L2 to a client directly.
 * **Bounded stall.** The L2 calls of a lookup run on one reader thread; the request loop
   waits for them at most ``timeout_s`` (default 1 s; keep it below the connector's
-  ``timeout_s``, 2 s by default). Past that the lookup is answered from what L1 holds
+  ``timeout_s``, 2 s by default). A lookup that L1 answers in full never touches L2 nor
+  waits for another lookup's promotion; one that needs L2 while another promotes waits for
+  it at most ``timeout_s``, then answers from L1 (counted ``skipped``). Past that the lookup is answered from what L1 holds
   then (objects already verified are kept, so the next lookup fetches only the rest). While
   the reader is still busy with an abandoned promotion, lookups skip L2. After an L2 error,
   L2 is skipped for ``retry_after_s``. Every L2 error or timeout is a miss, never a stall
   past the timeout, never a wrong byte.
-* **Verification.** An L2 value carries its key's digest and the object's checksum
-  (:mod:`cache_server.l2_values`); promotion verifies both, and a value that fails is
-  counted (``errors{kind=checksum}`` or ``format``), deleted from L2, and treated as absent.
+* **Authentication.** An L2 value carries a MAC (keyed blake3) over its full key, its
+  metadata and its payload under a key derived from ``--l2-secret-file``, which only the
+  servers sharing the store hold (:mod:`cache_server.l2_values`). Promotion verifies it and
+  the object's checksum; a value that fails (forged, replayed from another key, altered,
+  or of an older unauthenticated format) is counted (``errors{kind=auth}``, ``checksum``
+  or ``format``), deleted from L2, and treated as absent. A refusal does not mark L2 down:
+  whoever can write to the store must not be able to switch the tier off with it.
 * **Keys carry the namespace**: ``{prefix}:{ns tag}:{hash hex}:{group}:{rank}``, the tag
   a short digest of the namespace (:func:`~cache_server.l2_values.namespace_tag`). One store serves many
   models and salts without collisions. ``clear`` (of a namespace or all) also deletes the
@@ -55,7 +61,7 @@ from typing import Any
 from urllib.parse import parse_qs, unquote, urlparse
 
 from cache_server import protocol as p
-from cache_server.l2_values import HEADER_BYTES, decode_value, encode_value, namespace_tag
+from cache_server.l2_values import HEADER_BYTES, decode_value, encode_value, mac_key, namespace_tag
 from cache_server.layout import group_ranks, resume_depth
 from cache_server.store import UNKNOWN_PARENT, ObjectStore, StoreKey
 
@@ -69,7 +75,16 @@ Fetched = tuple[StoreKey, memoryview, bytes, bytes | None, bytes | None]  # key,
 
 
 class L2ConfigError(ValueError):
-    """An ``--l2`` URL this server cannot use."""
+    """An ``--l2`` URL this server cannot use (its message never holds the password)."""
+
+
+def redact_url(url: str) -> str:
+    """``url`` with everything before the host list's ``@`` (user and password) replaced by
+    ``***``; where the URL is too malformed to tell, more is hidden, never less."""
+    scheme, sep, rest = url.partition("://")
+    if "@" not in rest:
+        return url if sep else "***" if "@" in url else url
+    return f"{scheme}{sep}***@{rest.rpartition('@')[2]}"
 
 
 @dataclass(frozen=True)
@@ -79,6 +94,7 @@ class L2Config:
     nodes: tuple[tuple[str, int], ...]
     cluster: bool
     password: str | None = field(default=None, repr=False)
+    secret: bytes | None = field(default=None, repr=False)  # --l2-secret-file: keys the MAC of every value
     username: str | None = None
     timeout_s: float = 1.0
     retry_after_s: float = 2.0
@@ -88,39 +104,44 @@ class L2Config:
     debug_promote_delay_s: float = 0.0  # tests only (with --debug-fault-hooks): widen the promotion window
 
     @classmethod
-    def from_url(cls, url: str, *, allow_debug: bool = False) -> L2Config:
-        u = urlparse(url)
+    def from_url(cls, url: str, *, allow_debug: bool = False, secret: bytes | None = None) -> L2Config:
+        """Parse ``--l2 URL``; ``secret`` is the content of ``--l2-secret-file``."""
+        shown = redact_url(url)
+        try:
+            u = urlparse(url)
+        except ValueError as e:  # e.g. an unclosed IPv6 bracket
+            raise L2ConfigError(f"--l2 {shown!r}: {e}") from None
         schemes = {"redis": False, "valkey": False, "redis+cluster": True, "valkey+cluster": True}
         if u.scheme not in schemes:
-            raise L2ConfigError(f"--l2 {url!r}: scheme must be one of {', '.join(schemes)}")
+            raise L2ConfigError(f"--l2 {shown!r}: scheme must be one of {', '.join(schemes)}")
         userinfo, _, hostlist = u.netloc.rpartition("@")
         username, _, password = userinfo.partition(":") if userinfo else ("", "", "")
         nodes = []
         for item in filter(None, hostlist.split(",")):
             host, _, port = item.rpartition(":")
             if not host or not port.isdigit() or not 0 < int(port) < 65536:
-                raise L2ConfigError(f"--l2 {url!r}: {item!r} is not host:port")
+                raise L2ConfigError(f"--l2 {shown!r}: {item!r} is not host:port")
             nodes.append((host.strip("[]"), int(port)))
         if not nodes:
-            raise L2ConfigError(f"--l2 {url!r}: no host:port")
+            raise L2ConfigError(f"--l2 {shown!r}: no host:port")
         if not schemes[u.scheme] and len(nodes) > 1:
-            raise L2ConfigError(f"--l2 {url!r}: several nodes need {u.scheme}+cluster://")
+            raise L2ConfigError(f"--l2 {shown!r}: several nodes need {u.scheme}+cluster://")
         q = {k: v[-1] for k, v in parse_qs(u.query).items()}
         known = {"timeout_s", "retry_after_s", "queue_mb", "prefix", "ttl_s", "debug_promote_delay_s"}
         if set(q) - known:
-            raise L2ConfigError(f"--l2 {url!r}: unknown parameter(s) {sorted(set(q) - known)}; "
+            raise L2ConfigError(f"--l2 {shown!r}: unknown parameter(s) {sorted(set(q) - known)}; "
                                 f"known: {sorted(known)}")
         try:
-            cfg = cls(tuple(nodes), schemes[u.scheme], unquote(password) or None, unquote(username) or None,
+            cfg = cls(tuple(nodes), schemes[u.scheme], unquote(password) or None, secret, unquote(username) or None,
                       timeout_s=float(q.get("timeout_s", 1.0)), retry_after_s=float(q.get("retry_after_s", 2.0)),
                       queue_bytes=int(float(q.get("queue_mb", 512)) * (1 << 20)), prefix=q.get("prefix", "glmkv"),
                       ttl_s=int(q["ttl_s"]) if "ttl_s" in q else None,
                       debug_promote_delay_s=float(q.get("debug_promote_delay_s", 0.0)))
         except ValueError as e:
-            raise L2ConfigError(f"--l2 {url!r}: {e}") from e
+            raise L2ConfigError(f"--l2 {shown!r}: {e}") from e
         if not (0 < cfg.timeout_s <= 60 and cfg.retry_after_s >= 0 and cfg.queue_bytes > 0
                 and (cfg.ttl_s is None or cfg.ttl_s > 0) and cfg.prefix and ":" not in cfg.prefix):
-            raise L2ConfigError(f"--l2 {url!r}: timeout_s in (0, 60], retry_after_s >= 0, queue_mb > 0, "
+            raise L2ConfigError(f"--l2 {shown!r}: timeout_s in (0, 60], retry_after_s >= 0, queue_mb > 0, "
                                 "ttl_s > 0 and a prefix without ':' please")
         if cfg.debug_promote_delay_s and not allow_debug:
             raise L2ConfigError("debug_promote_delay_s needs --debug-fault-hooks")
@@ -131,6 +152,12 @@ class L2Config:
         scheme = "redis+cluster" if self.cluster else "redis"
         auth = f"{self.username or ''}:***@" if self.password else ""
         return f"{scheme}://{auth}" + ",".join(f"{h}:{port}" for h, port in self.nodes)
+
+
+def redis_key(prefix: str, key: StoreKey) -> str:
+    """The store's key of an object: ``{prefix}:{ns tag}:{hash hex}:{group}:{rank}``."""
+    ns, digest, group, rank = key
+    return f"{prefix}:{namespace_tag(ns)}:{digest.hex()}:{group}:{rank}"
 
 
 @dataclass
@@ -155,7 +182,11 @@ class L2Tier:
     (write-through and clears), each with its own client, both bounded by timeouts."""
 
     def __init__(self, config: L2Config, observe: Callable[[str, float], None] | None = None) -> None:
+        if config.secret is None:
+            raise L2ConfigError("the L2 tier needs the servers' shared secret (--l2-secret-file)")
         self.config = config
+        self._mac_key = mac_key(config.secret)
+        self._promoting = threading.Lock()  # one promotion at a time: the reader is one thread
         self.counters = L2Counters()
         self._observe = observe or (lambda op, seconds: None)
         self._lock = threading.Lock()
@@ -167,6 +198,7 @@ class L2Tier:
         self._queue_bytes = 0
         self._queue_cv = threading.Condition(self._lock)
         self._clearing: collections.Counter[str | None] = collections.Counter()  # ns tag (None: all) -> jobs
+        self._refusal_logged: dict[str, float] = {}
         self._closed = False
         self._writing = False  # the writer holds a batch it has taken off the queue
         self._writer = threading.Thread(target=self._write_loop, name="glm-l2-writer", daemon=True)
@@ -194,8 +226,7 @@ class L2Tier:
         return redis.Redis(host=host, port=port, **common)
 
     def redis_key(self, key: StoreKey) -> str:
-        ns, digest, group, rank = key
-        return f"{self.config.prefix}:{namespace_tag(ns)}:{digest.hex()}:{group}:{rank}"
+        return redis_key(self.config.prefix, key)
 
     def _error(self, kind: str, err: BaseException | str) -> None:
         with self._lock:
@@ -204,6 +235,22 @@ class L2Tier:
             self._down_until = time.monotonic() + self.config.retry_after_s
         if first:
             logger.warning("L2 %s error (%s); skipping L2 for %.1fs", kind, err, self.config.retry_after_s)
+
+    def _refuse(self, reason: str, redis_key: str) -> None:
+        """Count a value refused at promotion (``auth``, ``checksum``, ``format``); logged at
+        most once a minute per reason (a planted batch must not flood the log)."""
+        with self._lock:
+            self.counters.errors[reason] += 1
+            now = time.monotonic()
+            first = now - self._refusal_logged.get(reason, -float("inf")) >= 60.0
+            if first:
+                self._refusal_logged[reason] = now
+        if first:
+            logger.warning("L2 value %s refused at promotion (%s); deleted, counted as errors{kind=%s}",
+                           redis_key, {"auth": "its MAC is not this key's: forged, copied from another key, "
+                                               "or written with another --l2-secret-file",
+                                       "checksum": "its payload does not match its checksum",
+                                       "format": "not a value of this format"}.get(reason, reason), reason)
 
     @staticmethod
     def _kind(err: BaseException) -> str:
@@ -304,7 +351,7 @@ class L2Tier:
         pipe = client.pipeline(transaction=False)
         total = 0
         for key, payload, checksum, prev, parent in items:
-            value = encode_value(key, payload, checksum, prev, parent)
+            value = encode_value(key, payload, checksum, prev, parent, key_bytes=self._mac_key)
             total += len(value)
             pipe.set(self.redis_key(key), value, ex=self.config.ttl_s)
         pipe.execute()
@@ -352,7 +399,10 @@ class L2Tier:
                 replicated_groups: Sequence[int]) -> tuple[int, bool]:
         """Make L1 hold the deepest resume point that L1 and L2 hold together, within the
         deadline; called by the request loop before it answers a lookup from L1. Returns the
-        depth L1 alone had and whether L2 was consulted (see :meth:`count_answer`)."""
+        depth L1 alone had and whether L2 was consulted (see :meth:`count_answer`).
+
+        A lookup L1 answers in full returns before any lock of the tier; one that needs L2
+        waits for another lookup's promotion at most ``timeout_s``, then skips L2."""
         replicated = frozenset(replicated_groups)
         attn_ranks = group_ranks(attn_groups, world_size, replicated)
         state_ranks = group_ranks(state_groups, world_size, replicated)
@@ -363,6 +413,19 @@ class L2Tier:
                                 (lambda i: all(k in store for k in state[i])) if state_groups else None)
         if l1_depth == n or n <= start_chunk:
             return l1_depth, False
+        if not self._promoting.acquire(timeout=self.config.timeout_s):
+            with self._lock:
+                self.counters.skipped += 1
+            return l1_depth, False
+        try:
+            return self._promote_locked(store, namespace, attn, state, l1_depth, start_chunk, n, bool(state_groups))
+        finally:
+            self._promoting.release()
+
+    def _promote_locked(self, store: ObjectStore, namespace: str, attn: dict[int, list[StoreKey]],
+                        state: dict[int, list[StoreKey]], l1_depth: int, start_chunk: int, n: int,
+                        with_state: bool) -> tuple[int, bool]:
+        """:meth:`promote` past L1, holding the promotion lock."""
         with self._lock:
             skip = (time.monotonic() < self._down_until or (self._pending is not None and not self._pending.done())
                     or self._clearing[None] or self._clearing[namespace_tag(namespace)])
@@ -373,7 +436,7 @@ class L2Tier:
         absent = [k for i in range(start_chunk, n) for k in (*attn[i], *state[i]) if k not in store]
         results: list[Fetched] = []
         cancel = threading.Event()
-        future = self._reader.submit(self._fetch_prefix, absent, attn, state, start_chunk, n, bool(state_groups),
+        future = self._reader.submit(self._fetch_prefix, absent, attn, state, start_chunk, n, with_state,
                                      store, results, cancel)
         self._pending = future
         deadline_hit = False
@@ -442,9 +505,9 @@ class L2Tier:
                 for k, value in zip(batch, values):
                     if value is None:  # evicted from L2 since EXISTS: the resume point is gone
                         return
-                    decoded = decode_value(k, value)
+                    decoded = decode_value(k, value, key_bytes=self._mac_key)
                     if isinstance(decoded, str):
-                        self._error(decoded, f"object {self.redis_key(k)} refused at promotion")
+                        self._refuse(decoded, self.redis_key(k))
                         client.delete(self.redis_key(k))
                         return
                     with self._lock:

@@ -118,9 +118,10 @@ class _L2Collector(Collector):
         for reason in ("queue_full", "too_large", "down", "error"):
             dropped.add_metric([reason], s["dropped"].get(reason, 0))
         yield dropped
-        errors = CounterMetricFamily(f"{name}_errors", "L2 errors, by kind (timeout, connection, checksum, "
-                                     "format, other)", labels=["kind"])
-        for kind in sorted({"timeout", "connection", "checksum", "format", "other", *s["errors"]}):
+        errors = CounterMetricFamily(f"{name}_errors", "L2 errors, by kind (timeout, connection, other; and "
+                                     "values refused at promotion: auth (forged, replayed from another key or "
+                                     "altered), checksum, format)", labels=["kind"])
+        for kind in sorted({"timeout", "connection", "auth", "checksum", "format", "other", *s["errors"]}):
             errors.add_metric([kind], s["errors"].get(kind, 0))
         yield errors
         yield GaugeMetricFamily(f"{name}_queue_bytes", "Bytes waiting for the L2 writer", value=s["queue_bytes"])

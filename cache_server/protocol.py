@@ -38,13 +38,14 @@ geometry; objects never cross namespaces):
              ``sums`` (the stored checksum of each found object, in order), one payload
              frame per found key, in order
 ``put``      ``ns``, ``keys``, ``sums`` (one :data:`CHECKSUM_BYTES`-byte checksum per key,
-             :func:`checksum` of its payload), optional ``prev`` (one hash or nil per
+             :func:`checksum` of its key and payload), optional ``prev`` (one hash or nil per
              key: the previous state of the same path, for snapshot-aware retention),
              optional ``parent`` (one entry per key: the hash of the chunk before the
              object's chunk, nil for the first chunk, empty bytes for unknown);
              one payload frame per key -> ``results`` (list of :class:`PutResult` values)
 ``delete``   ``ns``, ``keys``, optional ``reason`` (``checksum``: the loader found the
-             bytes do not match their checksum) -> ``removed`` (objects)
+             bytes do not match their checksum, or they were stored under another key)
+             -> ``removed`` (objects)
 ``debug_corrupt``  ``ns``, ``keys`` (one key), optional ``offset``: flips that byte of the
              stored object, keeping its checksum (servers started with
              ``--debug-fault-hooks`` only; tests of the checksum path) -> ``corrupted``
@@ -69,6 +70,12 @@ one [offset, length] per key} instead of payload frames. A segment the server do
 know (dropped, or the server restarted) gets ``shm_unknown``; the client attaches a new
 one. Checksums are unchanged: the loading client verifies every payload, shm or not.
 
+Authentication at connection: a server with a token also runs ZMQ's PLAIN mechanism with a
+ZAP handler (:mod:`cache_server.auth`): a client connects with ``plain_username``
+:data:`~cache_server.auth.PLAIN_USERNAME` and ``plain_password`` the token, and a peer
+without it is disconnected in the handshake, before any message of it is read. The
+``auth`` field is still checked on every request.
+
 Limits (server flags): a frame over ``--max-message-mb`` makes ZMQ drop the message and
 disconnect the peer unanswered (libzmq applies ``MAXMSGSIZE`` to each frame); a request
 whose frames add up to more, or whose header is over ``--max-header-kb``, gets a
@@ -80,12 +87,15 @@ still holds objects.
 from __future__ import annotations
 
 import enum
+import struct
 from typing import Any
 
 import msgpack
 import xxhash
 
-PROTOCOL_VERSION = 3  # v2: every object carries a checksum (put/get ``sums``), ``delete``; v3: XXH3-128 sums
+# v2: every object carries a checksum (put/get ``sums``), ``delete``; v3: XXH3-128 sums;
+# v4: the sum covers the object's key too, and a server with a token wants PLAIN at connection
+PROTOCOL_VERSION = 4
 HASH_BYTES = 32  # blake3 digest size; chunk hashes on the wire are exactly this long
 CHECKSUM_BYTES = 16
 DELETE_REASONS = ("checksum", "client")
@@ -140,17 +150,33 @@ def negotiate_chunk_size(min_chunk_size: int, alignment: int) -> int:
     return -(-min_chunk_size // alignment) * alignment
 
 
-def checksum(payload: bytes | memoryview) -> bytes:
-    """The object checksum: XXH3-128 of the payload (:data:`CHECKSUM_BYTES` bytes).
+def checksum(payload: bytes | memoryview, namespace: str, key: ObjectKey) -> bytes:
+    """The object checksum (:data:`CHECKSUM_BYTES` bytes): XXH3-128 over :func:`key_prefix`
+    of the object's key, then its payload.
 
     Written by the client that stores an object and checked by the client that loads it,
     so a flipped bit anywhere between (network, server memory, a second tier) is caught
-    before any byte reaches the engine's cache. It is integrity, not authentication:
-    whoever may write may also compute it (authentication is the server's token), so a
-    fast non-cryptographic hash serves: about 30 GB/s on one core here, against about
-    14 GB/s for blake3 on two, which would be most of a same-host 40 MB get
-    (``validation/bench_server.py``)."""
-    return xxhash.xxh3_128_digest(payload)
+    before any byte reaches the engine's cache, and so is an object under a key it was not
+    stored for (another namespace, chunk, group or rank: a save under another chunk grid's
+    keys, a value copied under another key): its bytes may be intact and the right size,
+    but they are not this key's. It is integrity, not authentication: whoever may write
+    may also compute it (authentication is the server's token), so a fast
+    non-cryptographic hash serves: about 30 GB/s on one core here, against about 14 GB/s
+    for blake3 on two, which would be most of a same-host 40 MB get
+    (``validation/bench_server.py``). The key costs one extra block."""
+    h = xxhash.xxh3_128(key_prefix(namespace, key))
+    h.update(payload)
+    return h.digest()
+
+
+def key_prefix(namespace: str, key: ObjectKey) -> bytes:
+    """What :func:`checksum` hashes before the payload: a tag, then the namespace, the chunk
+    hash (each length-prefixed), the group and the rank (little-endian u64), so no two
+    keys encode alike."""
+    ns = namespace.encode("utf-8", "surrogatepass")
+    digest, group, rank = key
+    return b"".join((b"glmsum4\0", struct.pack("<I", len(ns)), ns, struct.pack("<I", len(digest)), bytes(digest),
+                     struct.pack("<QQ", group, rank)))
 
 
 def pack_header(header: dict[str, Any]) -> bytes:

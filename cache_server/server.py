@@ -53,7 +53,6 @@ class CacheServer:
         # ns -> (world size, groups stored once for every TP rank), as the engine said at hello
         self._layout_by_namespace: dict[str, tuple[int, tuple[int, ...]]] = {}
         self._local = threading.local()  # per worker: the ZMQ identity of the request being handled
-        self._l2_lock = threading.Lock()  # one L2 promotion at a time (its reader is one thread anyway)
         self.segments = SegmentTable(config.shm)
         if config.auth_token is not None:
             self.metrics.errors.labels(code=p.ErrorCode.UNAUTHORIZED.value)  # exported as 0 from the start
@@ -308,9 +307,10 @@ class CacheServer:
         if not set(replicated) <= {*attn, *state}:
             raise p.ProtocolError(p.ErrorCode.BAD_REQUEST, "replicated_groups must be among attn_groups and state_groups")
         if self.l2 is not None:  # promote what L2 adds to L1's answer, within the L2 deadline
-            with self._l2_lock:
-                l1_depth, consulted = self.l2.promote(self.store, ns, hashes, attn, state, world_size, start,
-                                                      replicated)
+            # No lock here: a lookup that L1 answers in full must not wait behind another's L2
+            # round trip (the tier serialises only the promotions themselves).
+            l1_depth, consulted = self.l2.promote(self.store, ns, hashes, attn, state, world_size, start,
+                                                  replicated)
         chunks, lease_id = self.store.lookup(ns, hashes, attn, state, world_size, start, lease, owner=self._client,
                                              replicated_groups=replicated)
         if self.l2 is not None:
@@ -504,7 +504,8 @@ def _make_l2(config: ServerConfig, metrics: ServerMetrics) -> Any:
         return None
     from cache_server.l2 import L2Config, L2Tier
 
-    tier = L2Tier(L2Config.from_url(config.l2_url, allow_debug=config.debug_fault_hooks), observe=metrics.observe_l2())
+    cfg = L2Config.from_url(config.l2_url, allow_debug=config.debug_fault_hooks, secret=config.l2_secret)
+    tier = L2Tier(cfg, observe=metrics.observe_l2())
     metrics.watch_l2(tier)
     return tier
 

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
 import time
+from functools import cache
 from typing import Any
 
 import pytest
@@ -11,6 +14,23 @@ from testing.redis_nodes import RedisNodes, store_binaries
 
 NO_STORE_REASON = ("L2 tests need redis-server and redis-cli (or valkey-*): scripts/setup.sh installs "
                    "redis-server with apt as root; this machine has neither apt access nor the binaries")
+
+
+L2_SECRET = "l2-secret-for-the-tests-0123456789abcdef"  # every test server shares it, as hosts of one store must
+
+
+@cache
+def l2_secret_file() -> str:
+    """A 0600 file holding :data:`L2_SECRET` (``--l2-secret-file``)."""
+    fd, path = tempfile.mkstemp(prefix="glm-l2-secret-")
+    with os.fdopen(fd, "w") as f:
+        f.write(L2_SECRET + "\n")
+    return path
+
+
+def l2_args(url: str) -> list[str]:
+    """The server flags of an L2 tier on ``url``."""
+    return ["--l2", url, "--l2-secret-file", l2_secret_file()]
 
 
 def require_store() -> None:

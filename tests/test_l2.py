@@ -13,12 +13,14 @@ import pytest
 from redis.cluster import ClusterNode, RedisCluster
 
 from cache_server import protocol as p
-from cache_server.l2 import L2Config, L2ConfigError
-from cache_server.l2_values import HEADER_BYTES, decode_value, encode_value, namespace_tag
+from cache_server.l2 import L2Config, L2ConfigError, L2Tier, redis_key
+from cache_server.l2_values import HEADER_BYTES, MAGIC, decode_value, encode_value, mac_key, namespace_tag
 from testing.server_process import ServerProcess
 from cache_server.store import UNKNOWN_PARENT
 from cache_server.client import CacheClient
-from l2_fixtures import start_cluster, wait_written
+from l2_fixtures import L2_SECRET, l2_args, start_cluster, wait_written
+
+KEY_BYTES = mac_key(L2_SECRET.encode())
 
 NS = "model-a"
 ATTN, STATE = 0, 1
@@ -35,7 +37,7 @@ def _objects(hashes: list[bytes], size: int = 50_000) -> list[tuple[bytes, int, 
 
 
 def _server(cluster, *extra: str, port: int | None = None, query: str = "") -> ServerProcess:
-    return ServerProcess("--separate-object-groups", "--chunk-size", "16", "--l2", cluster.url + query, *extra,
+    return ServerProcess("--separate-object-groups", "--chunk-size", "16", *l2_args(cluster.url + query), *extra,
                          port=port).start()
 
 
@@ -56,6 +58,16 @@ def _redis(cluster) -> RedisCluster:
     return RedisCluster(startup_nodes=[ClusterNode("127.0.0.1", port) for port in cluster.ports])
 
 
+def _redis_key(cluster, key) -> str:
+    return redis_key("glmkv", key)
+
+
+def _value(key, payload: bytes, key_bytes: bytes = KEY_BYTES, prev=None, parent=UNKNOWN_PARENT) -> bytes:
+    """An L2 value of ``key`` as a server holding ``key_bytes`` writes it."""
+    ns, h, g, r = key
+    return encode_value(key, payload, p.checksum(payload, ns, (h, g, r)), prev, parent, key_bytes=key_bytes)
+
+
 @pytest.fixture(scope="module")
 def cluster():
     nodes = start_cluster()
@@ -72,30 +84,81 @@ def _empty_l2(request):
 
 
 def test_url_parsing_and_value_format():
-    cfg = L2Config.from_url("redis+cluster://:s3cret@10.0.0.1:7000,10.0.0.2:7001?timeout_s=0.5&prefix=kv&ttl_s=60")
+    cfg = L2Config.from_url("redis+cluster://:s3cret@10.0.0.1:7000,10.0.0.2:7001?timeout_s=0.5&prefix=kv&ttl_s=60",
+                            secret=b"x" * 32)
     assert cfg.nodes == (("10.0.0.1", 7000), ("10.0.0.2", 7001)) and cfg.cluster
     assert (cfg.password, cfg.timeout_s, cfg.prefix, cfg.ttl_s) == ("s3cret", 0.5, "kv", 60)
-    assert "s3cret" not in cfg.redacted() and "s3cret" not in repr(cfg)
+    assert "s3cret" not in cfg.redacted() and "s3cret" not in repr(cfg) and "xxxx" not in repr(cfg)
     assert not L2Config.from_url("valkey://h:1").cluster
     for bad in ("http://h:1", "redis://h:1,h:2", "redis://h", "redis://h:1?timeout=1", "redis://h:1?timeout_s=0",
                 "redis://h:1?debug_promote_delay_s=1"):
         with pytest.raises(L2ConfigError):
             L2Config.from_url(bad)
+    with pytest.raises(L2ConfigError, match="--l2-secret-file"):
+        L2Tier(L2Config.from_url("redis://127.0.0.1:1"))  # no secret: no tier
     key = (NS, b"\1" * 32, 0, 3)
     payload = os.urandom(1000)
-    value = encode_value(key, payload, p.checksum(payload), b"\2" * 32)
-    assert len(value) == HEADER_BYTES + 1000
-    got = decode_value(key, value)
-    assert bytes(got[0]) == payload and got[1] == p.checksum(payload) and got[2] == b"\2" * 32
+    value = _value(key, payload, prev=b"\2" * 32)
+    assert len(value) == HEADER_BYTES + 1000 and value.startswith(MAGIC)
+    got = decode_value(key, value, key_bytes=KEY_BYTES)
+    assert bytes(got[0]) == payload and got[1] == p.checksum(payload, NS, key[1:]) and got[2] == b"\2" * 32
     assert got[3] == UNKNOWN_PARENT  # not said
     for parent in (None, b"\3" * 32):
-        assert decode_value(key, encode_value(key, payload, p.checksum(payload), None, parent))[3] == parent
+        assert decode_value(key, _value(key, payload, parent=parent), key_bytes=KEY_BYTES)[3] == parent
     flipped = bytearray(value)
     flipped[-1] ^= 1
-    assert decode_value(key, bytes(flipped)) == "checksum"
-    assert decode_value((NS, b"\1" * 32, 0, 2), value) == "format"  # the same bytes under another key
-    assert decode_value(("model-b", b"\1" * 32, 0, 3), value) == "format"
+    assert decode_value(key, bytes(flipped), key_bytes=KEY_BYTES) == "auth"
+    # The same bytes under another key (rank, namespace) are not that key's.
+    assert decode_value((NS, b"\1" * 32, 0, 2), value, key_bytes=KEY_BYTES) == "auth"
+    assert decode_value(("model-b", b"\1" * 32, 0, 3), value, key_bytes=KEY_BYTES) == "auth"
+    # Built by whoever knows the format but not the secret: refused.
+    assert decode_value(key, _value(key, payload, mac_key(b"guess" * 8)), key_bytes=KEY_BYTES) == "auth"
+    # Authentic, but its storing client's checksum does not match the payload.
+    wrong_sum = encode_value(key, payload, bytes(16), None, key_bytes=KEY_BYTES)
+    assert decode_value(key, wrong_sum, key_bytes=KEY_BYTES) == "checksum"
+    # The metadata is authenticated too: a prev link flipped in place.
+    relinked = bytearray(value)
+    relinked[len(MAGIC) + p.CHECKSUM_BYTES + 5] ^= 1
+    assert decode_value(key, bytes(relinked), key_bytes=KEY_BYTES) == "auth"
+    old = b"GL2\x03" + value[len(MAGIC):]
+    assert decode_value(key, old, key_bytes=KEY_BYTES) == "format"
+    assert decode_value(key, value[:HEADER_BYTES - 1], key_bytes=KEY_BYTES) == "format"
     assert namespace_tag(NS) != namespace_tag("model-b")
+
+
+def test_url_errors_never_show_the_password():
+    """A configuration error names the URL with its user and password hidden, however
+    malformed the URL is."""
+    password = "hunter2-Pa55word"
+    for url in (f"redis://:{password}@h:1?timeout=1", f"redis://user:{password}@h", f"http://:{password}@h:1",
+                f"redis://:{password}@h:1,h:2", f"redis://:{password}@h:1?timeout_s=x",
+                f"redis://:{password}@[::1:1", f"redis://:pa/ss{password}@h:1?timeout_s=0"):
+        with pytest.raises(L2ConfigError) as e:
+            L2Config.from_url(url)
+        assert password not in str(e.value) and "***@" in str(e.value), str(e.value)
+
+
+def test_server_refuses_l2_without_a_secret_and_never_prints_the_password(tmp_path):
+    import subprocess
+    import sys
+
+    from testing.server_process import free_port
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "cache_server.cli", "--port", str(free_port()),
+                               "--http-port", str(free_port()), *args], capture_output=True, text=True, timeout=30)
+
+    password = "hunter2-Pa55word"
+    r = cli("--l2", f"redis://:{password}@127.0.0.1:1")
+    assert r.returncode == 2 and "--l2 needs --l2-secret-file" in r.stderr and password not in r.stderr
+    r = cli(*l2_args(f"redis://:{password}@127.0.0.1:1?nope=1"))
+    assert r.returncode == 2 and "unknown parameter" in r.stderr and password not in r.stderr + r.stdout
+    short = tmp_path / "short"
+    short.write_text("too-short-a-secret\n")
+    r = cli("--l2", "redis://127.0.0.1:1", "--l2-secret-file", str(short))
+    assert r.returncode == 2 and "at least 32" in r.stderr and "too-short-a-secret" not in r.stderr
+    r = cli("--l2-secret-file", str(short))
+    assert r.returncode == 2 and "without --l2" in r.stderr
 
 
 def test_conversation_stored_through_a_resumes_through_b(cluster):
@@ -122,17 +185,9 @@ def test_conversation_stored_through_a_resumes_through_b(cluster):
         assert cb.stats()["l2"]["lookups"] == 1
 
 
-def test_promoted_prefix_is_resumable_at_once_and_values_without_a_parent_still_promote(cluster):
+def test_promoted_prefix_is_resumable_at_once(cluster):
     """L2 values carry the chunk-tree ``parent``, so B's tree places a promoted prefix at
-    once (resumable tokens, retention as resumable, not pending). A value of the first
-    format (no parent field) promotes with the parent unknown, as a put that does not say
-    it: it resumes, it is not counted. Its checksum is protocol v2's (blake3): verified with
-    that, promoted with the current one."""
-    from blake3 import blake3
-
-    from cache_server.l2 import L2Tier
-    from cache_server.l2_values import MAGIC_V1, key_digest
-
+    once (resumable tokens, retention as resumable, not pending)."""
     hashes = _hashes(4, seed=20)
     items = _objects(hashes)
     parents = [None, *hashes[:-1], hashes[-2]]  # attention chunks in order, then the state at the last
@@ -152,19 +207,55 @@ def test_promoted_prefix_is_resumable_at_once_and_values_without_a_parent_still_
         assert cb.lookup(NS, hashes, [ATTN], [STATE], lease=False)[0] == 4  # promoted from L2
         u = cb.stats()["namespaces"][NS]["usable_prefixes"]
         assert (u["resumable_tokens"], u["resumable_states"], u["states_held"]) == (4 * chunk, 1, 1)
-
-        old = _hashes(3, seed=21)  # written in the first format, straight into L2
-        tier, r = L2Tier(L2Config.from_url(cluster.url)), _redis(cluster)
-        for h, g, rank, payload in _objects(old):
-            key = (NS, h, g, rank)
-            v2_sum = blake3(payload).digest(length=p.CHECKSUM_BYTES)
-            r.set(tier.redis_key(key), b"".join((MAGIC_V1, key_digest(key), v2_sum,
-                                                 b"\0" + bytes(p.HASH_BYTES), payload)))
-        tier.close()
-        assert cb.lookup(NS, old, [ATTN], [STATE], lease=False)[0] == 3
-        u = cb.stats()["namespaces"][NS]["usable_prefixes"]
-        assert (u["resumable_tokens"], u["states_held"]) == (4 * chunk, 2)  # held, not placed in the tree
         assert cb.stats()["l2"]["errors"] == {}
+
+
+def _l2_errors_metric(server: ServerProcess, kind: str) -> float:
+    text = urllib.request.urlopen(server.http_url + "/metrics", timeout=5).read().decode()
+    line = next(ln for ln in text.splitlines() if ln.startswith(f'glm_cache_l2_errors_total{{kind="{kind}"}}'))
+    return float(line.rsplit(" ", 1)[1])
+
+
+@pytest.mark.parametrize("attack", ["forged", "replayed", "old_format", "other_secret"])
+def test_values_written_straight_into_the_store_are_refused_deleted_and_counted(cluster, attack):
+    """Whoever can write to Redis but lacks ``--l2-secret-file`` plants a value for a
+    prefix's state: built from the namespace and the public chunk hash with a guessed
+    secret (forged), a valid value of another key copied under this one (replayed), a
+    value of the unauthenticated format 3, or one of servers with another secret. The
+    lookup through B never promotes it (the prefix is not resumable without that state),
+    the value is deleted from L2, the refusal is counted in /status and /metrics, and L2
+    stays up."""
+    hashes = _hashes(3, seed=30)
+    items = _objects(hashes)
+    target = (NS, hashes[-1], STATE, 0)
+    with _server(cluster) as a, _server(cluster) as b:
+        _store_through(a, items[:-1])  # attention for every chunk, through a real server
+        r = _redis(cluster)
+        payload = os.urandom(50_000)
+        if attack == "forged":
+            planted = _value(target, payload, mac_key(b"a-guess-at-the-secret-0123456789"))
+        elif attack == "replayed":
+            planted = r.get(_redis_key(cluster, (NS, hashes[-1], ATTN, 0)))  # genuine, but another key's
+            assert decode_value((NS, hashes[-1], ATTN, 0), planted, key_bytes=KEY_BYTES) != "auth"
+        elif attack == "old_format":
+            ns, h, g, rank = target
+            planted = b"GL2\x03" + bytes(8) + p.checksum(payload, ns, (h, g, rank)) + bytes(66) + payload
+        else:
+            planted = _value(target, payload, mac_key(b"the-secret-of-another-deployment-0123"))
+        r.set(_redis_key(cluster, target), planted)
+        cb = _client(b)
+        assert cb.lookup(NS, hashes, [ATTN], [STATE])[0] == 0
+        l2 = cb.stats()["l2"]
+        kind = "format" if attack == "old_format" else "auth"
+        assert l2["errors"] == {kind: 1} and l2["misses"] == 1 and l2["up"] is True
+        assert _l2_errors_metric(b, kind) == 1.0
+        assert r.get(_redis_key(cluster, target)) is None  # deleted
+        assert cb.get(NS, [target[1:]]) == [None]  # never reached L1
+        # The genuine objects still promote once the real state is there.
+        assert set(_client(a).put(NS, items[-1:])) == {"stored"}
+        wait_written(_client(a).stats, len(items))
+        assert cb.lookup(NS, hashes, [ATTN], [STATE])[0] == 3
+        assert [bytes(x) for x in cb.get(NS, [i[:3] for i in items])] == [i[3] for i in items]
 
 
 def test_keys_carry_the_namespace(cluster):
@@ -233,24 +324,22 @@ def test_l1_evictions_are_served_again_from_l2(cluster):
 
 
 def test_corrupt_value_in_l2_is_refused_at_promotion(cluster):
-    """A flipped byte in L2: promotion recomputes the checksum, refuses the object (the
-    lookup gets what the rest allows: here nothing, as the state is the flipped one),
+    """A flipped byte in L2: promotion finds the MAC does not match, refuses the object
+    (the lookup gets what the rest allows: here nothing, as the state is the flipped one),
     deletes the value and counts it."""
     hashes = _hashes(3, seed=4)
     items = _objects(hashes)
     with _server(cluster) as a, _server(cluster) as b:
         _store_through(a, items)
         r = _redis(cluster)
-        from cache_server.l2 import L2Tier
-
-        state_key = L2Tier(L2Config.from_url(cluster.url)).redis_key((NS, hashes[-1], STATE, 0))
+        state_key = _redis_key(cluster, (NS, hashes[-1], STATE, 0))
         value = bytearray(r.get(state_key))
         value[-7] ^= 0x10
         r.set(state_key, bytes(value))
         cb = _client(b)
         assert cb.lookup(NS, hashes, [ATTN], [STATE])[0] == 0
         l2 = cb.stats()["l2"]
-        assert l2["errors"] == {"checksum": 1} and l2["misses"] == 1
+        assert l2["errors"] == {"auth": 1} and l2["misses"] == 1
         assert r.get(state_key) is None
         assert cb.get(NS, [(hashes[-1], STATE, 0)]) == [None]  # the corrupt bytes never reached L1
 

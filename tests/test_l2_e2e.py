@@ -17,7 +17,7 @@ import pytest
 from testing.server_process import ServerProcess, free_port
 from cache_server.client import CacheClient
 from engines import connector_engine
-from l2_fixtures import start_cluster, wait_written
+from l2_fixtures import l2_args, start_cluster, wait_written
 from tiny_qwen3_next import make_tiny_qwen3_next
 
 pytestmark = pytest.mark.engine
@@ -42,7 +42,7 @@ def _run(llm, prompt, salt, max_tokens=16):
 
 
 def _host(cluster, *extra: str, query: str = "") -> ServerProcess:
-    srv = ServerProcess("--separate-object-groups", "--chunk-size", str(C), "--l2", cluster.url + query, *extra,
+    srv = ServerProcess("--separate-object-groups", "--chunk-size", str(C), *l2_args(cluster.url + query), *extra,
                         port=PORT, http_port=HTTP_PORT).start()
     time.sleep(0.5)  # the engine's socket reconnects to the new process
     return srv

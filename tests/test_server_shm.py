@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from testing.server_process import ServerProcess, free_port
+from cache_server import protocol as p
 from cache_server.shm import DATA_OFFSET
 from cache_server.client import CacheClient, CacheServerError, CacheServerUnavailable
 
@@ -121,6 +122,25 @@ def test_a_corrupt_payload_served_through_shm_is_caught_by_its_checksum(shm_serv
         assert client.stats()["shm"]["get_bytes"] == before + len(payload)
         assert client.corrupt_objects == 1
         assert client.get(NS, [key]) == [None]  # and deleted on the server
+
+
+def test_another_keys_object_served_through_shm_is_refused_in_place(shm_server):
+    """Verified in the segment, where the bytes land: an object whose checksum is another
+    key's is refused and deleted, though every byte is intact."""
+    key, other = _key(1, 6), _key(2, 6)
+    with CacheClient(shm_server.url, timeout_s=10) as client:
+        client.hello(NS, 16)
+        assert client.transport == "shm"
+        payload = os.urandom(1 << 20)
+        reply, _ = client.request({"op": "put", "ns": NS, "keys": [list(key)],
+                                   "sums": [p.checksum(payload, NS, other)]}, [payload])
+        assert reply["results"] == ["stored"]
+        before = client.stats()["shm"]["get_bytes"]
+        assert client.get(NS, [key]) == [None]
+        assert client.stats()["shm"]["get_bytes"] == before + len(payload)  # it did come through shm
+        assert client.corrupt_objects == 1
+        reply, _ = client.request({"op": "get", "ns": NS, "keys": [list(key)]})
+        assert reply["found"] == [False]
 
 
 def test_no_segment_is_left_in_dev_shm_or_mapped_after_close(shm_server):
