@@ -1,9 +1,12 @@
 """Shared-secret authentication of glm-cache-server, used by the server, its CLI and the client.
 
 One global token: whoever holds it may read, write and clear every namespace; whoever does
-not may do nothing but ``/healthcheck`` and ``/metrics``. The token travels in clear text
-(the ``auth`` header field on ZMQ, ``Authorization: Bearer`` on HTTP), so on a network
-others can sniff it only protects together with a private network or a tunnel.
+not may do nothing but ``/healthcheck`` and ``/metrics``. On ZMQ it is checked twice: at
+connection (the PLAIN mechanism's password, :class:`ZapHandler`), so a peer without it is
+disconnected before the server reads any of its messages, and in every request (the
+``auth`` header field). The token travels in clear text (PLAIN, the header,
+``Authorization: Bearer`` on HTTP), so on a network others can sniff it only protects
+together with a private network or a tunnel.
 """
 
 from __future__ import annotations
@@ -12,7 +15,13 @@ import hmac
 import ipaddress
 import os
 import stat
+import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import zmq
 
 AUTH_FIELD = "auth"  # request header field carrying the token
 MIN_TOKEN_CHARS = 16  # a shorter secret is guessable by a client that may retry freely
@@ -96,3 +105,100 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(h).is_loopback
     except ValueError:
         return False
+
+
+# --- ZMQ: refusing peers without the token at connection -----------------------------------
+
+PLAIN_USERNAME = b"glm-cache"  # the PLAIN user name clients send; only the password (the token) is checked
+ZAP_DOMAIN = b"glm-cache-server"
+_ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # where libzmq asks a context's ZAP handler
+
+
+class ZapHandler:
+    """ZMQ's ZAP handler for a server with a token: a peer connecting with the PLAIN
+    mechanism is accepted when its password is the token, and refused otherwise; a peer
+    without PLAIN (no token: ZMQ's NULL mechanism) is refused by libzmq at the greeting.
+    Either way the peer is disconnected in the handshake, before libzmq reads any message
+    of it: MAXMSGSIZE bounds one frame, not a message, so a peer allowed to send could make
+    the server buffer any number of frames before the token in its header is seen.
+
+    One thread answers ZAP requests and reports refusals (``on_refusal(reason)``): ``token``
+    for a PLAIN handshake with another password (exactly one a refused connection attempt),
+    ``mechanism`` for a handshake that failed otherwise, which it learns from a monitor of
+    the server socket (``watch``): a peer without a token, which libzmq retries every
+    100 ms, and on a mismatch the peer that sees it first closes, so the other side often
+    learns no reason: one or more a refused client.
+    Bind it before the server socket accepts connections: without a handler, PLAIN
+    handshakes fail."""
+
+    def __init__(self, ctx: zmq.Context[Any], token: str, on_refusal: Callable[[str], None]) -> None:
+        import zmq
+
+        self._zmq = zmq
+        self._token = token
+        self._on_refusal = on_refusal
+        self._ctx = ctx
+        self._rep = ctx.socket(zmq.REP)
+        self._rep.setsockopt(zmq.LINGER, 0)
+        self._rep.bind(_ZAP_ENDPOINT)
+        self._monitor: Any = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="glm-zap", daemon=True)
+
+    @staticmethod
+    def configure(sock: Any) -> None:
+        """Make ``sock`` (the server's ROUTER, before it binds) a PLAIN server under our domain."""
+        sock.plain_server = True
+        sock.zap_domain = ZAP_DOMAIN
+
+    def watch(self, sock: Any) -> None:
+        """Count the handshakes of ``sock`` that fail on the mechanism (a peer without a token),
+        then start answering."""
+        zmq = self._zmq
+        where = f"inproc://glm-zap-monitor-{id(self)}"
+        sock.monitor(where, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+        self._monitor = self._ctx.socket(zmq.PAIR)
+        self._monitor.setsockopt(zmq.LINGER, 0)
+        self._monitor.connect(where)
+        self._thread.start()
+
+    def _run(self) -> None:
+        zmq = self._zmq
+        from zmq.utils.monitor import parse_monitor_message
+
+        poller = zmq.Poller()
+        poller.register(self._rep, zmq.POLLIN)
+        if self._monitor is not None:
+            poller.register(self._monitor, zmq.POLLIN)
+        while not self._stop.is_set():
+            try:
+                ready = dict(poller.poll(100))
+                if self._rep in ready:
+                    self._answer(self._rep.recv_multipart())
+                if self._monitor is not None and self._monitor in ready:
+                    parse_monitor_message(self._monitor.recv_multipart())
+                    self._on_refusal("mechanism")
+            except zmq.ZMQError as e:
+                if e.errno == zmq.ETERM:
+                    return
+                raise
+
+    def _answer(self, request: list[bytes]) -> None:
+        """Reply to one ZAP request (RFC 27): 200 for PLAIN with the token, 400 otherwise."""
+        version, request_id = (request + [b"", b""])[:2]
+        mechanism = request[5] if len(request) > 5 else b""
+        password = request[7] if mechanism == b"PLAIN" and len(request) > 7 else None
+        ok = version == b"1.0" and password is not None and token_matches(password, self._token)
+        if not ok:
+            self._on_refusal("token")
+        self._rep.send_multipart([b"1.0", request_id, b"200" if ok else b"400",
+                                  b"OK" if ok else b"wrong token", b"" if not ok else PLAIN_USERNAME, b""])
+
+    def close(self) -> None:
+        """Stop the thread and close its sockets (before the context terminates)."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(5)
+        for sock in (self._rep, self._monitor):
+            if sock is not None:
+                sock.close(linger=0)

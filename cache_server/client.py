@@ -11,6 +11,7 @@ import itertools
 import logging
 import os
 import threading
+import time
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -19,7 +20,7 @@ import numpy as np
 import zmq
 
 from cache_server import protocol as p
-from cache_server.auth import AUTH_FIELD
+from cache_server.auth import AUTH_FIELD, PLAIN_USERNAME
 from cache_server.shm import DATA_OFFSET, SHM_DIR, ClientSegment, align_up, boot_id
 
 Payload = bytes | bytearray | memoryview
@@ -57,8 +58,13 @@ class CacheClient:
     After a timeout the socket is closed and reopened, so a late reply can never be taken
     for the answer to a later request, and nothing queued for a dead server piles up.
 
-    ``auth_token`` is the server's shared secret (``--auth-token-file``), sent with every
-    request: the server checks each request, not the connection.
+    ``auth_token`` is the server's shared secret (``--auth-token-file``), presented at
+    connection (ZMQ's PLAIN mechanism, which such a server requires) and sent with every
+    request (the server checks both). A server that refuses it at connection, or that
+    wants a token from a client without one, makes the call raise
+    :class:`CacheServerError` ``unauthorized`` at once. A server without a token speaks
+    only ZMQ's NULL mechanism: a client with a token then connects without PLAIN (the
+    token still travels in each header, which such a server ignores).
 
     ``shm`` (default on) offers the server shared memory at :meth:`hello` (or at the first
     ``get`` or ``put`` of a client that never says hello): segments of at
@@ -84,6 +90,8 @@ class CacheClient:
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self._sock: zmq.Socket | None = None
+        self._monitor: zmq.Socket | None = None  # the handshake events of _sock
+        self._plain = auth_token is not None  # present the token at connection (flipped by a NULL server)
         self.corrupt_objects = 0  # payloads that failed their checksum (deleted on the server)
         self._host = boot_id() if shm and os.path.isdir(SHM_DIR) else None
         self.shm_refusal: str | None = None if self._host else ("off in this client" if not shm
@@ -101,9 +109,76 @@ class CacheClient:
             if "[" in self.url:  # an IPv6 literal, tcp://[::1]:port (a hostname keeps IPv4:
                 sock.setsockopt(zmq.IPV6, 1)  # with IPv6 on, localhost could resolve to ::1)
             sock.setsockopt(zmq.IMMEDIATE, 1)  # don't queue for a peer that is not connected
+            if self._plain and self._auth_token is not None:
+                sock.plain_username = PLAIN_USERNAME
+                sock.plain_password = self._auth_token.encode("utf-8")
+            self._monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+                                                    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                                                    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
             sock.connect(self.url)
             self._sock = sock
         return self._sock
+
+    def _handshake_refusal_locked(self) -> str | None:
+        """The last handshake outcome the monitor reported since the previous call: ``auth``
+        (the server refused our token), ``mechanism`` (it wants PLAIN and we have no
+        token, or it speaks NULL and we offered PLAIN), ``closed`` (the handshake ended
+        without a reason: on a mechanism mismatch the side that sees it first closes, and
+        the other often gets only this), or None (succeeded, or nothing happened)."""
+        from zmq.utils.monitor import parse_monitor_message
+
+        outcome = None
+        while self._monitor is not None:
+            try:
+                event = parse_monitor_message(self._monitor.recv_multipart(zmq.NOBLOCK))
+            except zmq.Again:
+                break
+            if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                outcome = None
+            elif event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                outcome = "auth"
+            elif event["event"] == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL \
+                    and event["value"] == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
+                outcome = "mechanism"
+            elif event["event"] in (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL):
+                outcome = "closed"
+        return outcome
+
+    def _writable_socket_locked(self, timeout: float) -> zmq.Socket:
+        """The socket once its handshake with the server is done (it can send), within
+        ``timeout``. A refused handshake raises ``unauthorized``; a failed one makes a
+        client with a token reconnect with the other mechanism (a NULL server: without
+        PLAIN; and back, should it restart with a token), which converges on the one that
+        works; a client without a token waits for libzmq's next attempt unless the server
+        said it wants another mechanism."""
+        deadline = time.monotonic() + timeout
+        while True:
+            sock = self._socket()
+            if sock.poll(0, zmq.POLLOUT):
+                return sock
+            poller = zmq.Poller()
+            poller.register(sock, zmq.POLLOUT)
+            poller.register(self._monitor, zmq.POLLIN)
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise CacheServerUnavailable(f"glm-cache-server at {self.url} is not reachable "
+                                                 f"(no connection within {timeout:.1f}s)")
+                ready = dict(poller.poll(max(1, int(left * 1000))))
+                if sock in ready:
+                    return sock
+                refusal = self._handshake_refusal_locked() if self._monitor in ready else None
+                if refusal in ("auth", "mechanism") or (refusal == "closed" and self._auth_token is not None):
+                    break
+            self._reset()
+            if refusal == "auth":
+                raise CacheServerError(p.ErrorCode.UNAUTHORIZED.value,
+                                       f"glm-cache-server at {self.url} refused this client's token at connection")
+            if self._auth_token is None:
+                raise CacheServerError(p.ErrorCode.UNAUTHORIZED.value,
+                                       f"glm-cache-server at {self.url} wants a token at connection "
+                                       "(--auth-token-file) and this client has none")
+            self._plain = not self._plain
 
     @property
     def transport(self) -> str:
@@ -123,8 +198,12 @@ class CacheClient:
 
     def _reset(self) -> None:
         if self._sock is not None:
+            self._sock.disable_monitor()
             self._sock.close(linger=0)
             self._sock = None
+        if self._monitor is not None:
+            self._monitor.close(linger=0)
+            self._monitor = None
         # After a timeout the server may still be writing into our segments: never reuse them.
         self._drop_segments_locked()
 
@@ -155,14 +234,11 @@ class CacheClient:
         header = {**header, "id": request_id}
         if self._auth_token is not None:
             header[AUTH_FIELD] = self._auth_token
-        sock = self._socket()
         deadline_ms = max(1, int(timeout * 1000))
         try:
-            # With IMMEDIATE set, a send finds no peer while the server is down: poll for
-            # writability so that case also ends at the timeout.
-            if not sock.poll(deadline_ms, zmq.POLLOUT):
-                raise CacheServerUnavailable(f"glm-cache-server at {self.url} is not reachable "
-                                             f"(no connection within {timeout:.1f}s)")
+            # With IMMEDIATE set, a send finds no peer while the server is down (or the
+            # handshake is not done): wait for writability so that case also ends at the timeout.
+            sock = self._writable_socket_locked(timeout)
             sock.send_multipart([p.pack_header(header), *payloads], copy=False, flags=zmq.NOBLOCK)
             while True:
                 if not sock.poll(deadline_ms, zmq.POLLIN):

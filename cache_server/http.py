@@ -2,7 +2,8 @@
 
 With a token configured, /status (it lists namespaces) and POST /cache/clear need
 ``Authorization: Bearer <token>``; /healthcheck and /metrics stay open for probes and
-scrapers (they reveal sizes and counts, never keys or namespaces)."""
+scrapers (they reveal sizes and counts, never keys or namespaces: per-namespace series are
+labelled with an id keyed by the token, :func:`cache_server.metrics.namespace_id`)."""
 
 from __future__ import annotations
 

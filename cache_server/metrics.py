@@ -6,6 +6,8 @@ latency and error counts are recorded by the request loop.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
@@ -41,9 +43,19 @@ _COUNTERS = (
 )
 
 
+def namespace_id(namespace: str, key: bytes = b"") -> str:
+    """What stands for a namespace in /metrics labels: the first 12 hex digits of
+    HMAC-SHA256 of its name under ``key`` (the server's token; empty without one). /metrics
+    is open to scrapers, and a namespace names the model and the engine's layout; keyed by
+    the token, nobody without it can test a guessed name against a label. /status (behind
+    the token) shows each namespace's id as ``metrics_id``."""
+    return hmac.new(key, namespace.encode("utf-8", "surrogatepass"), hashlib.sha256).hexdigest()[:12]
+
+
 class _StoreCollector(Collector):
-    def __init__(self, store: ObjectStore) -> None:
+    def __init__(self, store: ObjectStore, label: Callable[[str], str]) -> None:
         self._store = store
+        self._label = label
 
     def collect(self) -> Iterator[Metric]:
         s = self._store.snapshot()
@@ -73,7 +85,7 @@ class _StoreCollector(Collector):
         yield GaugeMetricFamily(f"{PREFIX}_superseded_objects",
                                 "State objects with a newer state on their path (evicted first)",
                                 value=s["superseded_objects"])
-        # Usable prefixes: what the cache can resume, not only what it holds.
+        # Usable prefixes: what the cache can resume, not only what it holds (per namespace id).
         usable = {ns: u for ns in self._store.tracked_namespaces()
                   if (u := self._store.usable_prefixes(ns)) is not None}
         for key, kind, doc in (
@@ -85,9 +97,10 @@ class _StoreCollector(Collector):
                 ("worthless_objects", GaugeMetricFamily, "Objects on no resumable path any more (evicted first)"),
                 ("states_evicted_newest", CounterMetricFamily, "States evicted while still the newest of their "
                                                                "conversation path")):
-            family = kind(f"{PREFIX}_{key}", doc, labels=["namespace"])
+            family = kind(f"{PREFIX}_{key}", doc + " (label: the namespace's metrics_id in /status)",
+                          labels=["namespace"])
             for ns, u in usable.items():
-                family.add_metric([ns], u[key])
+                family.add_metric([self._label(ns)], u[key])
             yield family
         for key, name, doc in _COUNTERS:
             yield CounterMetricFamily(f"{PREFIX}_{name}", doc, value=s[key])
@@ -132,9 +145,10 @@ class _L2Collector(Collector):
 class ServerMetrics:
     """The server's own registry (not the global one, so tests can run several servers)."""
 
-    def __init__(self, store: ObjectStore) -> None:
+    def __init__(self, store: ObjectStore, namespace_key: bytes = b"") -> None:
         self.registry = CollectorRegistry()
-        self.registry.register(_StoreCollector(store))
+        self._namespace_key = namespace_key
+        self.registry.register(_StoreCollector(store, self.namespace_id))
         self.requests = Histogram(f"{PREFIX}_request_seconds", "Time to answer a request, by op", ["op"],
                                   registry=self.registry,
                                   buckets=(1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0))
@@ -147,6 +161,14 @@ class ServerMetrics:
             "and hits answered without a lease (leased_bytes)", ["limit"], registry=self.registry)
         for limit in ("message_bytes", "header_bytes", "namespaces", "leased_bytes"):
             self.limit_refusals.labels(limit=limit)  # present at 0 from the start
+        self.refused_connections = Counter(
+            f"{PREFIX}_refused_connections", "ZMQ handshakes refused before any message was read (servers with "
+            "--auth-token-file): token (PLAIN with a wrong token, one a connection attempt), mechanism (no token; "
+            "a peer retries, so one or more a client)", ["reason"], registry=self.registry)
+
+    def namespace_id(self, namespace: str) -> str:
+        """The label of ``namespace`` in this server's metrics (:func:`namespace_id`)."""
+        return namespace_id(namespace, self._namespace_key)
 
     def observe_l2(self) -> Callable[[str, float], None]:
         """Register the L2 round-trip histogram; returns what the tier calls per round trip."""

@@ -28,7 +28,7 @@ from typing import Any
 import zmq
 
 from cache_server import protocol as p
-from cache_server.auth import AUTH_FIELD, token_matches
+from cache_server.auth import AUTH_FIELD, ZapHandler, token_matches
 from cache_server.config import ServerConfig
 from cache_server.metrics import ServerMetrics
 from cache_server.shm import GetRegion, SegmentTable, SizedSpan, owned_copy, put_spans
@@ -45,7 +45,7 @@ class CacheServer:
                                  max_leased_bytes=max(1, int(config.l1_size_bytes * config.max_leased_fraction)),
                                  max_leases_per_owner=config.max_leases_per_client,
                                  eviction=config.eviction_policy.lower(), state_share=config.l1_state_share)
-        self.metrics = ServerMetrics(self.store)
+        self.metrics = ServerMetrics(self.store, (config.auth_token or "").encode())
         self.l2 = _make_l2(config, self.metrics)  # None without --l2
         # ns -> (alignment, chunk), or None for one only put to; least recently admitted first.
         self._chunk_by_namespace: OrderedDict[str, tuple[int, int] | None] = OrderedDict()
@@ -56,8 +56,11 @@ class CacheServer:
         self.segments = SegmentTable(config.shm)
         if config.auth_token is not None:
             self.metrics.errors.labels(code=p.ErrorCode.UNAUTHORIZED.value)  # exported as 0 from the start
+            for reason in ("token", "mechanism"):
+                self.metrics.refused_connections.labels(reason=reason)
         self._refused_since_log = 0
         self._refusal_logged_at = -float("inf")
+        self._refusal_lock = threading.Lock()  # refusals are noted by workers and the ZAP thread
         self._stop = threading.Event()
         self._die_on: str | None = None  # debug fault hook: SIGKILL ourselves on this op
         self._ctx = zmq.Context(io_threads=max(1, config.io_threads))
@@ -67,6 +70,13 @@ class CacheServer:
         # libzmq checks MAXMSGSIZE per frame, before buffering it: a bigger frame is dropped
         # and its peer disconnected, unanswered. handle() checks the frames' total.
         self._sock.setsockopt(zmq.MAXMSGSIZE, config.message_limit_bytes)
+        # With a token, a peer must present it at connection too (PLAIN, checked by a ZAP
+        # handler): one without it is disconnected before any of its frames is read.
+        self._zap: ZapHandler | None = None
+        if config.auth_token is not None:
+            self._zap = ZapHandler(self._ctx, config.auth_token, self._note_connection_refusal)
+            ZapHandler.configure(self._sock)
+            self._zap.watch(self._sock)
         self.port = self._bind(config.host, config.port)
         self._handlers = {
             "hello": self._hello, "lookup": self._lookup, "get": self._get, "put": self._put,
@@ -121,6 +131,8 @@ class CacheServer:
                 t.join(5)
             for sock in (control, control_peer, backend, self._sock):
                 sock.close(linger=0)
+            if self._zap is not None:
+                self._zap.close()
             self._ctx.term()
             self.segments.close()
             if self.l2 is not None:
@@ -206,14 +218,22 @@ class CacheServer:
             raise p.ProtocolError(p.ErrorCode.UNAUTHORIZED,
                                   f"missing or wrong {AUTH_FIELD!r} token (server started with --auth-token-file)")
 
+    def _note_connection_refusal(self, reason: str) -> None:
+        """A handshake refused (ZAP thread): ``token`` (a wrong one) or ``mechanism`` (none)."""
+        self.metrics.refused_connections.labels(reason=reason).inc()
+        self._note_refusal()
+
     def _note_refusal(self) -> None:
         """Say in the log that requests are being refused, at most once a minute (a
         misconfigured client retries often; the exact count is the errors metric)."""
-        self._refused_since_log += 1
-        now = time.monotonic()
-        if now - self._refusal_logged_at >= 60.0:
-            logger.warning("refused %d unauthenticated request(s) (missing or wrong token)", self._refused_since_log)
-            self._refused_since_log, self._refusal_logged_at = 0, now
+        with self._refusal_lock:
+            self._refused_since_log += 1
+            now = time.monotonic()
+            if now - self._refusal_logged_at < 60.0:
+                return
+            count, self._refused_since_log, self._refusal_logged_at = self._refused_since_log, 0, now
+        logger.warning("refused %d unauthenticated connection(s) or request(s) (missing or wrong token)", count)
+
     def _size_refusal(self, frames: list[Any]) -> p.ProtocolError | None:
         """The error for an oversize request, found before parsing anything in it."""
         total = sum(_buffer(f).nbytes for f in frames)
@@ -477,6 +497,7 @@ class CacheServer:
             table = list(self._chunk_by_namespace.items())
             layouts = dict(self._layout_by_namespace)
         status["namespaces"] = {ns: {"alignment": ac[0] if ac else None, "chunk_size": ac[1] if ac else None,
+                                     "metrics_id": self.metrics.namespace_id(ns),
                                      "objects": self.store.namespace_objects(ns),
                                      **self._replication_status(ns, layouts.get(ns)),
                                      "usable_prefixes": self.store.usable_prefixes(ns)} for ns, ac in table}

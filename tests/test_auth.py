@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 
@@ -14,7 +16,9 @@ import msgpack
 import pytest
 import zmq
 
-from cache_server.auth import TokenFileError, bearer_matches, is_loopback, read_token_file, token_matches
+from cache_server import protocol as p
+from cache_server.auth import PLAIN_USERNAME, TokenFileError, bearer_matches, is_loopback, read_token_file, token_matches
+from cache_server.metrics import namespace_id
 from testing.server_process import ServerProcess, free_port
 from cache_server.protocol import PROTOCOL_VERSION
 from cache_server.client import CacheClient, CacheServerError
@@ -26,17 +30,20 @@ KEY = b"\x11" * 32
 
 @pytest.fixture(scope="module")
 def server():
-    with ServerProcess("--separate-object-groups", "--l1-size-gb", "0.01", auth_token=TOKEN) as s:
+    # With the debug hooks, so that a refused debug_corrupt or debug_die_on would show.
+    with ServerProcess("--separate-object-groups", "--l1-size-gb", "0.01", "--debug-fault-hooks",
+                       auth_token=TOKEN) as s:
         yield s
 
 
 @pytest.fixture
 def good(server):
-    """An authorised client on a store holding one object and one negotiated namespace."""
+    """An authorised client on a store holding one object and one negotiated namespace
+    whose engine declared its groups (so /metrics has per-namespace series for it)."""
     with CacheClient(server.url, timeout_s=5.0, auth_token=TOKEN) as c:
         c.clear()
-        c.hello(NS, 16)
-        assert c.put(NS, [(KEY, 0, 0, b"payload")]) == ["stored"]
+        c.hello(NS, 16, attn_groups=[0], state_groups=[1])
+        assert c.put(NS, [(KEY, 0, 0, b"payload")], parent=[None]) == ["stored"]
         yield c
 
 
@@ -51,24 +58,64 @@ def http(url: str, method: str = "GET", token: str | None = None) -> tuple[int, 
         return e.code, dict(e.headers), e.read()
 
 
-def unauthorized_count(server) -> float:
+def metric(server, line_start: str) -> float:
     _, _, body = http(server.http_url + "/metrics")
-    m = re.search(r'^glm_cache_errors_total\{code="unauthorized"\} (\S+)$', body.decode(), re.M)
+    m = re.search(r"^" + re.escape(line_start) + r" (\S+)$", body.decode(), re.M)
     return float(m.group(1)) if m else 0.0
 
 
+def unauthorized_count(server) -> float:
+    return metric(server, 'glm_cache_errors_total{code="unauthorized"}')
+
+
+def refused_connections(server, reason: str) -> float:
+    return metric(server, f'glm_cache_refused_connections_total{{reason="{reason}"}}')
+
+
+def _shm_offer() -> dict:
+    return {"boot": "0" * 32, "path": "/dev/shm/glmcache-intruder", "size": 1 << 20, "nonce": bytes(16)}
+
+
+def op_headers() -> dict[str, dict]:
+    """A well-formed request of every protocol op, each of which would read or change
+    something if it were served (the debug ones included: the server enables them)."""
+    headers = {
+        "hello": {"v": PROTOCOL_VERSION, "ns": "intruder-ns", "alignment": 16},
+        "lookup": {"ns": NS, "hashes": [KEY], "attn_groups": [0], "state_groups": [], "world_size": 1},
+        "get": {"ns": NS, "keys": [[KEY, 0, 0]]},
+        "put": {"ns": NS, "keys": [[b"\x22" * 32, 0, 0]], "sums": [bytes(16)]},
+        "delete": {"ns": NS, "keys": [[KEY, 0, 0]]},
+        "debug_corrupt": {"ns": NS, "keys": [[KEY, 0, 0]]},
+        "debug_die_on": {"on": "get"},
+        "release": {"lease_id": 1},
+        "clear": {},
+        "stats": {},
+        "ping": {},
+        "shm_attach": {"shm": _shm_offer()},
+        "shm_detach": {"seg": 1},
+    }
+    assert set(headers) == set(p.OPS)  # a new op must be added here
+    return {op: {"op": op, **h} for op, h in headers.items()}
+
+
 def every_op(c: CacheClient) -> dict[str, object]:
-    """One call of each protocol op; each returns what it raised (or its result)."""
+    """One call of each protocol op through the client; each returns what it raised (or its
+    result)."""
+    requests = op_headers()
     calls = {
         "hello": lambda: c.hello("intruder-ns", 16),
         "lookup": lambda: c.lookup(NS, [KEY], [0], []),
         "get": lambda: c.get(NS, [(KEY, 0, 0)]),
         "put": lambda: c.put(NS, [(KEY, 0, 1, b"forged"), (b"\x22" * 32, 0, 0, b"forged")]),
+        "delete": lambda: c.delete(NS, [(KEY, 0, 0)]),
         "release": lambda: c.release(1),
         "clear": lambda: c.clear(),
         "stats": lambda: c.stats(),
         "ping": lambda: c.ping(),
+        **{op: (lambda op=op: c.request(requests[op])) for op in ("debug_corrupt", "debug_die_on", "shm_attach",
+                                                                   "shm_detach")},
     }
+    assert set(calls) == set(p.OPS)
     out: dict[str, object] = {}
     for op, call in calls.items():
         try:
@@ -78,23 +125,59 @@ def every_op(c: CacheClient) -> dict[str, object]:
     return out
 
 
+def assert_unchanged(good: CacheClient, before: dict) -> None:
+    """Nothing was stored, deleted, corrupted, cleared, looked up, negotiated or armed."""
+    after = good.stats()
+    assert after["objects"] == before["objects"] == 1
+    assert after["lookups"] == before["lookups"] and after["puts_stored"] == before["puts_stored"]
+    assert "intruder-ns" not in after["namespaces"] and NS in after["namespaces"]
+    assert after["shm"]["attached_total"] == before["shm"]["attached_total"]
+    assert good.get(NS, [(KEY, 0, 0), (KEY, 0, 1), (b"\x22" * 32, 0, 0)])[1:] == [None, None]
+    assert bytes(good.get(NS, [(KEY, 0, 0)])[0]) == b"payload"  # intact, and a get does not kill the server
+    assert good.corrupt_objects == 0
+
+
+def wait_for(value, expected, timeout_s: float = 5.0) -> float:
+    """``value()`` once it reaches ``expected`` (the ZAP thread counts asynchronously)."""
+    deadline = time.monotonic() + timeout_s
+    while (got := value()) < expected and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return got
+
+
 @pytest.mark.parametrize("token", [None, "wrong-token-of-the-same-size-0000", TOKEN + "x", TOKEN[:-1]],
                          ids=["missing", "wrong", "longer", "shorter"])
-def test_every_op_without_the_token_is_refused_and_changes_nothing(server, good, token):
-    before_refused = unauthorized_count(server)
+def test_every_op_without_the_token_is_refused_at_connection_and_changes_nothing(server, good, token):
+    """A client without the token (or with another) is refused in the ZMQ handshake:
+    every op raises ``unauthorized`` and no request of it reaches the server."""
+    before_refused, before_token = unauthorized_count(server), refused_connections(server, "token")
+    before_mechanism = refused_connections(server, "mechanism")
     before = good.stats()
     with CacheClient(server.url, timeout_s=5.0, auth_token=token) as bad:
         results = every_op(bad)
     for op, r in results.items():
-        assert isinstance(r, CacheServerError) and r.code == "unauthorized", (op, r)
-    after = good.stats()
-    # Nothing was stored, cleared, looked up or negotiated by the refused requests.
-    assert after["objects"] == before["objects"] == 1
-    assert after["lookups"] == before["lookups"] and after["puts_stored"] == before["puts_stored"]
-    assert "intruder-ns" not in after["namespaces"] and NS in after["namespaces"]
-    assert good.get(NS, [(KEY, 0, 0), (KEY, 0, 1), (b"\x22" * 32, 0, 0)])[1:] == [None, None]
-    assert bytes(good.get(NS, [(KEY, 0, 0)])[0]) == b"payload"
-    assert unauthorized_count(server) == before_refused + len(results)
+        assert isinstance(r, CacheServerError) and r.code == "unauthorized" and "at connection" in r.message, (op, r)
+    assert_unchanged(good, before)
+    assert unauthorized_count(server) == before_refused  # refused before any request was read
+    if token is None:  # no PLAIN at all: libzmq retries until it hears the mismatch, so one or more each
+        assert wait_for(lambda: refused_connections(server, "mechanism"), before_mechanism + len(results)) \
+            >= before_mechanism + len(results)
+    else:  # one refused PLAIN handshake per op: the client drops its socket at the refusal
+        assert wait_for(lambda: refused_connections(server, "token"), before_token + len(results)) \
+            == before_token + len(results)
+
+
+@pytest.mark.parametrize("auth", [None, "wrong-token-of-the-same-size-0000"], ids=["missing", "wrong"])
+def test_every_op_is_refused_without_the_token_in_the_request_too(server, good, auth):
+    """The per-request check stays: a peer that passed the handshake (PLAIN with the token)
+    but sends a request without it, or with another, gets ``unauthorized`` for every op."""
+    before_refused = unauthorized_count(server)
+    before = good.stats()
+    for op, header in op_headers().items():
+        reply = raw_request(server, {**header, "id": 9, **({"auth": auth} if auth else {})})
+        assert reply["ok"] is False and reply["code"] == "unauthorized", (op, reply)
+    assert_unchanged(good, before)
+    assert unauthorized_count(server) == before_refused + len(p.OPS)
 
 
 def test_right_token_works_for_every_op(good):
@@ -106,10 +189,12 @@ def test_right_token_works_for_every_op(good):
     assert good.clear() == 1 and good.stats()["objects"] == 0
 
 
-def raw_request(server, header: dict, identity: bytes | None = None) -> dict:
+def raw_request(server, header: dict, identity: bytes | None = None, password: str = TOKEN) -> dict:
+    """One request over a bare DEALER that passes the handshake with ``password``."""
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.RCVTIMEO, 5000)
+    sock.plain_username, sock.plain_password = PLAIN_USERNAME, password.encode()
     if identity is not None:
         sock.setsockopt(zmq.ROUTING_ID, identity)
     sock.connect(server.url)
@@ -162,8 +247,70 @@ def test_http_healthcheck_and_metrics_stay_open(server, good):
     assert code == 200 and json.loads(body) == {"status": "ok"}
     code, _, body = http(server.http_url + "/metrics")
     assert code == 200 and b"glm_cache_objects" in body
-    # The refusal counter is exported from the start.
+    # The refusal counters are exported from the start.
     assert b'glm_cache_errors_total{code="unauthorized"}' in body
+    assert b'glm_cache_refused_connections_total{reason="token"}' in body
+
+
+def test_metrics_label_namespaces_by_an_id_keyed_by_the_token(server, good):
+    """The open /metrics carries per-namespace series (the engine declared its groups) but
+    no namespace name: each is labelled by an HMAC of the name under the token, which
+    /status, behind the token, maps back."""
+    _, _, body = http(server.http_url + "/metrics")
+    text = body.decode()
+    label = namespace_id(NS, TOKEN.encode())
+    code, _, body = http(server.http_url + "/status", token=TOKEN)
+    entry = json.loads(body)["namespaces"][NS]
+    assert code == 200 and entry["metrics_id"] == label
+    for key in ("resumable_tokens", "resumable_states", "states_held", "worthless_objects"):
+        assert f'glm_cache_{key}{{namespace="{label}"}} {float(entry["usable_prefixes"][key])}' in text
+    assert entry["usable_prefixes"]["worthless_objects"] == 0  # the attention object is pending, not worthless
+    assert NS not in text and namespace_id(NS) not in text  # nor the unkeyed id a guesser could compute
+
+
+def _peak_rss_kb(pid: int) -> int:
+    """The process's peak resident set (VmHWM): a message buffered, then freed, still shows."""
+    with open(f"/proc/{pid}/status") as f:
+        return int(next(line for line in f if line.startswith("VmHWM:")).split()[1])
+
+
+@pytest.mark.parametrize("password", [None, "wrong-token-of-the-same-size-0000"], ids=["no-token", "wrong-token"])
+def test_a_peer_without_the_token_cannot_make_the_server_buffer(password):
+    """libzmq's MAXMSGSIZE bounds a frame, not a message: a peer may send 80 frames of
+    1.5 MiB against a 2 MiB limit. Without the token it is refused at the handshake, so the
+    server never reads them: its peak RSS stays flat. With the token, the same message is read
+    and answered too_large (what the per-request checks cost an authenticated peer)."""
+    with ServerProcess("--max-message-mb", "2", "--max-object-size-mb", "1", auth_token=TOKEN) as s:
+        CacheClient(s.url, timeout_s=5.0, auth_token=TOKEN).ping()  # the server's threads are up
+        time.sleep(0.5)
+        before = _peak_rss_kb(s.proc.pid)
+        ctx = zmq.Context()
+        socks = []
+        frame = os.urandom(3 << 19)  # 1.5 MiB
+        for _ in range(2):
+            sock = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, 0)
+            if password is not None:
+                sock.plain_username, sock.plain_password = PLAIN_USERNAME, password.encode()
+            sock.connect(s.url)
+            try:  # queued for the connection; once the handshake was refused there is none to queue for
+                sock.send_multipart([msgpack.packb({"op": "ping", "id": 1}), *[frame] * 80], copy=False,
+                                    flags=zmq.NOBLOCK)
+            except zmq.Again:
+                pass
+            socks.append(sock)
+        time.sleep(2.0)  # libzmq retries the handshake every 100 ms meanwhile
+        grown_mb = (_peak_rss_kb(s.proc.pid) - before) / 1024
+        for sock in socks:
+            sock.close()
+        ctx.term()
+        assert grown_mb < 8, f"the server buffered {grown_mb:.0f} MB for a peer without the token"
+        with CacheClient(s.url, timeout_s=5.0, auth_token=TOKEN) as c:
+            c.ping()  # still serving
+            with pytest.raises(CacheServerError) as e:
+                c.request({"op": "ping"}, [frame] * 2)
+            assert e.value.code == "too_large"
 
 
 def test_start_up_log_says_auth_is_on_and_never_shows_the_token(server, good):

@@ -333,11 +333,13 @@ def test_status_and_metrics_report_usable_prefixes(server, client):
     client.delete(ns, [(hashes[0], 2, 0)])  # a hole at the first chunk: nothing resumes
     with urllib.request.urlopen(server.http_url + "/metrics", timeout=5) as r:
         text = r.read().decode()
-    assert f'glm_cache_resumable_tokens{{namespace="{ns}"}} 0.0' in text
-    assert f'glm_cache_states_held{{namespace="{ns}"}} 1.0' in text
+    label = status["namespaces"][ns]["metrics_id"]  # /metrics names no namespace, only its id
+    assert len(label) == 12 and ns not in text
+    assert f'glm_cache_resumable_tokens{{namespace="{label}"}} 0.0' in text
+    assert f'glm_cache_states_held{{namespace="{label}"}} 1.0' in text
     # chunk 2's attention and state shards; chunk 3 was never on a resumable path (pending)
-    assert f'glm_cache_worthless_objects{{namespace="{ns}"}} 3.0' in text
-    assert f'glm_cache_states_evicted_newest_total{{namespace="{ns}"}} 0.0' in text
+    assert f'glm_cache_worthless_objects{{namespace="{label}"}} 3.0' in text
+    assert f'glm_cache_states_evicted_newest_total{{namespace="{label}"}} 0.0' in text
     client.hello("undeclared", 256)  # an engine that did not declare its groups: not tracked
     assert http_json(server.http_url + "/status")[1]["namespaces"]["undeclared"]["usable_prefixes"] is None
 
