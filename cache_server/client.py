@@ -46,6 +46,11 @@ class CacheServerUnavailable(ConnectionError):
 # time, or a socket error. Callers that serve without the cache on failure catch these.
 CLIENT_ERRORS = (CacheServerUnavailable, CacheServerError, OSError)
 
+# Handshakes that failed without a reason after which a client without a token takes the
+# server for one that wants a token: on a mechanism mismatch the side that sees it first
+# closes, and the other often learns no reason (libzmq retries every 100 ms).
+HANDSHAKES_FAILED = 3
+
 
 def unauthorized(err: BaseException) -> bool:
     """True for the server's refusal of our token."""
@@ -149,9 +154,11 @@ class CacheClient:
         ``timeout``. A refused handshake raises ``unauthorized``; a failed one makes a
         client with a token reconnect with the other mechanism (a NULL server: without
         PLAIN; and back, should it restart with a token), which converges on the one that
-        works; a client without a token waits for libzmq's next attempt unless the server
-        said it wants another mechanism."""
+        works; a client without a token gives up when the server said it wants another
+        mechanism, or after :data:`HANDSHAKES_FAILED` handshakes failed without a reason (a
+        server that is down fails the connection, not the handshake)."""
         deadline = time.monotonic() + timeout
+        closed = 0
         while True:
             sock = self._socket()
             if sock.poll(0, zmq.POLLOUT):
@@ -168,7 +175,9 @@ class CacheClient:
                 if sock in ready:
                     return sock
                 refusal = self._handshake_refusal_locked() if self._monitor in ready else None
-                if refusal in ("auth", "mechanism") or (refusal == "closed" and self._auth_token is not None):
+                closed += refusal == "closed"
+                if refusal in ("auth", "mechanism") or (refusal == "closed" and (
+                        self._auth_token is not None or closed >= HANDSHAKES_FAILED)):
                     break
             self._reset()
             if refusal == "auth":

@@ -18,8 +18,9 @@ Semantics, and why:
 * **Bounded stall.** The L2 calls of a lookup run on one reader thread; the request loop
   waits for them at most ``timeout_s`` (default 1 s; keep it below the connector's
   ``timeout_s``, 2 s by default). A lookup that L1 answers in full never touches L2 nor
-  waits for another lookup's promotion; one that needs L2 while another promotes waits for
-  it at most ``timeout_s``, then answers from L1 (counted ``skipped``). Past that the lookup is answered from what L1 holds
+  waits for another lookup's promotion: promotions queue on the reader, each lookup that
+  needs one is answered at most ``timeout_s`` after it arrived, and the request worker
+  that holds it answers other requests meanwhile (:meth:`L2Tier.begin_promote`). Past that the lookup is answered from what L1 holds
   then (objects already verified are kept, so the next lookup fetches only the rest). While
   the reader is still busy with an abandoned promotion, lookups skip L2. After an L2 error,
   L2 is skipped for ``retry_after_s``. Every L2 error or timeout is a miss, never a stall
@@ -55,7 +56,6 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlparse
@@ -177,6 +177,18 @@ class L2Counters:
     errors: dict[str, int] = field(default_factory=lambda: collections.defaultdict(int))
 
 
+@dataclass
+class Promotion:
+    """One lookup's promotion (:meth:`L2Tier.begin_promote`)."""
+
+    store: ObjectStore
+    l1_depth: int  # the depth L1 alone had
+    future: Future[Any] | None = None  # the reader's job; None: nothing to wait for
+    deadline: float = 0.0  # time.monotonic() past which the lookup is answered from L1
+    results: list[Fetched] = field(default_factory=list)  # verified objects, appended by the reader
+    cancel: threading.Event = field(default_factory=threading.Event)
+
+
 class L2Tier:
     """The L2 tier of one server: a reader thread (promotions) and a writer thread
     (write-through and clears), each with its own client, both bounded by timeouts."""
@@ -186,14 +198,13 @@ class L2Tier:
             raise L2ConfigError("the L2 tier needs the servers' shared secret (--l2-secret-file)")
         self.config = config
         self._mac_key = mac_key(config.secret)
-        self._promoting = threading.Lock()  # one promotion at a time: the reader is one thread
         self.counters = L2Counters()
         self._observe = observe or (lambda op, seconds: None)
         self._lock = threading.Lock()
         self._down_until = 0.0
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="glm-l2-reader")
         self._reader_client: Any = None
-        self._pending: Future[Any] | None = None
+        self._abandoned: Future[Any] | None = None  # a promotion past its deadline still running
         self._queue: collections.deque[tuple[str, Any]] = collections.deque()
         self._queue_bytes = 0
         self._queue_cv = threading.Condition(self._lock)
@@ -397,12 +408,27 @@ class L2Tier:
     def promote(self, store: ObjectStore, namespace: str, hashes: Sequence[bytes], attn_groups: Sequence[int],
                 state_groups: Sequence[int], world_size: int, start_chunk: int,
                 replicated_groups: Sequence[int]) -> tuple[int, bool]:
-        """Make L1 hold the deepest resume point that L1 and L2 hold together, within the
-        deadline; called by the request loop before it answers a lookup from L1. Returns the
-        depth L1 alone had and whether L2 was consulted (see :meth:`count_answer`).
+        """:meth:`begin_promote`, wait for it (at most its deadline), :meth:`finish_promote`."""
+        promotion = self.begin_promote(store, namespace, hashes, attn_groups, state_groups, world_size, start_chunk,
+                                       replicated_groups)
+        if promotion.future is not None:
+            try:
+                promotion.future.result(timeout=max(0.0, promotion.deadline - time.monotonic()))
+            except Exception:  # noqa: BLE001 - FutureTimeout, or the job's failure: finish_promote tells
+                pass
+        return self.finish_promote(promotion)
 
-        A lookup L1 answers in full returns before any lock of the tier; one that needs L2
-        waits for another lookup's promotion at most ``timeout_s``, then skips L2."""
+    def begin_promote(self, store: ObjectStore, namespace: str, hashes: Sequence[bytes],
+                      attn_groups: Sequence[int], state_groups: Sequence[int], world_size: int, start_chunk: int,
+                      replicated_groups: Sequence[int]) -> Promotion:
+        """Start making L1 hold the deepest resume point that L1 and L2 hold together; never
+        blocks. The caller answers its lookup from L1 after :meth:`finish_promote`, which it
+        calls once ``future`` is done or ``deadline`` (``timeout_s`` from now) has passed;
+        ``future`` None: nothing to wait for (L1 answers in full, or L2 is skipped).
+
+        A lookup L1 answers in full touches nothing of L2. Promotions queue on the one
+        reader thread, each within its own deadline, so a lookup waits for L2 only when it
+        needs L2, and never past ``timeout_s``."""
         replicated = frozenset(replicated_groups)
         attn_ranks = group_ranks(attn_groups, world_size, replicated)
         state_ranks = group_ranks(state_groups, world_size, replicated)
@@ -412,52 +438,45 @@ class L2Tier:
         l1_depth = resume_depth(start_chunk, n, lambda i: all(k in store for k in attn[i]),
                                 (lambda i: all(k in store for k in state[i])) if state_groups else None)
         if l1_depth == n or n <= start_chunk:
-            return l1_depth, False
-        if not self._promoting.acquire(timeout=self.config.timeout_s):
-            with self._lock:
-                self.counters.skipped += 1
-            return l1_depth, False
-        try:
-            return self._promote_locked(store, namespace, attn, state, l1_depth, start_chunk, n, bool(state_groups))
-        finally:
-            self._promoting.release()
-
-    def _promote_locked(self, store: ObjectStore, namespace: str, attn: dict[int, list[StoreKey]],
-                        state: dict[int, list[StoreKey]], l1_depth: int, start_chunk: int, n: int,
-                        with_state: bool) -> tuple[int, bool]:
-        """:meth:`promote` past L1, holding the promotion lock."""
+            return Promotion(store, l1_depth)
         with self._lock:
-            skip = (time.monotonic() < self._down_until or (self._pending is not None and not self._pending.done())
+            skip = (time.monotonic() < self._down_until or (self._abandoned is not None and not self._abandoned.done())
                     or self._clearing[None] or self._clearing[namespace_tag(namespace)])
             if skip:
                 self.counters.skipped += 1
-                return l1_depth, False
+                return Promotion(store, l1_depth)
             self.counters.lookups += 1
         absent = [k for i in range(start_chunk, n) for k in (*attn[i], *state[i]) if k not in store]
-        results: list[Fetched] = []
-        cancel = threading.Event()
-        future = self._reader.submit(self._fetch_prefix, absent, attn, state, start_chunk, n, with_state,
-                                     store, results, cancel)
-        self._pending = future
-        deadline_hit = False
-        try:
-            future.result(timeout=self.config.timeout_s)
-        except FutureTimeout:
-            deadline_hit = True
-            cancel.set()
+        promotion = Promotion(store, l1_depth, deadline=time.monotonic() + self.config.timeout_s)
+        promotion.future = self._reader.submit(self._fetch_prefix, absent, attn, state, start_chunk, n,
+                                               bool(state_groups), store, promotion.results, promotion.cancel)
+        return promotion
+
+    def finish_promote(self, promotion: Promotion) -> tuple[int, bool]:
+        """Put into L1 what ``promotion`` verified (all of it, or what it had at its deadline);
+        returns the depth L1 alone had and whether L2 was consulted (see :meth:`count_answer`)."""
+        future = promotion.future
+        if future is None:
+            return promotion.l1_depth, False
+        deadline_hit = not future.done()
+        if deadline_hit:
+            promotion.cancel.set()
+            if not future.cancel():  # running: lookups skip L2 until the reader is free again
+                with self._lock:
+                    self._abandoned = future
             self._error("timeout", f"promotion past the {self.config.timeout_s:.1f}s deadline")
-        except Exception as e:  # noqa: BLE001 - the job reports store errors itself; anything else is a miss
-            self._error(self._kind(e), e)
+        elif not future.cancelled() and future.exception() is not None:  # the job reports store errors itself
+            self._error(self._kind(future.exception()), future.exception())
         with self._lock:
-            got = list(results)  # what was verified before the deadline
+            got = list(promotion.results)  # what was verified before the deadline
             if deadline_hit:
                 self.counters.timeouts += 1
         for key, payload, checksum, prev, parent in got:
-            if store.put(key, payload, prev, checksum, parent) == p.PutResult.STORED:
+            if promotion.store.put(key, payload, prev, checksum, parent) == p.PutResult.STORED:
                 with self._lock:
                     self.counters.promoted_objects += 1
                     self.counters.promoted_bytes += payload.nbytes
-        return l1_depth, True
+        return promotion.l1_depth, True
 
     def count_answer(self, l1_depth: int, answered: int, consulted: bool) -> None:
         """Count a lookup that consulted L2 as a hit (answered deeper than L1 alone) or a miss."""

@@ -23,7 +23,9 @@ import signal
 import threading
 import time
 from collections import OrderedDict
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
@@ -33,6 +35,9 @@ from cache_server.config import ServerConfig
 from cache_server.metrics import ServerMetrics
 from cache_server.shm import GetRegion, SegmentTable, SizedSpan, owned_copy, put_spans
 from cache_server.store import UNKNOWN_PARENT, Layout, ObjectStore
+
+if TYPE_CHECKING:
+    from cache_server.l2 import Promotion
 
 logger = logging.getLogger("glm_cache_server")
 
@@ -146,65 +151,130 @@ class CacheServer:
                 logger.exception("proxy stopped")
 
     def _work(self, where: str) -> None:
-        """One worker: take a request from the proxy, answer it, until :meth:`stop`."""
+        """One worker: take a request from the proxy, answer it, until :meth:`stop`.
+
+        The proxy hands requests to the workers round-robin, whether they are busy or not,
+        so a worker must never sit on one request: a lookup waiting for an L2 promotion is
+        put aside (its promotion's completion wakes the worker through a pipe) and answered
+        when the promotion is done or at its deadline, while the worker answers the
+        requests that come after it."""
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(where)
+        wake_r, wake_w = os.pipe()
+        os.set_blocking(wake_r, False)
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(wake_r, zmq.POLLIN)
+        waiting: list[tuple[zmq.Frame, _Waiting]] = []
+
+        def wake(_future: Any) -> None:
+            try:
+                os.write(wake_w, b"\0")
+            except OSError:  # the worker has stopped
+                pass
+
+        def send(identity: zmq.Frame, reply: list[Any]) -> None:
+            try:
+                sock.send_multipart([identity, *reply], copy=False)
+            except zmq.ZMQError as e:  # the peer vanished; nothing to answer
+                logger.debug("reply dropped: %s", e)
+
         try:
             while not self._stop.is_set():
-                if not sock.poll(100):
-                    continue
-                frames = sock.recv_multipart(copy=False)
-                identity, request = frames[0], frames[1:]
-                reply = self.handle(request, client=identity.bytes)
-                try:
-                    sock.send_multipart([identity, *reply], copy=False)
-                except zmq.ZMQError as e:  # the peer vanished; nothing to answer
-                    logger.debug("reply dropped: %s", e)
+                timeout_ms = 100
+                if waiting:
+                    first = min(w.deadline for _, w in waiting)
+                    timeout_ms = max(0, min(100, int((first - time.monotonic()) * 1000) + 1))
+                ready = dict(poller.poll(timeout_ms))
+                if wake_r in ready:
+                    while True:
+                        try:
+                            if not os.read(wake_r, 4096):
+                                break
+                        except BlockingIOError:
+                            break
+                if sock in ready:
+                    frames = sock.recv_multipart(copy=False)
+                    identity, request = frames[0], frames[1:]
+                    out = self._handle(request, client=identity.bytes)
+                    if isinstance(out, _Waiting):
+                        waiting.append((identity, out))
+                        out.future.add_done_callback(wake)
+                    else:
+                        send(identity, out)
+                for item in [x for x in waiting if x[1].ready()]:
+                    waiting.remove(item)
+                    send(item[0], item[1].answer())
         finally:
             sock.close(linger=0)
+            os.close(wake_r)
+            os.close(wake_w)
 
     def stop(self) -> None:
         self._stop.set()
 
     def handle(self, frames: list[Any], client: bytes | None = None) -> list[Any]:
         """Turn one request (header frame + payload frames) into reply frames. Never raises.
-        ``client`` is the sender's ZMQ identity, which the per-client lease cap counts by."""
-        start = time.perf_counter()
-        request_id: Any = None
-        op = "invalid"
+        ``client`` is the sender's ZMQ identity, which the per-client lease cap counts by.
+        A lookup that waits for L2 is waited for here (the worker loop does not wait: it
+        uses :meth:`_handle`)."""
+        out = self._handle(frames, client)
+        if isinstance(out, _Waiting):
+            out.wait()
+            out = out.answer()
+        return out
+
+    def _handle(self, frames: list[Any], client: bytes | None = None) -> list[Any] | _Waiting:
+        """:meth:`handle`, except that a lookup waiting for an L2 promotion comes back as a
+        :class:`_Waiting`, to be answered once it is ready."""
+        request = _Request(time.perf_counter())
         self._local.client = client
-        try:
+
+        def run() -> tuple[dict[str, Any], list[Any]] | _Later:
             if not frames:
                 raise p.ProtocolError(p.ErrorCode.BAD_REQUEST, "empty message")
             refusal = self._size_refusal(frames)
             if refusal is not None:
-                request_id = p.peek_request_id(_buffer(frames[0]))
+                request.id = p.peek_request_id(_buffer(frames[0]))
                 raise refusal
             header = p.unpack_header(_buffer(frames[0]), self.config.max_header_bytes)
-            request_id = header.get("id")
+            request.id = header.get("id")
             self._authenticate(header)
             op_field = p.field(header, "op", str)
             handler = self._handlers.get(op_field)
             if handler is None:
                 raise p.ProtocolError(p.ErrorCode.UNKNOWN_OP,
                                       f"unknown op {op_field[:64]!r}; expected one of {', '.join(p.OPS)}")
-            op = op_field
-            if op == self._die_on:  # debug fault hook: die mid-request, as kill -9 would
+            request.op = op_field
+            if request.op == self._die_on:  # debug fault hook: die mid-request, as kill -9 would
                 os.kill(os.getpid(), signal.SIGKILL)
-            reply_header, payloads = handler(header, [_buffer(f) for f in frames[1:]])
-            reply_header.update(ok=True, id=request_id if isinstance(request_id, int) else None)
+            return handler(header, [_buffer(f) for f in frames[1:]])
+
+        out = self._answer(request, frames, run)
+        return _Waiting(self, request, frames, out) if isinstance(out, _Later) else out
+
+    def _answer(self, request: _Request, frames: list[Any],
+                produce: Callable[[], tuple[dict[str, Any], list[Any]] | _Later]) -> list[Any] | _Later:
+        """The reply frames of what ``produce`` answers (an error reply for what it raises),
+        or the :class:`_Later` it returns."""
+        try:
+            result = produce()
+            if isinstance(result, _Later):
+                return result
+            reply_header, payloads = result
+            reply_header.update(ok=True, id=request.id if isinstance(request.id, int) else None)
             out = [p.pack_header(reply_header), *payloads]
         except p.ProtocolError as e:
-            if request_id is None and frames:  # refused unparsed: still answer the client's id
-                request_id = p.peek_request_id(_buffer(frames[0]))
+            if request.id is None and frames:  # refused unparsed: still answer the client's id
+                request.id = p.peek_request_id(_buffer(frames[0]))
             self.metrics.errors.labels(code=e.code.value).inc()
-            out = [p.pack_header(p.error_reply(request_id, e.code, e.message))]
+            out = [p.pack_header(p.error_reply(request.id, e.code, e.message))]
         except Exception as e:  # a bug must cost one request, never the server
-            logger.exception("internal error handling %s", op)
+            logger.exception("internal error handling %s", request.op)
             self.metrics.errors.labels(code=p.ErrorCode.INTERNAL.value).inc()
-            out = [p.pack_header(p.error_reply(request_id, p.ErrorCode.INTERNAL, f"{type(e).__name__}: {e}"))]
-        self.metrics.requests.labels(op=op).observe(time.perf_counter() - start)
+            out = [p.pack_header(p.error_reply(request.id, p.ErrorCode.INTERNAL, f"{type(e).__name__}: {e}"))]
+        self.metrics.requests.labels(op=request.op).observe(time.perf_counter() - request.start)
         return out
 
     def _authenticate(self, header: dict[str, Any]) -> None:
@@ -326,22 +396,32 @@ class CacheServer:
         replicated = p.group_list(h, "replicated_groups") if "replicated_groups" in h else []
         if not set(replicated) <= {*attn, *state}:
             raise p.ProtocolError(p.ErrorCode.BAD_REQUEST, "replicated_groups must be among attn_groups and state_groups")
-        if self.l2 is not None:  # promote what L2 adds to L1's answer, within the L2 deadline
-            # No lock here: a lookup that L1 answers in full must not wait behind another's L2
-            # round trip (the tier serialises only the promotions themselves).
-            l1_depth, consulted = self.l2.promote(self.store, ns, hashes, attn, state, world_size, start,
-                                                  replicated)
-        chunks, lease_id = self.store.lookup(ns, hashes, attn, state, world_size, start, lease, owner=self._client,
-                                             replicated_groups=replicated)
-        if self.l2 is not None:
-            self.l2.count_answer(l1_depth, chunks, consulted)
-        if lease and chunks and lease_id is None:  # its objects alone are over the leased-bytes cap
-            self.metrics.limit_refusals.labels(limit="leased_bytes").inc()
-        reply: dict[str, Any] = {"chunks": chunks, "lease_id": lease_id}
-        if p.field(h, "held", bool, default=False):  # only when asked: a client that does not ask never sees it
-            reply["held"], reply["start_state"] = self.store.held(ns, hashes, attn, state, world_size, start,
-                                                                  replicated)
-        return reply, []
+        held = p.field(h, "held", bool, default=False)
+        owner = self._client
+
+        def answer(l1_depth: int = 0, consulted: bool = False) -> tuple[dict[str, Any], list[Any]]:
+            chunks, lease_id = self.store.lookup(ns, hashes, attn, state, world_size, start, lease, owner=owner,
+                                                 replicated_groups=replicated)
+            if self.l2 is not None:
+                self.l2.count_answer(l1_depth, chunks, consulted)
+            if lease and chunks and lease_id is None:  # its objects alone are over the leased-bytes cap
+                self.metrics.limit_refusals.labels(limit="leased_bytes").inc()
+            reply: dict[str, Any] = {"chunks": chunks, "lease_id": lease_id}
+            if held:  # only when asked: a client that does not ask never sees it
+                reply["held"], reply["start_state"] = self.store.held(ns, hashes, attn, state, world_size, start,
+                                                                      replicated)
+            return reply, []
+
+        if self.l2 is None:
+            return answer()
+        # Promote what L2 adds to L1's answer, within the L2 deadline. A lookup that L1 answers
+        # in full gets no promotion and is answered now; one that needs L2 is answered when its
+        # promotion is done, and its worker serves other requests meanwhile (_work).
+        promotion = self.l2.begin_promote(self.store, ns, hashes, attn, state, world_size, start, replicated)
+        tier = self.l2
+        if promotion.future is None:
+            return answer(*tier.finish_promote(promotion))
+        return _Later(promotion, lambda: answer(*tier.finish_promote(promotion)))
 
     def _get(self, h: dict[str, Any], _: list[memoryview]) -> tuple[dict[str, Any], list[Any]]:
         ns = p.field(h, "ns", str)
@@ -517,6 +597,50 @@ class CacheServer:
         if self.l2 is not None:
             status["l2"] = self.l2.snapshot()
         return status
+
+
+@dataclass
+class _Request:
+    """What the reply to a request needs of it while it is being answered."""
+
+    start: float  # time.perf_counter() at arrival
+    id: Any = None
+    op: str = "invalid"
+
+
+@dataclass
+class _Later:
+    """A handler's answer that waits for an L2 promotion: ``finish`` answers once it is ready."""
+
+    promotion: Promotion
+    finish: Callable[[], tuple[dict[str, Any], list[Any]]]
+
+
+class _Waiting:
+    """A request whose reply waits for an L2 promotion (the promotion's future, done or not
+    by its deadline)."""
+
+    def __init__(self, server: CacheServer, request: _Request, frames: list[Any], later: _Later) -> None:
+        self._server, self._request, self._frames, self._later = server, request, frames, later
+        assert later.promotion.future is not None
+        self.future = later.promotion.future
+        self.deadline = later.promotion.deadline
+
+    def ready(self) -> bool:
+        return self.future.done() or time.monotonic() >= self.deadline
+
+    def wait(self) -> None:
+        """Block until :meth:`ready`."""
+        try:
+            self.future.result(timeout=max(0.0, self.deadline - time.monotonic()))
+        except Exception:  # noqa: BLE001 - a timeout, or the job's failure: the tier counts it at finish
+            pass
+
+    def answer(self) -> list[Any]:
+        """The reply frames, now."""
+        out = self._server._answer(self._request, self._frames, self._later.finish)
+        assert not isinstance(out, _Later)
+        return out
 
 
 def _make_l2(config: ServerConfig, metrics: ServerMetrics) -> Any:

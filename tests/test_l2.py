@@ -4,6 +4,7 @@ server processes: two servers are two hosts with separate L1s sharing one L2."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import threading
 import time
@@ -415,3 +416,91 @@ def test_cluster_nodes_get_ports_whose_bus_port_exists(monkeypatch):
         assert plain.ports == [60001, 58000]
     finally:
         plain.stop()
+
+
+def test_the_store_password_and_the_l2_secret_never_reach_the_log_or_status(cluster):
+    """A user and password the store refuses: the server logs the L2 errors it causes and
+    shows L2 in /status, never the password nor the L2 secret."""
+    password = "hunter2-Pa55word"
+    url = cluster.url.replace("://", f"://glm:{password}@", 1)
+    with ServerProcess("--separate-object-groups", "--chunk-size", "16", *l2_args(url + "?retry_after_s=0")) as a:
+        c = _client(a)
+        hashes = _hashes(2, seed=40)
+        assert set(c.put(NS, _objects(hashes))) == {"stored"}
+        assert c.lookup(NS, [*hashes, *_hashes(1, seed=41)], [ATTN], [STATE])[0] == 2
+        deadline = time.monotonic() + 10
+        while sum(c.stats()["l2"]["errors"].values()) < 1:  # the store refused the password: logged
+            assert time.monotonic() < deadline, c.stats()["l2"]
+            time.sleep(0.05)
+        status = urllib.request.urlopen(a.http_url + "/status", timeout=5).read().decode()
+        log = a.log()
+    assert "L2 on redis+cluster://glm:***@" in log and re.search(r"L2 \w+ error", log), log
+    assert password not in log and password not in status and ":***@" in status
+    assert L2_SECRET not in log and L2_SECRET not in status
+
+
+def test_an_l1_complete_lookup_never_waits_for_another_lookups_promotion(cluster):
+    """B promotes one prefix from L2, held for a second between EXISTS and GET (a debug
+    delay, as a slow store would); meanwhile lookups of a prefix B's L1 holds in full, from
+    another client, are answered in milliseconds: they wait neither for a lock nor behind
+    the promotion on the worker it arrived at (the proxy deals requests round-robin)."""
+    slow, resident = _hashes(3, seed=50), _hashes(3, seed=51)
+    slow_items, resident_items = _objects(slow), _objects(resident)
+    with _server(cluster) as a, _server(cluster, "--debug-fault-hooks",
+                                         query="?timeout_s=3&debug_promote_delay_s=1.0") as b:
+        _store_through(a, slow_items)
+        cb, other = _client(b), _client(b)
+        assert set(other.put(NS, resident_items)) == {"stored"}
+        assert other.lookup(NS, resident, [ATTN], [STATE], lease=False)[0] == 3  # warm
+        promoted: list[float] = []
+
+        def promote() -> None:
+            t0 = time.perf_counter()
+            assert cb.lookup(NS, slow, [ATTN], [STATE], lease=False)[0] == 3
+            promoted.append(time.perf_counter() - t0)
+
+        thread = threading.Thread(target=promote)
+        thread.start()
+        time.sleep(0.2)  # the promotion is under way (EXISTS done, sleeping before GET)
+        l1_ms = []
+        while thread.is_alive() and len(l1_ms) < 50:
+            t0 = time.perf_counter()
+            assert other.lookup(NS, resident, [ATTN], [STATE], lease=False)[0] == 3
+            l1_ms.append((time.perf_counter() - t0) * 1000)
+            time.sleep(0.01)
+        thread.join()
+        l2 = cb.stats()["l2"]
+    print(f"promotion {promoted[0] * 1000:.0f} ms; {len(l1_ms)} L1-complete lookups meanwhile: "
+          f"median {sorted(l1_ms)[len(l1_ms) // 2]:.2f} ms, max {max(l1_ms):.2f} ms")
+    assert promoted[0] >= 1.0 and l2["promoted_objects"] == len(slow_items) and l2["hits"] == 1
+    assert len(l1_ms) >= 10 and max(l1_ms) < 100, l1_ms  # without the fix each waits out the promotion: ~800 ms
+    assert sorted(l1_ms)[len(l1_ms) // 2] < 10
+
+
+def test_concurrent_promotions_queue_each_within_its_deadline(cluster):
+    """Two lookups that both need L2 at once (two clients, two prefixes, each promotion held
+    a second): the second queues behind the first on the reader instead of skipping L2, and
+    both are answered in full within their own deadline."""
+    prefixes = [_hashes(3, seed=60), _hashes(3, seed=61)]
+    with _server(cluster) as a, _server(cluster, "--debug-fault-hooks",
+                                         query="?timeout_s=3&debug_promote_delay_s=1.0") as b:
+        for hashes in prefixes:
+            _store_through(a, _objects(hashes))
+        clients = [_client(b), _client(b)]
+        answers: dict[int, tuple[int, float]] = {}
+
+        def lookup(i: int) -> None:
+            t0 = time.perf_counter()
+            answers[i] = (clients[i].lookup(NS, prefixes[i], [ATTN], [STATE], lease=False)[0],
+                          time.perf_counter() - t0)
+
+        threads = [threading.Thread(target=lookup, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+            time.sleep(0.05)
+        for t in threads:
+            t.join()
+        l2 = clients[0].stats()["l2"]
+    assert answers[0][0] == answers[1][0] == 3, answers
+    assert (l2["lookups"], l2["hits"], l2["skipped"], l2["timeouts"]) == (2, 2, 0, 0), l2
+    assert 1.0 <= answers[0][1] < 2.0 and 2.0 <= answers[1][1] < 3.0, answers  # one after the other
