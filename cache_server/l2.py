@@ -20,7 +20,8 @@ Semantics, and why:
   ``timeout_s``, 2 s by default). A lookup that L1 answers in full never touches L2 nor
   waits for another lookup's promotion: promotions queue on the reader, each lookup that
   needs one is answered at most ``timeout_s`` after it arrived, and the request worker
-  that holds it answers other requests meanwhile (:meth:`L2Tier.begin_promote`). Past that the lookup is answered from what L1 holds
+  that holds it answers other requests meanwhile (:meth:`L2Tier.begin_promote`). Past
+  that the lookup is answered from what L1 holds
   then (objects already verified are kept, so the next lookup fetches only the rest). While
   the reader is still busy with an abandoned promotion, lookups skip L2. After an L2 error,
   L2 is skipped for ``retry_after_s``. Every L2 error or timeout is a miss, never a stall
