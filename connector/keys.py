@@ -107,14 +107,20 @@ def chunk_hashes(token_ids: Sequence[int], chunk_size: int, cache_salt: str | No
     return extend_chunk_hashes([], token_ids, chunk_size, cache_salt)
 
 
+_GRID_TAG = b"glm-cache-grid:"
+
+
 def block_hash_keys(block_hashes: Sequence[bytes], chunk_size: int, span: int, start: int,
                     n_chunks: int) -> list[bytes]:
     """``chunk_keys: vllm``: the keys of chunks ``start`` up to ``n_chunks`` (as far as
-    vLLM has hashed), each vLLM's block hash at the chunk's end (``span`` tokens per block
-    hash, dividing ``chunk_size``)."""
+    vLLM has hashed), from vLLM's block hash at each chunk's end (``span`` tokens per block
+    hash, dividing ``chunk_size``). vLLM's hash names a position, not a chunk: the key binds
+    it to the chunk size, so chunks of two grids ending at one token never share a key
+    (engines or servers of different chunk sizes never load each other's objects)."""
     per_chunk = chunk_size // span
     end = min(n_chunks, len(block_hashes) // per_chunk)
-    return [bytes(block_hashes[(k + 1) * per_chunk - 1]) for k in range(start, end)]
+    grid = _GRID_TAG + chunk_size.to_bytes(4, "big")
+    return [blake3(grid + block_hashes[(k + 1) * per_chunk - 1]).digest() for k in range(start, end)]
 
 
 def parent_of(hashes: list[bytes], k: int) -> bytes | None:

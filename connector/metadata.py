@@ -34,8 +34,12 @@ class ObjectMove:
 
 @dataclass
 class LoadJob:
+    """The objects of one request's hit. ``refused`` (the hit cannot be loaded as
+    planned): the worker loads nothing and reports the load failed, so vLLM recomputes."""
+
     req_id: str
     objects: list[ObjectMove]
+    refused: str | None = None
 
 
 @dataclass

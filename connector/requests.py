@@ -24,6 +24,7 @@ class Hit:
     local_tokens: int
     held: int = 0  # attention chunks [0, held) the server already holds (all groups, ranks)
     start_state: bool = False  # the server holds the states at chunk start_chunk - 1
+    chunk_size: int = 0  # the grid the hit is in
 
 
 @dataclass

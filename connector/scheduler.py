@@ -114,10 +114,13 @@ class SchedulerSide:
         self._geometry = self._geometry.with_chunk_size(int(hello["chunk_size"]))
         self.remote.link.hello = hello
         self.namespace = self._fingerprint
-        if self._geometry != self._logged_geometry:  # once, unless a new server differs
+        previous = self._logged_geometry
+        if self._geometry != previous:  # once, unless a new server differs
             logger.info("%s", self._geometry.log_line())
             self._warn_if_chunk_exceeds_block()
             self._logged_geometry = self._geometry
+            if previous is not None and previous.chunk_size != self._geometry.chunk_size:
+                self._change_grid(previous.chunk_size)
         logger.info(
             "GlmCacheConnector: server %s, namespace %s, state groups %s, attention groups %s",
             self._url,
@@ -125,6 +128,21 @@ class SchedulerSide:
             [g.group_id for g in self._geometry.state_groups],
             [g.group_id for g in self._geometry.attn_groups],
         )
+
+    def _change_grid(self, old_chunk: int) -> None:
+        """A server that came back with another chunk size: what requests under way saved
+        or planned counts chunks of the old grid. Their saves start again from chunk 0
+        under the new grid's keys (keys name their grid: an old-grid save can never land
+        under a new-grid key), and saves planned but not yet sent are dropped."""
+        C = self._geometry.chunk_size
+        logger.warning(
+            "GlmCacheConnector: glm-cache-server %s now negotiates chunk size %d (was %d): requests "
+            "under way save again from their first chunk under the new grid", self._url, C, old_chunk,
+        )
+        for state in self._requests.values():
+            state.saved_chunks = state.state_chunk = state.save_retries = 0
+            state.resave_at, state.saves_given_up = 0.0, False  # a new server, a new count
+        self._pending_saves = []
 
     def _warn_if_chunk_exceeds_block(self) -> None:
         """A chunk longer than vLLM's block needs state snapshots vLLM does not keep by
@@ -279,7 +297,7 @@ class SchedulerSide:
                     num_computed_tokens: int) -> tuple[int, bool]:
         C = self._geometry.chunk_size
         n = answer.chunks
-        state.hit = Hit(start, n, num_computed_tokens, answer.held_chunks(start), answer.start_state)
+        state.hit = Hit(start, n, num_computed_tokens, answer.held_chunks(start), answer.start_state, C)
         if n * C <= num_computed_tokens:
             self._drop_lease(state)
             return 0, False
@@ -340,17 +358,32 @@ class SchedulerSide:
             self._pending_saves.extend(self._saves.local_state_resave(state, blocks, hit))
             return
         resume = hit.local_tokens + num_external_tokens
-        if resume != hit.end_chunk * C:
-            # The scheduler trimmed our hit (it should not): load nothing, recompute.
-            logger.warning("GlmCacheConnector: %s external tokens changed; not loading", request.request_id)
+        job = self._load_job(state, blocks, hit, resume)
+        state.load_in_flight = True
+        self._pending_loads.append(job)
+        if job.refused is not None:
+            # vLLM now waits for this load: the worker reports it failed and vLLM
+            # recomputes the request (nothing planned for it is loaded).
+            logger.warning("GlmCacheConnector: %s: not loading (%s); recomputing", request.request_id, job.refused)
             self._drop_lease(state)
             return
-        job = LoadJob(request.request_id, self._load_moves(state, blocks, hit))
         state.loaded_tokens = resume
         state.saved_chunks = max(state.saved_chunks, hit.end_chunk)
         state.state_chunk = max(state.state_chunk, hit.end_chunk)
-        self._pending_loads.append(job)
-        state.load_in_flight = True
+
+    def _load_job(self, state: RequestState, blocks: KVCacheBlocks, hit: Hit, resume: int) -> LoadJob:
+        """The load of ``hit``, or a refused one where it cannot be loaded as planned."""
+        req_id = state.request.request_id
+        C = self._geometry.chunk_size
+        if hit.chunk_size != C:
+            return LoadJob(req_id, [], refused=f"the hit is in chunks of {hit.chunk_size}, the server's are now {C}")
+        if resume != hit.end_chunk * C:
+            return LoadJob(req_id, [], refused=f"vLLM took {resume - hit.local_tokens} external tokens, not "
+                                               f"{hit.end_chunk * C - hit.local_tokens}")
+        try:
+            return LoadJob(req_id, self._load_moves(state, blocks, hit))
+        except (LookupError, ValueError) as e:
+            return LoadJob(req_id, [], refused=str(e))
 
     def _load_moves(self, state: RequestState, blocks: KVCacheBlocks, hit: Hit) -> list[ObjectMove]:
         """The hit's objects and the blocks they go to: attention for the chunks beyond
@@ -372,9 +405,7 @@ class SchedulerSide:
         for g in self._geometry.state_groups:
             blk = blocks.blocks[g.group_id][resume_block // g.block_size - 1]
             if blk.is_null:
-                raise RuntimeError(
-                    f"no state block allocated at position {resume_block} for group {g.group_id}"
-                )
+                raise LookupError(f"no state block allocated at position {resume_block} for group {g.group_id}")
             moves.append(ObjectMove(hashes[hit.end_chunk - 1], g.group_id, [blk.block_id]))
         return moves
 

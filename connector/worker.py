@@ -217,6 +217,8 @@ class WorkerSide:
                 raise RuntimeError("no usable auth_token_file")
             if self._refused_layout is not None:
                 raise RuntimeError(f"external cache disabled: {self._refused_layout}")
+            if job.refused is not None:
+                raise RuntimeError(job.refused)
             sizes = [self._pages.object_bytes(m.group_id, len(m.block_ids)) for m in moves]
             plan = batches(sizes, self._settings.batch_bytes)
             if plan:

@@ -40,18 +40,27 @@ def _answer(side, req):
     return side.get_num_new_matched_tokens(req, 0)
 
 
+def _grid_key(block_hash: bytes, chunk: int) -> bytes:
+    from blake3 import blake3
+
+    return blake3(b"glm-cache-grid:" + chunk.to_bytes(4, "big") + block_hash).digest()
+
+
 def test_keys_are_vllms_block_hashes_at_chunk_ends(sides):
-    """Chunk k's key is vLLM's block hash at token (k+1)*C, with blocks of any span that
-    divides the chunk; the same as vllm_chunk_keys computes outside the engine."""
+    """Chunk k's key is vLLM's block hash at token (k+1)*C bound to the chunk size C, with
+    blocks of any span that divides the chunk; the same as vllm_chunk_keys computes
+    outside the engine."""
     for span in (C, C // 4):
         side = sides(hash_block=span)
         assert side.keys.scheme.span is not None and side.keys.scheme.span == span
         req = request(f"r{span}", PROMPT, "salt", hash_block=span)
         per_chunk = C // span
-        expected = [req.block_hashes[(k + 1) * per_chunk - 1] for k in range(3)]
+        expected = [_grid_key(req.block_hashes[(k + 1) * per_chunk - 1], C) for k in range(3)]
         assert side.request_keys(req, 3) == expected
         assert expected == vllm_chunk_keys(PROMPT, C, span, "salt")
         assert expected != chunk_hashes(PROMPT, C, "salt")  # not the token chain
+    # Chunks of another grid that end at the same token share no key.
+    assert vllm_chunk_keys(PROMPT, 2 * C, C, "salt")[0] != vllm_chunk_keys(PROMPT, C, C, "salt")[1]
     # The salt is in vLLM's hash: another salt shares no key.
     other = sides().request_keys(request("o", PROMPT, "another", hash_block=C), 3)
     assert not set(other) & set(vllm_chunk_keys(PROMPT, C, C, "salt"))
