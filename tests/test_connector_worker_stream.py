@@ -370,3 +370,21 @@ def test_a_byte_flipped_in_the_shared_memory_region_fails_the_load_and_reaches_n
     with CacheClient(server.url) as cli:
         got = cli.get(NS, [(_hash(k), ATTN, 0) for k in range(chunks)])
         assert got[1] is None and bytes(got[0]) == _attn_object(0) and bytes(got[2]) == _attn_object(2)
+
+
+def test_a_refused_load_writes_nothing_and_fails_the_request(server):
+    """A hit the scheduler side cannot load as planned is sent as a refused job: the worker
+    moves no byte and reports the load failed, so vLLM recomputes the request."""
+    chunks = 3
+    _populate(server.url, chunks)
+    w, buf = _worker(server.url)
+    try:
+        before = buf.clone()
+        job = _load_job(chunks)
+        job.refused = "no state block allocated at position 768"
+        w.start_load_kv(GlmConnectorMetadata(namespace=NS, loads=[job]))
+        assert _wait_load(w, "req-1") is False
+        assert torch.equal(buf, before)
+    finally:
+        w.shutdown()
+    assert w.stats["load_failures"] == 1 and w.stats.get("loaded_objects", 0) == 0
