@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cache_server import protocol as p  # noqa: E402
 from cache_server.l2 import L2Config, L2Tier  # noqa: E402
-from cache_server.l2_values import decode_value, encode_value  # noqa: E402
+from cache_server.l2_values import decode_value, encode_value, mac_key  # noqa: E402
 from testing.redis_nodes import RedisNodes  # noqa: E402
 from testing.server_process import free_port  # noqa: E402
 
@@ -37,14 +37,16 @@ SIZES_MB = (13, 40)
 
 def bench_redis(nodes: RedisNodes, repeats: int) -> dict[int, tuple[float, float]]:
     """size -> (GB/s of a raw GET, GB/s of a verified L2 fetch)."""
-    tier = L2Tier(L2Config.from_url(nodes.url))
+    secret = os.urandom(32).hex().encode()  # what --l2-secret-file holds
+    tier = L2Tier(L2Config.from_url(nodes.url, secret=secret))
+    key_bytes = mac_key(secret)
     client = tier._make_client()
     out = {}
     for mb in SIZES_MB:
         payload = os.urandom(mb * 1_000_000)
         key = ("bench-ns", os.urandom(32), 0, 0)
         rkey = tier.redis_key(key)
-        client.set(rkey, encode_value(key, payload, p.checksum(payload), None))
+        client.set(rkey, encode_value(key, payload, p.checksum(payload, key[0], key[1:]), None, key_bytes=key_bytes))
         raw, verified = [], []
         for _ in range(repeats):
             t = time.perf_counter()
@@ -54,7 +56,7 @@ def bench_redis(nodes: RedisNodes, repeats: int) -> dict[int, tuple[float, float
             pipe = client.pipeline(transaction=False)
             pipe.get(rkey)
             (value,) = pipe.execute()
-            decoded = decode_value(key, value)
+            decoded = decode_value(key, value, key_bytes=key_bytes)
             verified.append(time.perf_counter() - t)
             assert not isinstance(decoded, str) and decoded[0] == payload
         client.delete(rkey)

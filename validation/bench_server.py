@@ -160,8 +160,8 @@ def bench_case(case: Case, tcp: CacheClient, shm: CacheClient) -> dict[str, Resu
             assert result == ["stored"], result
     for i in range(case.iters + 2):
         timed("memcpy", i, lambda: np.copyto(dst, src))
-        timed("checksum", i, lambda: p.checksum(payload))
-        timed("copy_verify", i, lambda: (np.copyto(dst, src), p.checksum(dst)))
+        timed("checksum", i, lambda: p.checksum(payload, NS, keys["tcp"][i]))
+        timed("copy_verify", i, lambda: (np.copyto(dst, src), p.checksum(dst, NS, keys["tcp"][i])))
         timed("raw_zmq_get", i, raw.get)
         for c, client in clients.items():
             got = timed(f"{c}_get", i, lambda: client.get(NS, [keys[c][i]])[0])
