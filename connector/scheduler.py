@@ -314,9 +314,12 @@ class SchedulerSide:
         self._drop_lease(state)
 
     def _discard_lookup(self, state: RequestState) -> None:
-        """Forget a request's lookup in flight; a lease it gets is released."""
+        """Forget a request's lookup in flight: one still queued is cancelled (never sent,
+        so abandoned lookups do not pile up in front of the ones still wanted); a lease one
+        already sent gets is released."""
         if state.lookup is not None and state.lookup.answered_at is None:
-            self.remote.release_when_answered(state.lookup.future)
+            if not state.lookup.future.cancel():
+                self.remote.release_when_answered(state.lookup.future)
             state.lookup = None
 
     def _cold(self, state: RequestState) -> tuple[int, bool]:

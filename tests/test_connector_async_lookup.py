@@ -235,3 +235,34 @@ def test_a_probe_hit_is_looked_up_whole_with_hashes_from_the_lookup_thread(serve
         assert c.stats()["active_leases"] == leases + 1
     assert side._requests["probe-hit"].keys == chunk_hashes(tokens, C, "probe")[:5]
     side.request_finished_all_groups(req, ([],))
+
+
+def test_lookups_given_up_on_are_never_sent():
+    """Requests whose lookups queue behind a slow one and are then given up (finished,
+    or admitted cold) have their queued lookups cancelled: the server sees only the
+    lookup that was already on the wire, so abandoned ones cannot pile up in front of
+    later requests."""
+    from testing.server_process import ServerProcess
+
+    srv = ServerProcess("--separate-object-groups", "--chunk-size", str(C), "--l1-size-gb", "1").start()
+    side = scheduler_side(srv.url, block=C, timeout_s=3.0, retry_after_s=RETRY_S, chunk_keys="lmcache")
+    try:
+        with CacheClient(srv.url) as c:
+            before = c.stats()["lookups"]
+            os.kill(srv.proc.pid, signal.SIGSTOP)  # the first lookup waits on the wire
+            try:
+                reqs = [request(f"q{i}", [i + 1, *PROMPT], "queued") for i in range(4)]
+                for r in reqs:
+                    assert side.get_num_new_matched_tokens(r, 0) == (None, False)
+                time.sleep(0.2)
+                for r in reqs[1:]:  # given up on while queued behind the first
+                    side.request_finished_all_groups(r, ([],))
+            finally:
+                os.kill(srv.proc.pid, signal.SIGCONT)
+            out, _ = _ask_until_answered(side, reqs[0])
+            assert out == (0, False)
+            time.sleep(0.3)
+            assert c.stats()["lookups"] == before + 1
+    finally:
+        side.shutdown()
+        srv.stop()
