@@ -256,6 +256,14 @@ def check_engine_config(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig)
             "--enable-prefix-caching (it also selects the align-mode state snapshots "
             "that recurrent layers need)."
         )
+    pp = getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1)
+    if pp > 1:
+        # Each stage would store its layers' objects under its own ranks while lookups
+        # and leases name the first stage's: hits would be claimed for objects nobody checked.
+        raise GeometryError(
+            f"GlmCacheConnector does not support pipeline parallelism (--pipeline-parallel-size {pp}); "
+            "use --tensor-parallel-size, or serve without --kv-transfer-config."
+        )
     from vllm.v1.kv_cache_interface import MambaSpec
 
     for gid, group in enumerate(kv_cache_config.kv_cache_groups):

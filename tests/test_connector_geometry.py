@@ -104,6 +104,15 @@ def test_state_groups_without_align_snapshots_are_refused():
         resolve_geometry(vllm, kv)
 
 
+def test_pipeline_parallel_is_refused_at_start_up():
+    """Stages would store their layers' objects under their own ranks while lookups and
+    leases name the first stage's: refused, naming the flag, rather than half served."""
+    vllm, kv = _config([_state(), _attn()], tp=2)
+    vllm.parallel_config.pipeline_parallel_size = 2
+    with pytest.raises(GeometryError, match="--pipeline-parallel-size 2"):
+        resolve_geometry(vllm, kv)
+
+
 def test_namespace_fingerprints_model_tp_and_geometry():
     def ns(**kw):
         groups = kw.pop("groups", [_state(), _attn()])
