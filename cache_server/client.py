@@ -9,52 +9,29 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import threading
 import time
-import weakref
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
 import zmq
 
 from cache_server import protocol as p
 from cache_server.auth import AUTH_FIELD, PLAIN_USERNAME
-from cache_server.shm import DATA_OFFSET, SHM_DIR, ClientSegment, align_up, boot_id
+# The errors are part of this module's API too: callers import them from here.
+from cache_server.client_errors import CLIENT_ERRORS, CacheServerError, CacheServerUnavailable, unauthorized  # noqa: F401
+from cache_server.client_shm import MIB, ClientShm, get_region, write_payloads
+from cache_server.shm import ClientSegment, align_up
 
 Payload = bytes | bytearray | memoryview
-MIB = 1 << 20
 
 logger = logging.getLogger("vllm.glm_cache_client")
 
-
-class CacheServerError(RuntimeError):
-    """The server answered with an error reply."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(f"glm-cache-server error [{code}]: {message}")
-        self.code = code
-        self.message = message
-
-
-class CacheServerUnavailable(ConnectionError):
-    """No reply within the timeout: the server is absent, dead or overloaded."""
-
-
-# What a client call raises when the server cannot serve it: an error reply, no reply in
-# time, or a socket error. Callers that serve without the cache on failure catch these.
-CLIENT_ERRORS = (CacheServerUnavailable, CacheServerError, OSError)
 
 # Handshakes that failed without a reason after which a client without a token takes the
 # server for one that wants a token: on a mechanism mismatch the side that sees it first
 # closes, and the other often learns no reason (libzmq retries every 100 ms).
 HANDSHAKES_FAILED = 3
-
-
-def unauthorized(err: BaseException) -> bool:
-    """True for the server's refusal of our token."""
-    return isinstance(err, CacheServerError) and err.code == p.ErrorCode.UNAUTHORIZED.value
 
 
 class CacheClient:
@@ -78,7 +55,7 @@ class CacheClient:
     (``"shm"`` or ``"tcp"``), :attr:`shm_refusal` why not. A payload ``get`` returns from
     shared memory is a view of a segment that no later request writes into while any view
     of that get is alive (the client uses another segment, or frames); checksums are
-    verified exactly as over TCP.
+    verified exactly as over TCP. The segments are :mod:`cache_server.client_shm`'s.
     """
 
     def __init__(self, url: str = "tcp://127.0.0.1:5555", timeout_s: float = 5.0,
@@ -86,8 +63,7 @@ class CacheClient:
                  shm: bool = True, shm_bytes: int = 64 * MIB, shm_max_bytes: int = 1024 * MIB) -> None:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
-        if shm_bytes <= DATA_OFFSET or shm_max_bytes < shm_bytes:
-            raise ValueError(f"need {DATA_OFFSET} < shm_bytes <= shm_max_bytes, got {shm_bytes}, {shm_max_bytes}")
+        self._shm = ClientShm(url, shm, shm_bytes, shm_max_bytes)
         self.url = url
         self.timeout_s = timeout_s
         self._auth_token = auth_token
@@ -98,14 +74,6 @@ class CacheClient:
         self._monitor: zmq.Socket | None = None  # the handshake events of _sock
         self._plain = auth_token is not None  # present the token at connection (flipped by a NULL server)
         self.corrupt_objects = 0  # payloads that failed their checksum (deleted on the server)
-        self._host = boot_id() if shm and os.path.isdir(SHM_DIR) else None
-        self.shm_refusal: str | None = None if self._host else ("off in this client" if not shm
-                                                                 else "no boot id or /dev/shm here")
-        self._shm_agreed = False
-        self._shm_offered = False  # offered once (at hello, or at the first get/put without one)
-        self._shm_next = shm_bytes  # size of the next segment (grows to what a get needed)
-        self._shm_max = shm_max_bytes
-        self._segments: list[ClientSegment] = []  # attached, newest last
 
     def _socket(self) -> zmq.Socket:
         if self._sock is None:
@@ -192,18 +160,24 @@ class CacheClient:
     @property
     def transport(self) -> str:
         """``"shm"`` once the server agreed to shared memory, else ``"tcp"``."""
-        return "shm" if self._shm_agreed else "tcp"
+        return "shm" if self._shm.agreed else "tcp"
+
+    @property
+    def shm_refusal(self) -> str | None:
+        """Why payloads do not go through shared memory (None: they do, or not yet asked)."""
+        return self._shm.refusal
+
+    @property
+    def _segments(self) -> list[ClientSegment]:
+        """The attached segments, newest last."""
+        return self._shm.segments
 
     def close(self) -> None:
         with self._lock:
-            for seg in self._segments:  # let the server unmap now rather than when idle
-                if seg.seg_id is not None and self._sock is not None:
-                    try:
-                        self._request_locked({"op": "shm_detach", "seg": seg.seg_id}, (), min(self.timeout_s, 0.25))
-                    except (CacheServerError, CacheServerUnavailable):
-                        break
+            if self._sock is not None:
+                self._shm.detach_all(self._send_header_locked, min(self.timeout_s, 0.25))
             self._reset()
-            self._shm_agreed = False
+            self._shm.agreed = False
 
     def _reset(self) -> None:
         if self._sock is not None:
@@ -214,12 +188,7 @@ class CacheClient:
             self._monitor.close(linger=0)
             self._monitor = None
         # After a timeout the server may still be writing into our segments: never reuse them.
-        self._drop_segments_locked()
-
-    def _drop_segments_locked(self) -> None:
-        for seg in self._segments:
-            seg.close()
-        self._segments = []
+        self._shm.drop()
 
     def __enter__(self) -> CacheClient:
         return self
@@ -267,90 +236,15 @@ class CacheClient:
             raise CacheServerError(str(reply.get("code")), str(reply.get("message")))
         return reply, [f.buffer for f in frames[1:]]
 
-    # --- shared memory -------------------------------------------------------------------
+    def _send_header_locked(self, header: dict[str, Any], timeout_s: float | None) -> dict[str, Any]:
+        """The reply header to a request without payloads (what the segments' requests are)."""
+        return self._request_locked(header, (), timeout_s)[0]
 
-    def _offer_locked(self, size: int) -> ClientSegment | None:
-        """A new segment to offer the server, or None where /dev/shm cannot hold one."""
-        try:
-            return ClientSegment(size)
-        except OSError as e:
-            logger.info("glm-cache-server client: no shared-memory segment of %d bytes (%s); using TCP", size, e)
-            return None
-
-    def _settle_offer_locked(self, seg: ClientSegment, answer: Any) -> bool:
-        """Keep ``seg`` if the server's answer agrees, else drop it and say why."""
-        seg.unlink()  # mapped on both sides now, or never will be: nothing stays in /dev/shm
-        if isinstance(answer, dict) and isinstance(answer.get("seg"), int) and answer["seg"] > 0:
-            seg.seg_id = answer["seg"]
-            self._segments.append(seg)
-            if not self._shm_agreed:
-                logger.info("glm-cache-server at %s: payloads through shared memory", self.url)
-            self._shm_agreed, self.shm_refusal = True, None
-            return True
-        seg.close()
-        reason = answer.get("reason") if isinstance(answer, dict) else "the server offers no shared memory"
-        if self._shm_agreed or self.shm_refusal != reason:
-            logger.info("glm-cache-server at %s: no shared memory (%s); payloads over TCP", self.url, reason)
-        self._shm_agreed, self.shm_refusal = False, str(reason)
-        return False
-
-    def _attach_locked(self, size: int, timeout_s: float | None) -> ClientSegment | None:
-        seg = self._offer_locked(size)
-        if seg is None:
-            return None
-        try:
-            reply, _ = self._request_locked({"op": "shm_attach", "shm": seg.describe(self._host or "")}, (), timeout_s)
-        except CacheServerError as e:  # a server without the op: frames it is
-            self._settle_offer_locked(seg, {"reason": f"{e.code}: {e.message}"})
-            return None
-        except BaseException:
-            seg.close()
-            raise
-        return seg if self._settle_offer_locked(seg, reply.get("shm")) else None
-
-    def _segment_locked(self, need: int, timeout_s: float | None) -> ClientSegment | None:
-        """A free attached segment with ``need`` bytes of room (``need`` 0: a get, which
-        prefers one of the size gets have needed), attaching a new one within
-        ``shm_max_bytes``; None: use frames."""
-        if not self._shm_agreed:
-            if self._host is None or self._shm_offered:
-                return None
-            # Never said hello (a worker-side client): offer shared memory once, now.
-            self._shm_offered = True
-            if self._attach_locked(self._shm_next, timeout_s) is None:
-                return None
-        want = max(need, self._shm_next - DATA_OFFSET)
-        free = [s for s in self._segments if not s.busy]
-        fits = [s for s in free if s.capacity >= want]
-        if fits:
-            return min(fits, key=lambda s: s.capacity)
-        size = max(self._shm_next, -(-(want + DATA_OFFSET) // MIB) * MIB)
-        for small in sorted(free, key=lambda s: s.capacity):  # retire free ones too small to make room
-            if sum(s.size for s in self._segments) + size <= self._shm_max:
-                break
-            self._detach_locked(small)
-        if sum(s.size for s in self._segments) + size <= self._shm_max:
-            seg = self._attach_locked(size, timeout_s)
-            if seg is not None:
-                return seg
-        free = [s for s in self._segments if not s.busy and s.capacity >= need]
-        return max(free, key=lambda s: s.capacity) if free else None
-
-    def _detach_locked(self, seg: ClientSegment) -> None:
-        self._segments.remove(seg)
-        seg.close()
-        try:
-            self._request_locked({"op": "shm_detach", "seg": seg.seg_id}, (), None)
-        except CacheServerError:
-            pass
-
-    def _shm_retry_locked(self, e: CacheServerError) -> bool:
-        """After ``shm_unknown`` (the server dropped our segment or restarted): forget every
-        segment (new ones are attached on demand) and say the request should be repeated."""
-        if e.code != p.ErrorCode.SHM_UNKNOWN.value:
-            return False
-        self._drop_segments_locked()
-        return True
+    def _place_shm_locked(self, seg: ClientSegment, reply: dict[str, Any],
+                          frames: list[memoryview]) -> list[memoryview]:
+        """The payloads of a get answered through ``seg`` (:meth:`ClientShm.place`); a method
+        of the client so that a test can corrupt the segment between placement and checksum."""
+        return self._shm.place(seg, reply, frames)
 
     # --- operations ----------------------------------------------------------------------
 
@@ -366,10 +260,9 @@ class CacheClient:
             header["attn_groups"] = list(attn_groups or ())
             header["state_groups"] = list(state_groups)
         with self._lock:
-            offer = self._offer_locked(self._shm_next) if self._host and not self._segments else None
-            self._shm_offered = True
+            offer = self._shm.offer_at_hello()
             if offer is not None:
-                header["shm"] = offer.describe(self._host or "")
+                header["shm"] = self._shm.describe(offer)
             try:
                 reply, _ = self._request_locked(header, (), None)
             except BaseException:
@@ -377,7 +270,7 @@ class CacheClient:
                     offer.close()
                 raise
             if offer is not None:
-                self._settle_offer_locked(offer, reply.get("shm"))
+                self._shm.settle(offer, reply.get("shm"))
         return {k: reply[k] for k in ("v", "chunk_size", "min_chunk_size", "separate_object_groups",
                                       "max_object_bytes")}
 
@@ -434,23 +327,17 @@ class CacheClient:
             header["parent"] = list(parent)
         with self._lock:
             for _attempt in range(2):
-                seg = self._segment_locked(sum(align_up(v.nbytes) for v in payloads), timeout_s) if payloads else None
+                seg = (self._shm.segment(sum(align_up(v.nbytes) for v in payloads), self._send_header_locked,
+                                         timeout_s) if payloads else None)
                 if seg is None:
                     reply, _ = self._request_locked(header, payloads, timeout_s)
                     return reply["results"]
-                at, cursor = [], DATA_OFFSET
                 seg.busy = True
                 try:
-                    for v in payloads:
-                        if v.nbytes:
-                            np.copyto(seg.view[cursor:cursor + v.nbytes], np.frombuffer(v, dtype=np.uint8))
-                        at += (cursor, v.nbytes)  # packed below: one bin, not an array
-                        cursor = align_up(cursor + v.nbytes)
-                    reply, _ = self._request_locked(
-                        {**header, "shm": {"seg": seg.seg_id, "at": np.asarray(at, dtype="<u8").tobytes()}}, (), timeout_s)
+                    reply, _ = self._request_locked({**header, "shm": write_payloads(seg, payloads)}, (), timeout_s)
                     return reply["results"]
                 except CacheServerError as e:
-                    if not self._shm_retry_locked(e):
+                    if not self._shm.retry(e):
                         raise
                 finally:
                     seg.busy = False
@@ -469,17 +356,16 @@ class CacheClient:
         header = {"op": "get", "ns": namespace, "keys": [list(k) for k in keys]}
         with self._lock:
             for _attempt in range(2):
-                seg = self._segment_locked(0, timeout_s) if keys else None
+                seg = self._shm.segment(0, self._send_header_locked, timeout_s) if keys else None
                 if seg is None:
                     reply, frames = self._request_locked(header, (), timeout_s)
                     break
                 seg.busy = True
                 try:
-                    reply, frames = self._request_locked(
-                        {**header, "shm": {"seg": seg.seg_id, "off": DATA_OFFSET, "len": seg.capacity}}, (), timeout_s)
+                    reply, frames = self._request_locked({**header, "shm": get_region(seg)}, (), timeout_s)
                 except CacheServerError as e:
                     seg.busy = False
-                    if not self._shm_retry_locked(e):
+                    if not self._shm.retry(e):
                         raise
                     continue
                 except BaseException:
@@ -520,34 +406,6 @@ class CacheClient:
                 logger.warning("delete of corrupt objects failed: %s", e)
         return out
 
-    def _place_shm_locked(self, seg: ClientSegment, reply: dict[str, Any],
-                          frames: list[memoryview]) -> list[memoryview]:
-        """The payloads of a get answered through ``seg``, in order: views of the segment
-        (which stays busy until the last of them is gone) and the frames of what did not fit."""
-        places = reply.get("shm")
-        found = reply.get("found")
-        if not isinstance(places, list) or not isinstance(found, list) or len(places) != sum(map(bool, found)) \
-                or sum(x is None for x in places) != len(frames):
-            raise CacheServerError("bad_reply", "get through shared memory answered a malformed placement")
-        end = max([off + n for off, n in (x for x in places if x is not None)], default=0)
-        if end > seg.size or any(x is not None and (x[0] < DATA_OFFSET or x[1] < 0) for x in places):
-            raise CacheServerError("bad_reply", "get through shared memory placed an object outside the region")
-        # Every view this get returns hangs off this one array (made from the mapping itself, so
-        # numpy does not collapse their base past it): the segment is busy while any lives.
-        holder = np.frombuffer(seg.mm, dtype=np.uint8, count=end)
-        out, it = [], iter(frames)
-        for x in places:
-            out.append(next(it) if x is None else memoryview(holder[x[0]:x[0] + x[1]]))
-        overflow = sum(memoryview(f).nbytes for f in frames)
-        if overflow:  # some objects did not fit: make the next segment large enough for all of them
-            total = (end - DATA_OFFSET) + overflow + 64 * len(places)
-            self._shm_next = min(self._shm_max, max(self._shm_next, -(-(total + DATA_OFFSET) // MIB) * MIB))
-        if end:
-            weakref.finalize(holder, _set_free, seg)
-        else:
-            seg.busy = False
-        return out
-
     def delete(self, namespace: str, keys: Sequence[tuple[bytes, int, int]], reason: str = "client") -> int:
         """Remove objects now; ``reason`` ``checksum`` reports them as corrupt."""
         reply, _ = self.request({"op": "delete", "ns": namespace, "keys": [list(k) for k in keys],
@@ -568,10 +426,6 @@ class CacheClient:
 
     def ping(self) -> None:
         self.request({"op": "ping"})
-
-
-def _set_free(seg: ClientSegment) -> None:
-    seg.busy = False
 
 
 def _bytes_view(payload: Payload) -> memoryview:

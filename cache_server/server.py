@@ -12,7 +12,10 @@ the housekeeping (lease expiry, dropping idle shared-memory segments). The HTTP 
 (``cache_server.http``) runs in another thread and only reads the store, or clears it.
 
 Same-host clients may move payloads through shared memory instead of frames
-(:mod:`cache_server.shm`, ``--no-shm`` turns it off).
+(:mod:`cache_server.shm`, ``--no-shm`` turns it off). The worker loop is
+:mod:`cache_server.workers`, the namespace table :mod:`cache_server.namespaces`, the token
+check of ``--auth-token-file`` :mod:`cache_server.token_gate`; this module dispatches the
+operations and answers each with exactly one reply.
 """
 
 from __future__ import annotations
@@ -22,24 +25,23 @@ import os
 import signal
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import zmq
 
 from cache_server import protocol as p
-from cache_server.auth import AUTH_FIELD, ZapHandler, token_matches
 from cache_server.config import ServerConfig
 from cache_server.metrics import ServerMetrics
+from cache_server.namespaces import NamespaceTable
 from cache_server.shm import GetRegion, SegmentTable, SizedSpan, owned_copy, put_spans
 from cache_server.store import UNKNOWN_PARENT, Layout, ObjectStore
-
-if TYPE_CHECKING:
-    from cache_server.l2 import Promotion
+from cache_server.token_gate import TokenGate
+from cache_server.workers import Later, Reply, Waiting, work
 
 logger = logging.getLogger("glm_cache_server")
+
 
 class CacheServer:
     """Serves the protocol of :mod:`cache_server.protocol` on a ZMQ ROUTER socket."""
@@ -52,20 +54,9 @@ class CacheServer:
                                  eviction=config.eviction_policy.lower(), state_share=config.l1_state_share)
         self.metrics = ServerMetrics(self.store, (config.auth_token or "").encode())
         self.l2 = _make_l2(config, self.metrics)  # None without --l2
-        # ns -> (alignment, chunk), or None for one only put to; least recently admitted first.
-        self._chunk_by_namespace: OrderedDict[str, tuple[int, int] | None] = OrderedDict()
-        self._namespace_lock = threading.Lock()  # the HTTP thread reads the table for /status
-        # ns -> (world size, groups stored once for every TP rank), as the engine said at hello
-        self._layout_by_namespace: dict[str, tuple[int, tuple[int, ...]]] = {}
+        self.namespaces = NamespaceTable(self.store, self.metrics, config.max_namespaces)
         self._local = threading.local()  # per worker: the ZMQ identity of the request being handled
         self.segments = SegmentTable(config.shm)
-        if config.auth_token is not None:
-            self.metrics.errors.labels(code=p.ErrorCode.UNAUTHORIZED.value)  # exported as 0 from the start
-            for reason in ("token", "mechanism"):
-                self.metrics.refused_connections.labels(reason=reason)
-        self._refused_since_log = 0
-        self._refusal_logged_at = -float("inf")
-        self._refusal_lock = threading.Lock()  # refusals are noted by workers and the ZAP thread
         self._stop = threading.Event()
         self._die_on: str | None = None  # debug fault hook: SIGKILL ourselves on this op
         self._ctx = zmq.Context(io_threads=max(1, config.io_threads))
@@ -75,13 +66,8 @@ class CacheServer:
         # libzmq checks MAXMSGSIZE per frame, before buffering it: a bigger frame is dropped
         # and its peer disconnected, unanswered. handle() checks the frames' total.
         self._sock.setsockopt(zmq.MAXMSGSIZE, config.message_limit_bytes)
-        # With a token, a peer must present it at connection too (PLAIN, checked by a ZAP
-        # handler): one without it is disconnected before any of its frames is read.
-        self._zap: ZapHandler | None = None
-        if config.auth_token is not None:
-            self._zap = ZapHandler(self._ctx, config.auth_token, self._note_connection_refusal)
-            ZapHandler.configure(self._sock)
-            self._zap.watch(self._sock)
+        self._gate = (TokenGate(config.auth_token, self.metrics, self._ctx, self._sock)
+                      if config.auth_token is not None else None)
         self.port = self._bind(config.host, config.port)
         self._handlers = {
             "hello": self._hello, "lookup": self._lookup, "get": self._get, "put": self._put,
@@ -116,8 +102,8 @@ class CacheServer:
         control, control_peer = self._ctx.socket(zmq.PAIR), self._ctx.socket(zmq.PAIR)
         control.bind(where + "-control")
         control_peer.connect(where + "-control")
-        workers = [threading.Thread(target=self._work, args=(where,), name=f"glm-worker-{i}", daemon=True)
-                   for i in range(max(1, self.config.workers))]
+        workers = [threading.Thread(target=work, args=(self._ctx, where, self._stop, self._handle),
+                                    name=f"glm-worker-{i}", daemon=True) for i in range(max(1, self.config.workers))]
         proxy = threading.Thread(target=self._proxy, args=(backend, control_peer), name="glm-proxy", daemon=True)
         for t in workers:
             t.start()
@@ -136,8 +122,8 @@ class CacheServer:
                 t.join(5)
             for sock in (control, control_peer, backend, self._sock):
                 sock.close(linger=0)
-            if self._zap is not None:
-                self._zap.close()
+            if self._gate is not None:
+                self._gate.close()
             self._ctx.term()
             self.segments.close()
             if self.l2 is not None:
@@ -150,67 +136,6 @@ class CacheServer:
             if e.errno != zmq.ETERM:
                 logger.exception("proxy stopped")
 
-    def _work(self, where: str) -> None:
-        """One worker: take a request from the proxy, answer it, until :meth:`stop`.
-
-        The proxy hands requests to the workers round-robin, whether they are busy or not,
-        so a worker must never sit on one request: a lookup waiting for an L2 promotion is
-        put aside (its promotion's completion wakes the worker through a pipe) and answered
-        when the promotion is done or at its deadline, while the worker answers the
-        requests that come after it."""
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(where)
-        wake_r, wake_w = os.pipe()
-        os.set_blocking(wake_r, False)
-        poller = zmq.Poller()
-        poller.register(sock, zmq.POLLIN)
-        poller.register(wake_r, zmq.POLLIN)
-        waiting: list[tuple[zmq.Frame, _Waiting]] = []
-
-        def wake(_future: Any) -> None:
-            try:
-                os.write(wake_w, b"\0")
-            except OSError:  # the worker has stopped
-                pass
-
-        def send(identity: zmq.Frame, reply: list[Any]) -> None:
-            try:
-                sock.send_multipart([identity, *reply], copy=False)
-            except zmq.ZMQError as e:  # the peer vanished; nothing to answer
-                logger.debug("reply dropped: %s", e)
-
-        try:
-            while not self._stop.is_set():
-                timeout_ms = 100
-                if waiting:
-                    first = min(w.deadline for _, w in waiting)
-                    timeout_ms = max(0, min(100, int((first - time.monotonic()) * 1000) + 1))
-                ready = dict(poller.poll(timeout_ms))
-                if wake_r in ready:
-                    while True:
-                        try:
-                            if not os.read(wake_r, 4096):
-                                break
-                        except BlockingIOError:
-                            break
-                if sock in ready:
-                    frames = sock.recv_multipart(copy=False)
-                    identity, request = frames[0], frames[1:]
-                    out = self._handle(request, client=identity.bytes)
-                    if isinstance(out, _Waiting):
-                        waiting.append((identity, out))
-                        out.future.add_done_callback(wake)
-                    else:
-                        send(identity, out)
-                for item in [x for x in waiting if x[1].ready()]:
-                    waiting.remove(item)
-                    send(item[0], item[1].answer())
-        finally:
-            sock.close(linger=0)
-            os.close(wake_r)
-            os.close(wake_w)
-
     def stop(self) -> None:
         self._stop.set()
 
@@ -220,18 +145,18 @@ class CacheServer:
         A lookup that waits for L2 is waited for here (the worker loop does not wait: it
         uses :meth:`_handle`)."""
         out = self._handle(frames, client)
-        if isinstance(out, _Waiting):
+        if isinstance(out, Waiting):
             out.wait()
             out = out.answer()
         return out
 
-    def _handle(self, frames: list[Any], client: bytes | None = None) -> list[Any] | _Waiting:
+    def _handle(self, frames: list[Any], client: bytes | None = None) -> list[Any] | Waiting:
         """:meth:`handle`, except that a lookup waiting for an L2 promotion comes back as a
-        :class:`_Waiting`, to be answered once it is ready."""
+        :class:`Waiting`, to be answered once it is ready."""
         request = _Request(time.perf_counter())
         self._local.client = client
 
-        def run() -> tuple[dict[str, Any], list[Any]] | _Later:
+        def run() -> Reply | Later:
             if not frames:
                 raise p.ProtocolError(p.ErrorCode.BAD_REQUEST, "empty message")
             refusal = self._size_refusal(frames)
@@ -240,7 +165,8 @@ class CacheServer:
                 raise refusal
             header = p.unpack_header(_buffer(frames[0]), self.config.max_header_bytes)
             request.id = header.get("id")
-            self._authenticate(header)
+            if self._gate is not None:
+                self._gate.check(header)
             op_field = p.field(header, "op", str)
             handler = self._handlers.get(op_field)
             if handler is None:
@@ -252,15 +178,18 @@ class CacheServer:
             return handler(header, [_buffer(f) for f in frames[1:]])
 
         out = self._answer(request, frames, run)
-        return _Waiting(self, request, frames, out) if isinstance(out, _Later) else out
+        if isinstance(out, Later):
+            later = out
+            return Waiting(later, lambda: self._answer(request, frames, later.finish))
+        return out
 
     def _answer(self, request: _Request, frames: list[Any],
-                produce: Callable[[], tuple[dict[str, Any], list[Any]] | _Later]) -> list[Any] | _Later:
+                produce: Callable[[], Reply | Later]) -> list[Any] | Later:
         """The reply frames of what ``produce`` answers (an error reply for what it raises),
-        or the :class:`_Later` it returns."""
+        or the :class:`Later` it returns."""
         try:
             result = produce()
-            if isinstance(result, _Later):
+            if isinstance(result, Later):
                 return result
             reply_header, payloads = result
             reply_header.update(ok=True, id=request.id if isinstance(request.id, int) else None)
@@ -276,33 +205,6 @@ class CacheServer:
             out = [p.pack_header(p.error_reply(request.id, p.ErrorCode.INTERNAL, f"{type(e).__name__}: {e}"))]
         self.metrics.requests.labels(op=request.op).observe(time.perf_counter() - request.start)
         return out
-
-    def _authenticate(self, header: dict[str, Any]) -> None:
-        """Refuse a request without the shared token, before it can read or change anything.
-
-        Checked per request, not per connection: ROUTER_HANDOVER lets any peer take over a
-        routing identity, so an identity that once authenticated proves nothing."""
-        token = self.config.auth_token
-        if token is not None and not token_matches(header.get(AUTH_FIELD), token):
-            self._note_refusal()
-            raise p.ProtocolError(p.ErrorCode.UNAUTHORIZED,
-                                  f"missing or wrong {AUTH_FIELD!r} token (server started with --auth-token-file)")
-
-    def _note_connection_refusal(self, reason: str) -> None:
-        """A handshake refused (ZAP thread): ``token`` (a wrong one) or ``mechanism`` (none)."""
-        self.metrics.refused_connections.labels(reason=reason).inc()
-        self._note_refusal()
-
-    def _note_refusal(self) -> None:
-        """Say in the log that requests are being refused, at most once a minute (a
-        misconfigured client retries often; the exact count is the errors metric)."""
-        with self._refusal_lock:
-            self._refused_since_log += 1
-            now = time.monotonic()
-            if now - self._refusal_logged_at < 60.0:
-                return
-            count, self._refused_since_log, self._refusal_logged_at = self._refused_since_log, 0, now
-        logger.warning("refused %d unauthenticated connection(s) or request(s) (missing or wrong token)", count)
 
     def _size_refusal(self, frames: list[Any]) -> p.ProtocolError | None:
         """The error for an oversize request, found before parsing anything in it."""
@@ -321,30 +223,9 @@ class CacheServer:
         return p.ProtocolError(p.ErrorCode.TOO_LARGE, f"request is {total} bytes; the maximum is "
                                                       f"{self.config.message_limit_bytes} (--max-message-mb)")
 
-    def _admit_namespace(self, ns: str) -> tuple[int, int] | None:
-        """Enter ``ns`` in the namespace table (or refresh it) and return its negotiation.
-        At ``--max-namespaces`` the least recently admitted namespace without objects is
-        forgotten; when every one holds objects the request is refused."""
-        with self._namespace_lock:
-            table = self._chunk_by_namespace
-            if ns in table:
-                table.move_to_end(ns)
-                return table[ns]
-            if len(table) >= self.config.max_namespaces:
-                idle = next((n for n in table if not self.store.namespace_objects(n)), None)
-                if idle is None:
-                    self.metrics.limit_refusals.labels(limit="namespaces").inc()
-                    raise p.ProtocolError(p.ErrorCode.TOO_MANY_NAMESPACES,
-                                          f"{len(table)} namespaces hold objects, the maximum (--max-namespaces); "
-                                          f"clear one to use {ns[:64]!r}")
-                del table[idle]
-                logger.info("forgot namespace %r (no objects) to admit %r", idle, ns)
-            table[ns] = None
-            return None
-
     # --- operations ----------------------------------------------------------------------
 
-    def _hello(self, h: dict[str, Any], _: list[memoryview]) -> tuple[dict[str, Any], list[Any]]:
+    def _hello(self, h: dict[str, Any], _: list[memoryview]) -> Reply:
         version = p.int_field(h, "v", minimum=0)
         if version != p.PROTOCOL_VERSION:
             raise p.ProtocolError(p.ErrorCode.VERSION_MISMATCH,
@@ -352,19 +233,10 @@ class CacheServer:
         ns = p.field(h, "ns", str)
         alignment = p.int_field(h, "alignment", minimum=1)
         chunk = p.negotiate_chunk_size(self.config.min_chunk_size, alignment)
-        known = self._admit_namespace(ns)
+        known = self.namespaces.admit(ns)
         world_size = p.int_field(h, "world_size", minimum=1, default=1)
         replicated = p.group_list(h, "replicated_groups") if "replicated_groups" in h else []
-        with self._namespace_lock:
-            self._layout_by_namespace[ns] = (world_size, tuple(replicated))
-        if known is None:
-            with self._namespace_lock:
-                self._chunk_by_namespace[ns] = (alignment, chunk)
-            logger.info("Negotiated chunk size to %d (configured_min=%d, required_alignment=%d)",
-                        chunk, self.config.min_chunk_size, alignment)
-        elif known[0] != alignment:
-            raise p.ProtocolError(p.ErrorCode.CONFLICT,
-                                  f"namespace {ns!r} negotiated alignment {known[0]} before, now {alignment}")
+        self.namespaces.record_hello(ns, known, alignment, chunk, self.config.min_chunk_size, world_size, replicated)
         if "state_groups" in h:  # the engine says which groups are which: track usable prefixes
             attn, state = p.group_list(h, "attn_groups"), p.group_list(h, "state_groups")
             if set(attn) & set(state) or not set(replicated) <= {*attn, *state}:
@@ -380,7 +252,7 @@ class CacheServer:
             reply["shm"] = self.segments.attach(h["shm"])
         return reply, []
 
-    def _lookup(self, h: dict[str, Any], _: list[memoryview]) -> tuple[dict[str, Any], list[Any]]:
+    def _lookup(self, h: dict[str, Any], _: list[memoryview]) -> Reply:
         ns = p.field(h, "ns", str)
         hashes = p.hash_list(h, "hashes")
         attn = p.group_list(h, "attn_groups")
@@ -399,7 +271,7 @@ class CacheServer:
         held = p.field(h, "held", bool, default=False)
         owner = self._client
 
-        def answer(l1_depth: int = 0, consulted: bool = False) -> tuple[dict[str, Any], list[Any]]:
+        def answer(l1_depth: int = 0, consulted: bool = False) -> Reply:
             chunks, lease_id = self.store.lookup(ns, hashes, attn, state, world_size, start, lease, owner=owner,
                                                  replicated_groups=replicated)
             if self.l2 is not None:
@@ -416,14 +288,14 @@ class CacheServer:
             return answer()
         # Promote what L2 adds to L1's answer, within the L2 deadline. A lookup that L1 answers
         # in full gets no promotion and is answered now; one that needs L2 is answered when its
-        # promotion is done, and its worker serves other requests meanwhile (_work).
+        # promotion is done, and its worker serves other requests meanwhile (cache_server.workers).
         promotion = self.l2.begin_promote(self.store, ns, hashes, attn, state, world_size, start, replicated)
         tier = self.l2
         if promotion.future is None:
             return answer(*tier.finish_promote(promotion))
-        return _Later(promotion, lambda: answer(*tier.finish_promote(promotion)))
+        return Later(promotion, lambda: answer(*tier.finish_promote(promotion)))
 
-    def _get(self, h: dict[str, Any], _: list[memoryview]) -> tuple[dict[str, Any], list[Any]]:
+    def _get(self, h: dict[str, Any], _: list[memoryview]) -> Reply:
         ns = p.field(h, "ns", str)
         keys = p.key_list(h)
         # Copy what fits into the client's region; the rest goes as frames.
@@ -445,7 +317,7 @@ class CacheServer:
             self.segments.count(get_bytes=region.copied)
         return reply, payloads
 
-    def _put(self, h: dict[str, Any], frames: list[memoryview]) -> tuple[dict[str, Any], list[Any]]:
+    def _put(self, h: dict[str, Any], frames: list[memoryview]) -> Reply:
         ns = p.field(h, "ns", str)
         keys = p.key_list(h)
         spans: list[tuple[int, int]] | None = None
@@ -479,7 +351,7 @@ class CacheServer:
                 x is None or (isinstance(x, bytes) and len(x) in (0, p.HASH_BYTES)) for x in parents):
             raise p.ProtocolError(p.ErrorCode.BAD_REQUEST,
                                   f"parent must list one {p.HASH_BYTES}-byte hash, nil or empty bytes per key")
-        self._admit_namespace(ns)
+        self.namespaces.admit(ns)
         if spans is not None:  # the store keeps its own copy: the client reuses its segment
             frames = [owned_copy(view[off:off + n]) for off, n in spans]
             self.segments.count(put_bytes=sum(n for _, n in spans))
@@ -491,7 +363,7 @@ class CacheServer:
                     self.l2.write((ns, *key), frame, s, prev, parent)
         return {"results": results}, []
 
-    def _delete(self, h: dict[str, Any], _: list[memoryview]) -> tuple[dict[str, Any], list[Any]]:
+    def _delete(self, h: dict[str, Any], _: list[memoryview]) -> Reply:
         ns = p.field(h, "ns", str)
         keys = p.key_list(h)
         reason = p.field(h, "reason", str, default="client")
@@ -504,7 +376,7 @@ class CacheServer:
                            removed, ns)
         return {"removed": removed}, []
 
-    def _debug_corrupt(self, h: dict[str, Any], _: list[memoryview]) -> tuple[dict[str, Any], list[Any]]:
+    def _debug_corrupt(self, h: dict[str, Any], _: list[memoryview]) -> Reply:
         """Flip one byte of a stored object, keeping its checksum: bit rot on demand."""
         if not self.config.debug_fault_hooks:
             raise p.ProtocolError(p.ErrorCode.UNKNOWN_OP, "debug_corrupt needs --debug-fault-hooks")
@@ -521,7 +393,7 @@ class CacheServer:
         logger.warning("debug fault hook: flipped byte %d of an object in namespace %r", offset % len(data), ns)
         return {"corrupted": True}, []
 
-    def _debug_die_on(self, h: dict[str, Any], _: list[memoryview]) -> tuple[dict[str, Any], list[Any]]:
+    def _debug_die_on(self, h: dict[str, Any], _: list[memoryview]) -> Reply:
         """Arm a SIGKILL of this process when the next request of ``op`` arrives (before it is
         answered): a crash during a load (``get``) or a save (``put``), on demand."""
         if not self.config.debug_fault_hooks:
@@ -533,10 +405,10 @@ class CacheServer:
         logger.warning("debug fault hook: this server will SIGKILL itself on the next %s", op)
         return {"armed": op}, []
 
-    def _release(self, h: dict[str, Any], _: list[memoryview]) -> tuple[dict[str, Any], list[Any]]:
+    def _release(self, h: dict[str, Any], _: list[memoryview]) -> Reply:
         return {"released": self.store.release(p.int_field(h, "lease_id", minimum=1))}, []
 
-    def _clear(self, h: dict[str, Any], _: list[memoryview]) -> tuple[dict[str, Any], list[Any]]:
+    def _clear(self, h: dict[str, Any], _: list[memoryview]) -> Reply:
         ns = p.field(h, "ns", (str, type(None)), default=None)
         removed = self.store.clear(ns)
         if self.l2 is not None:
@@ -544,16 +416,16 @@ class CacheServer:
         logger.info("cleared %d objects%s", removed, f" of namespace {ns!r}" if ns else "")
         return {"removed": removed}, []
 
-    def _stats(self, h: dict[str, Any], _: list[memoryview]) -> tuple[dict[str, Any], list[Any]]:
+    def _stats(self, h: dict[str, Any], _: list[memoryview]) -> Reply:
         return {"stats": self.status()}, []
 
-    def _ping(self, h: dict[str, Any], _: list[memoryview]) -> tuple[dict[str, Any], list[Any]]:
+    def _ping(self, h: dict[str, Any], _: list[memoryview]) -> Reply:
         return {}, []
 
-    def _shm_attach(self, h: dict[str, Any], _: list[memoryview]) -> tuple[dict[str, Any], list[Any]]:
+    def _shm_attach(self, h: dict[str, Any], _: list[memoryview]) -> Reply:
         return {"shm": self.segments.attach(p.field(h, "shm", dict))}, []
 
-    def _shm_detach(self, h: dict[str, Any], _: list[memoryview]) -> tuple[dict[str, Any], list[Any]]:
+    def _shm_detach(self, h: dict[str, Any], _: list[memoryview]) -> Reply:
         return {"detached": self.segments.detach(p.int_field(h, "seg", minimum=1))}, []
 
     def _check_groups(self, groups: list[int]) -> None:
@@ -562,25 +434,10 @@ class CacheServer:
                                   "group ids other than 0 need the server started with --separate-object-groups "
                                   "(required for hybrid KDA/Mamba models)")
 
-    def _replication_status(self, ns: str, layout: tuple[int, tuple[int, ...]] | None) -> dict[str, Any]:
-        """What storing the TP-replicated groups once saves in ``ns``: per-rank storage
-        would hold ``world_size`` copies of each of their objects."""
-        world_size, replicated = layout or (1, ())
-        resident = sum(self.store.namespace_group_bytes(ns, g) for g in replicated)
-        return {"world_size": world_size, "replicated_groups": list(replicated), "replicated_bytes": resident,
-                "bytes_saved_by_storing_once": resident * (world_size - 1)}
-
     def status(self) -> dict[str, Any]:
         """The /status document."""
         status = self.store.snapshot()
-        with self._namespace_lock:
-            table = list(self._chunk_by_namespace.items())
-            layouts = dict(self._layout_by_namespace)
-        status["namespaces"] = {ns: {"alignment": ac[0] if ac else None, "chunk_size": ac[1] if ac else None,
-                                     "metrics_id": self.metrics.namespace_id(ns),
-                                     "objects": self.store.namespace_objects(ns),
-                                     **self._replication_status(ns, layouts.get(ns)),
-                                     "usable_prefixes": self.store.usable_prefixes(ns)} for ns, ac in table}
+        status["namespaces"] = self.namespaces.status()
         status["bytes_saved_by_storing_replicated_groups_once"] = sum(
             n["bytes_saved_by_storing_once"] for n in status["namespaces"].values())
         status["config"] = {
@@ -606,41 +463,6 @@ class _Request:
     start: float  # time.perf_counter() at arrival
     id: Any = None
     op: str = "invalid"
-
-
-@dataclass
-class _Later:
-    """A handler's answer that waits for an L2 promotion: ``finish`` answers once it is ready."""
-
-    promotion: Promotion
-    finish: Callable[[], tuple[dict[str, Any], list[Any]]]
-
-
-class _Waiting:
-    """A request whose reply waits for an L2 promotion (the promotion's future, done or not
-    by its deadline)."""
-
-    def __init__(self, server: CacheServer, request: _Request, frames: list[Any], later: _Later) -> None:
-        self._server, self._request, self._frames, self._later = server, request, frames, later
-        assert later.promotion.future is not None
-        self.future = later.promotion.future
-        self.deadline = later.promotion.deadline
-
-    def ready(self) -> bool:
-        return self.future.done() or time.monotonic() >= self.deadline
-
-    def wait(self) -> None:
-        """Block until :meth:`ready`."""
-        try:
-            self.future.result(timeout=max(0.0, self.deadline - time.monotonic()))
-        except Exception:  # noqa: BLE001 - a timeout, or the job's failure: the tier counts it at finish
-            pass
-
-    def answer(self) -> list[Any]:
-        """The reply frames, now."""
-        out = self._server._answer(self._request, self._frames, self._later.finish)
-        assert not isinstance(out, _Later)
-        return out
 
 
 def _make_l2(config: ServerConfig, metrics: ServerMetrics) -> Any:

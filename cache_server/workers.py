@@ -1,0 +1,121 @@
+"""The server's worker threads, and the replies they put aside while an L2 promotion runs.
+
+The proxy hands requests to the workers round-robin, whether they are busy or not, so a
+worker must never sit on one request: a lookup waiting for an L2 promotion comes back from
+the handler as a :class:`Waiting`, which the worker answers when the promotion is done or
+at its deadline (its completion wakes the worker through a pipe), while it answers the
+requests that come after it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import zmq
+
+if TYPE_CHECKING:
+    from cache_server.l2 import Promotion
+
+logger = logging.getLogger("glm_cache_server")
+
+Reply = tuple[dict[str, Any], list[Any]]  # a handler's reply header and payload frames
+
+
+@dataclass
+class Later:
+    """A handler's answer that waits for an L2 promotion: ``finish`` answers once it is ready."""
+
+    promotion: Promotion
+    finish: Callable[[], Reply]
+
+
+class Waiting:
+    """A request whose reply waits for an L2 promotion (the promotion's future, done or not
+    by its deadline); ``answer`` makes its reply frames from the :class:`Later` at the time."""
+
+    def __init__(self, later: Later, answer: Callable[[], list[Any] | Later]) -> None:
+        assert later.promotion.future is not None
+        self._answer = answer
+        self.future = later.promotion.future
+        self.deadline = later.promotion.deadline
+
+    def ready(self) -> bool:
+        return self.future.done() or time.monotonic() >= self.deadline
+
+    def wait(self) -> None:
+        """Block until :meth:`ready`."""
+        try:
+            self.future.result(timeout=max(0.0, self.deadline - time.monotonic()))
+        except Exception:  # noqa: BLE001 - a timeout, or the job's failure: the tier counts it at finish
+            pass
+
+    def answer(self) -> list[Any]:
+        """The reply frames, now."""
+        out = self._answer()
+        assert not isinstance(out, Later)
+        return out
+
+
+def work(ctx: zmq.Context[Any], where: str, stop: threading.Event,
+         handle: Callable[[list[Any], bytes], list[Any] | Waiting]) -> None:
+    """One worker: take a request from the proxy at ``where``, answer it with ``handle``
+    (request frames and the sender's identity to reply frames, or a :class:`Waiting`),
+    until ``stop``."""
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(where)
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_r, False)
+    poller = zmq.Poller()
+    poller.register(sock, zmq.POLLIN)
+    poller.register(wake_r, zmq.POLLIN)
+    waiting: list[tuple[zmq.Frame, Waiting]] = []
+
+    def wake(_future: Any) -> None:
+        try:
+            os.write(wake_w, b"\0")
+        except OSError:  # the worker has stopped
+            pass
+
+    def send(identity: zmq.Frame, reply: list[Any]) -> None:
+        try:
+            sock.send_multipart([identity, *reply], copy=False)
+        except zmq.ZMQError as e:  # the peer vanished; nothing to answer
+            logger.debug("reply dropped: %s", e)
+
+    try:
+        while not stop.is_set():
+            timeout_ms = 100
+            if waiting:
+                first = min(w.deadline for _, w in waiting)
+                timeout_ms = max(0, min(100, int((first - time.monotonic()) * 1000) + 1))
+            ready = dict(poller.poll(timeout_ms))
+            if wake_r in ready:
+                while True:
+                    try:
+                        if not os.read(wake_r, 4096):
+                            break
+                    except BlockingIOError:
+                        break
+            if sock in ready:
+                frames = sock.recv_multipart(copy=False)
+                identity, request = frames[0], frames[1:]
+                out = handle(request, identity.bytes)
+                if isinstance(out, Waiting):
+                    waiting.append((identity, out))
+                    out.future.add_done_callback(wake)
+                else:
+                    send(identity, out)
+            for item in [x for x in waiting if x[1].ready()]:
+                waiting.remove(item)
+                send(item[0], item[1].answer())
+    finally:
+        sock.close(linger=0)
+        os.close(wake_r)
+        os.close(wake_w)
