@@ -76,3 +76,16 @@ def assert_boundary_reloads_equal_cold(llm: Any, run: Callable[..., tuple], prom
         assert reloaded[2] == chunk * ((n - 1) // chunk), f"length {n}"
         assert reloaded[0] == cold[0], f"length {n}: continuation differs from cold"
         assert reloaded[1] == cold[1], f"length {n}"
+
+
+class CacheGroupProbe:
+    """A vLLM worker extension (``worker_extension_cls="engines.CacheGroupProbe"``) that
+    tells a test, through ``LLM.collective_rpc``, what each of vLLM's KV cache groups
+    holds: the connector stores a group's objects under its index."""
+
+    def kv_cache_group_kinds(self) -> list[str]:
+        """``"state"`` (recurrent state, vLLM's ``MambaSpec``) or ``"attention"`` per group."""
+        from vllm.v1.kv_cache_interface import MambaSpec
+
+        groups = self.model_runner.kv_cache_config.kv_cache_groups  # type: ignore[attr-defined]
+        return ["state" if isinstance(g.kv_cache_spec, MambaSpec) else "attention" for g in groups]

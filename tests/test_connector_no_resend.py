@@ -31,7 +31,7 @@ _prompt = random_prompt
 
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory, server):
-    engine = tiny_glm_engine(tmp_path_factory, server.url, C)
+    engine = tiny_glm_engine(tmp_path_factory, server.url, C, worker_extension_cls="engines.CacheGroupProbe")
     yield engine
     del engine
 
@@ -76,12 +76,16 @@ def test_local_hit_turn_sends_only_new_chunks(llm, server, n1, local):
     assert s2["puts_stored"] > s1["puts_stored"]
     assert s2["stored_bytes_total"] > s1["stored_bytes_total"]
     groups = sorted(int(g) for g in s2["bytes_by_group"])
+    (kinds,) = llm.collective_rpc("kv_cache_group_kinds")  # vLLM's own word on each group
+    attention = {g for g in groups if kinds[g] == "attention"}
+    assert attention and attention != set(groups)
     hashes = vllm_chunk_keys(turn2, C, SPAN, salt)[:5]
     present = [{g for g, x in zip(groups, client.get(namespace, [(h, g, 0) for g in groups])) if x is not None}
                for h in hashes]
     # Every chunk up to the strict prefix has its attention (states exist only where a
     # prefill step ended on the chunk grid, which a local hit at 896 shifts).
-    assert all(present) and all(p <= present[0] for p in present)
+    assert all(attention <= p for p in present), present
+    assert all(p <= present[0] for p in present)
     # A third turn loads from the server (prefix cache reset) and matches turn 2's output.
     llm.reset_prefix_cache()
     out3, cached3 = _run(llm, turn2, salt)
