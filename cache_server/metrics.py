@@ -154,7 +154,7 @@ class ServerMetrics:
                                   buckets=(1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0))
         self.errors = Counter(f"{PREFIX}_errors", "Error replies, by code", ["code"], registry=self.registry)
         self.deleted = Counter(f"{PREFIX}_deleted_objects", "Objects deleted on a client's request, by reason "
-                               "(checksum: a loader found the bytes did not match their checksum)", ["reason"],
+                               "(checksum: a loader found the bytes did not match their checksum; size: not the size its group has)", ["reason"],
                                registry=self.registry)
         self.limit_refusals = Counter(
             f"{PREFIX}_limit_refusals", "Requests refused by a limit (message_bytes, header_bytes, namespaces), "

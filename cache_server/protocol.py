@@ -44,7 +44,8 @@ geometry; objects never cross namespaces):
              object's chunk, nil for the first chunk, empty bytes for unknown);
              one payload frame per key -> ``results`` (list of :class:`PutResult` values)
 ``delete``   ``ns``, ``keys``, optional ``reason`` (``checksum``: the loader found the
-             bytes do not match their checksum, or they were stored under another key)
+             bytes do not match their checksum, or they were stored under another key;
+             ``size``: an object whose size is not the one its key's group has)
              -> ``removed`` (objects)
 ``debug_corrupt``  ``ns``, ``keys`` (one key), optional ``offset``: flips that byte of the
              stored object, keeping its checksum (servers started with
@@ -98,7 +99,7 @@ import xxhash
 PROTOCOL_VERSION = 4
 HASH_BYTES = 32  # blake3 digest size; chunk hashes on the wire are exactly this long
 CHECKSUM_BYTES = 16
-DELETE_REASONS = ("checksum", "client")
+DELETE_REASONS = ("checksum", "size", "client")
 
 HEADER_BYTES_PER_CONTAINER = 32  # a request header builds at most one array or map per this many bytes
 DEFAULT_MAX_HEADER_BYTES = 1 << 20  # --max-header-kb default: a lookup of 30k chunks, a get of 28k keys

@@ -235,8 +235,11 @@ class WorkerSide:
                         f"{len(absent)} object(s) of batch {i + 1}/{len(plan)} did not arrive, "
                         f"first {absent[0].chunk_hash.hex()[:16]} group {absent[0].group_id}"
                     )
-                for j, payload in zip(idx, payloads):
-                    self._check_size(moves[j], payload)
+                wrong = [moves[j] for j, payload in zip(idx, payloads) if not self._right_size(moves[j], payload)]
+                if wrong:
+                    self._delete_wrong_size(namespace, wrong)
+                    raise ValueError(f"{len(wrong)} object(s) of batch {i + 1}/{len(plan)} are not their group's "
+                                     f"size, first group {wrong[0].group_id}")
                 for j, payload in zip(idx, payloads):
                     self._write(moves[j], payload)
                 written += len(idx)
@@ -269,13 +272,19 @@ class WorkerSide:
         """The rank an object of ``group_id`` is stored under (see ``__init__``)."""
         return self._rank - self._tp_rank if group_id in self._replicated else self._rank
 
-    def _check_size(self, move: ObjectMove, payload: Any) -> None:
+    def _right_size(self, move: ObjectMove, payload: Any) -> bool:
         assert self._pages is not None
-        expected = self._pages.object_bytes(move.group_id, len(move.block_ids))
-        if len(payload) != expected:
-            raise ValueError(
-                f"object for group {move.group_id} has {len(payload)} bytes, expected {expected}"
-            )
+        return len(payload) == self._pages.object_bytes(move.group_id, len(move.block_ids))
+
+    def _delete_wrong_size(self, namespace: str, moves: list[ObjectMove]) -> None:
+        """Objects that can never load here are removed, so the next request recomputes
+        and saves them again instead of hitting them and failing its load every time."""
+        self.stats["load_wrong_size_objects"] += len(moves)
+        keys = [(m.chunk_hash, m.group_id, self._key_rank(m.group_id)) for m in moves]
+        try:
+            self._load_client.delete(namespace, keys, reason="size")
+        except CLIENT_ERRORS as e:  # they stay until evicted; this load fails either way
+            logger.warning("GlmCacheConnector: could not delete %d wrong-size object(s): %s", len(keys), e)
 
     def _write(self, move: ObjectMove, payload: Any) -> None:
         assert self._pages is not None

@@ -388,3 +388,29 @@ def test_a_refused_load_writes_nothing_and_fails_the_request(server):
     finally:
         w.shutdown()
     assert w.stats["load_failures"] == 1 and w.stats.get("loaded_objects", 0) == 0
+
+
+def test_an_object_of_the_wrong_size_fails_the_load_and_is_deleted(server):
+    """An object whose checksum matches its key but whose size is not its group's can
+    never load here: the load fails before any page is written, and the object is deleted
+    on the server (counted), so the next request recomputes and saves it again instead of
+    hitting it and failing every time."""
+    keys = [_hash(500), _hash(501)]
+    with CacheClient(server.url) as cli:
+        cli.hello(NS, BLOCK, attn_groups=[ATTN], state_groups=[STATE])
+        assert cli.put(NS, [(keys[0], ATTN, 0, _attn_object(0)), (keys[1], ATTN, 0, _attn_object(1)[:-64])],
+                       parent=[None, keys[0]]) == ["stored", "stored"]
+        assert cli.put(NS, [(keys[1], STATE, 0, _state_object())], parent=[keys[0]]) == ["stored"]
+    moves = [ObjectMove(keys[k], ATTN, [2 * k, 2 * k + 1]) for k in range(2)] + [ObjectMove(keys[1], STATE, [NB - 1])]
+    w, buf = _worker(server.url)
+    try:
+        before = buf.clone()
+        w.start_load_kv(GlmConnectorMetadata(namespace=NS, loads=[LoadJob("req-w", moves)]))
+        assert _wait_load(w, "req-w") is False
+        assert torch.equal(buf, before)
+    finally:
+        w.shutdown()
+    assert w.stats["load_wrong_size_objects"] == 1 and w.stats["load_failures"] == 1
+    with CacheClient(server.url) as cli:
+        wrong, right = cli.get(NS, [(keys[1], ATTN, 0), (keys[0], ATTN, 0)])
+    assert wrong is None and right is not None
