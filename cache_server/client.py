@@ -285,29 +285,26 @@ class CacheClient:
 
     def lookup_held(self, namespace: str, hashes: Sequence[bytes], attn_groups: Sequence[int],
                     state_groups: Sequence[int], world_size: int = 1, start_chunk: int = 0,
-                    lease: bool = True, replicated_groups: Sequence[int] = (), chunk_size: int | None = None
+                    lease: bool = True, replicated_groups: Sequence[int] = ()
                     ) -> tuple[int, int | None, int | None, bool]:
         """:meth:`lookup`, plus what need not be sent again: how many chunks from chunk 0
         the server holds all attention objects of (every group and rank; None from a
         server that does not report it), and whether it holds every state object at
-        chunk ``start_chunk - 1``. With ``chunk_size`` (the grid the keys are in) a server
-        that did not negotiate that size for the namespace answers ``not_negotiated``."""
+        chunk ``start_chunk - 1``."""
         reply = self._lookup(namespace, hashes, attn_groups, state_groups, world_size, start_chunk,
-                             lease, replicated_groups, held=True, chunk_size=chunk_size)
+                             lease, replicated_groups, held=True)
         held = reply.get("held")
         return (reply["chunks"], reply["lease_id"], held if isinstance(held, int) else None,
                 reply.get("start_state") is True)
 
     def _lookup(self, namespace: str, hashes: Sequence[bytes], attn_groups: Sequence[int],
                 state_groups: Sequence[int], world_size: int, start_chunk: int, lease: bool,
-                replicated_groups: Sequence[int], held: bool, chunk_size: int | None = None) -> dict[str, Any]:
+                replicated_groups: Sequence[int], held: bool) -> dict[str, Any]:
         header = {"op": "lookup", "ns": namespace, "hashes": list(hashes), "attn_groups": list(attn_groups),
                   "state_groups": list(state_groups), "world_size": world_size, "start_chunk": start_chunk,
                   "lease": lease, "replicated_groups": list(replicated_groups)}
         if held:
             header["held"] = True
-        if chunk_size is not None:
-            header["chunk_size"] = chunk_size
         return self.request(header)[0]
 
     def put(self, namespace: str, items: Sequence[tuple[bytes, int, int, Payload]],

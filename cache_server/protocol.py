@@ -120,7 +120,6 @@ class ErrorCode(str, enum.Enum):
     UNAUTHORIZED = "unauthorized"  # missing or wrong ``auth`` token
     TOO_MANY_NAMESPACES = "too_many_namespaces"  # --max-namespaces reached, none of them empty
     SHM_UNKNOWN = "shm_unknown"  # a shared-memory segment the server does not map (any more)
-    NOT_NEGOTIATED = "not_negotiated"  # a lookup in a chunk size this server did not negotiate: hello again
     INTERNAL = "internal"
 
 

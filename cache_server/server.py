@@ -269,13 +269,6 @@ class CacheServer:
         if not set(replicated) <= {*attn, *state}:
             raise p.ProtocolError(p.ErrorCode.BAD_REQUEST, "replicated_groups must be among attn_groups and state_groups")
         held = p.field(h, "held", bool, default=False)
-        if "chunk_size" in h:  # the grid the asker's keys are in: it must be this server's
-            asked = p.int_field(h, "chunk_size", minimum=1)
-            negotiated = self.namespaces.chunk_size(ns)
-            if negotiated != asked:
-                raise p.ProtocolError(p.ErrorCode.NOT_NEGOTIATED,
-                                      f"chunk size {asked} is not what this server negotiated for the namespace "
-                                      f"({negotiated}); say hello again")
         owner = self._client
 
         def answer(l1_depth: int = 0, consulted: bool = False) -> Reply:

@@ -14,15 +14,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
 
-from cache_server.client import CLIENT_ERRORS, CacheClient, CacheServerError, unauthorized
-from cache_server.protocol import ErrorCode
+from cache_server.client import CLIENT_ERRORS, CacheClient, unauthorized
 from connector.config import Settings, logger
 from connector.geometry import Geometry, GeometryError
 from connector.keys import extend_chunk_hashes
-
-def not_negotiated(err: BaseException) -> bool:
-    return isinstance(err, CacheServerError) and err.code == ErrorCode.NOT_NEGOTIATED.value
-
 
 @dataclass
 class LookupAnswer:
@@ -65,7 +60,6 @@ class ServerLink:
         self.client = CacheClient(url, timeout_s=timeout_s, auth_token=auth_token)
         self.lookup_client = CacheClient(url, timeout_s=timeout_s, auth_token=auth_token)
         self.release_client = CacheClient(url, timeout_s=timeout_s, auth_token=auth_token)
-        self.url = url
         self.timeout_s = timeout_s
         self.retry_after_s = retry_after_s
         self.disabled = disabled
@@ -194,17 +188,10 @@ class RemoteCache:
                 [g.group_id for g in geo.attn_groups],
                 [g.group_id for g in geo.state_groups],
                 self._world_size, start, lease=lease,
-                replicated_groups=self.replicated_groups(), chunk_size=geo.chunk_size,
+                replicated_groups=self.replicated_groups(),
             )
         except CLIENT_ERRORS as e:
-            if not_negotiated(e):
-                # A server that restarted, or another one, at this address: hand over to
-                # it at once (the next admission says hello), no back-off.
-                logger.info("glm-cache-server %s has not negotiated chunk size %d for us: hello again",
-                            self.link.url, geo.chunk_size)
-                self.link.hello = None
-            else:
-                self.link.failed("lookup", e)
+            self.link.failed("lookup", e)
             return LookupAnswer(error=e)
         return LookupAnswer(n, lease_id, held, start_state)
 

@@ -266,33 +266,3 @@ def test_lookups_given_up_on_are_never_sent():
     finally:
         side.shutdown()
         srv.stop()
-
-
-def test_a_server_restarted_with_another_chunk_size_is_handed_over_at_once():
-    """The server comes back at the same address with another --chunk-size before any call
-    of ours failed: the next lookup names our grid, the server answers that it did not
-    negotiate it, and the next admission says hello and takes the new grid (no back-off,
-    never a lookup in the old grid answered by the new server)."""
-    from testing.server_process import ServerProcess
-
-    first = ServerProcess("--separate-object-groups", "--chunk-size", str(C), "--l1-size-gb", "1").start()
-    side = scheduler_side(first.url, block=C, timeout_s=TIMEOUT_S, retry_after_s=30.0, chunk_keys="lmcache")
-    second = None
-    try:
-        assert side._geometry.chunk_size == C
-        first.kill()
-        second = ServerProcess("--separate-object-groups", "--chunk-size", str(2 * C), "--l1-size-gb", "1",
-                               port=first.port, http_port=first.http_port).start()
-        tokens = list(range(16, 16 + 6 * C + 5))
-        out, _ = _ask_until_answered(side, request("after-restart", tokens, "grid"))
-        assert out == (0, False)  # refused in the old grid: cold this once
-        out, _ = _ask_until_answered(side, request("handed-over", tokens, "grid2"))
-        assert out == (0, False) and side._geometry.chunk_size == 2 * C
-        assert side.remote.usable()  # no back-off: a hand-over is not a failure
-        with CacheClient(second.url) as c:
-            assert c.stats()["namespaces"][side.namespace]["chunk_size"] == 2 * C
-    finally:
-        side.shutdown()
-        first.stop()
-        if second is not None:
-            second.stop()
