@@ -58,31 +58,34 @@ class Row:
     held: bool
 
 
-def rss_bytes(pid: int) -> int:
+def _status_bytes(pid: int, field: str) -> int | None:
+    """A ``kB`` field of ``/proc/<pid>/status`` in bytes (None if the kernel has no such field)."""
     with open(f"/proc/{pid}/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no VmRSS for pid {pid}")
+    return None
+
+
+def rss_bytes(pid: int) -> int:
+    value = _status_bytes(pid, "VmRSS")
+    if value is None:
+        raise RuntimeError(f"no VmRSS for pid {pid}")
+    return value
 
 
 def shmem_bytes(pid: int) -> int:
     """The resident shared memory in ``pid``'s RSS: for the server, the clients' /dev/shm
     segments it maps (same-host payloads), pages the clients own, not its store."""
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("RssShmem:"):
-                return int(line.split()[1]) * 1024
-    return 0
+    return _status_bytes(pid, "RssShmem") or 0
 
 
 def peak_rss_bytes(pid: int) -> int:
     """``pid``'s peak RSS so far (VmHWM): a burst that was freed again still shows."""
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no VmHWM for pid {pid}")
+    value = _status_bytes(pid, "VmHWM")
+    if value is None:
+        raise RuntimeError(f"no VmHWM for pid {pid}")
+    return value
 
 
 # --- server-only faults ------------------------------------------------------------------
