@@ -324,11 +324,8 @@ class SchedulerSide:
 
     def _cold(self, state: RequestState) -> tuple[int, bool]:
         """Answer "nothing external" and end the request's admission."""
-        if state.lookup is not None and state.lookup.answered_at is not None:
-            self._forget_answer(state)
-        else:
-            self._drop_lease(state)
-            self._discard_lookup(state)
+        self._discard_lookup(state)  # one still out
+        self._forget_answer(state)  # one answered, and its lease
         state.admission_started = None
         return 0, False
 
