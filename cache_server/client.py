@@ -250,15 +250,19 @@ class CacheClient:
 
     def hello(self, namespace: str, alignment: int, world_size: int = 1,
               replicated_groups: Sequence[int] = (), attn_groups: Sequence[int] | None = None,
-              state_groups: Sequence[int] | None = None) -> dict[str, Any]:
+              state_groups: Sequence[int] | None = None,
+              group_names: dict[int, str] | None = None) -> dict[str, Any]:
         """Handshake: returns chunk_size, min_chunk_size, separate_object_groups, max_object_bytes, v.
         With ``attn_groups`` and ``state_groups`` the server tracks which prefixes are
-        resumable and evicts objects nothing can resume through first."""
+        resumable and evicts objects nothing can resume through first; ``group_names``
+        says what each holds (``/status`` and metrics report bytes by name)."""
         header: dict[str, Any] = {"op": "hello", "v": p.PROTOCOL_VERSION, "ns": namespace, "alignment": alignment,
                                   "world_size": world_size, "replicated_groups": list(replicated_groups)}
         if state_groups is not None:
             header["attn_groups"] = list(attn_groups or ())
             header["state_groups"] = list(state_groups)
+            if group_names:
+                header["group_names"] = {str(g): n for g, n in group_names.items()}
         with self._lock:
             offer = self._shm.offer_at_hello()
             if offer is not None:

@@ -46,13 +46,20 @@ def resume_depth(start: int, n: int, has_attn: Callable[[int], bool],
 class Layout:
     """What an engine declared about a namespace at hello: which groups are attention
     (needed for every chunk) and which are state (needed at the resume point), on how
-    many ranks, which are stored once, and the chunk size in tokens."""
+    many ranks, which are stored once, the chunk size in tokens, and what each group
+    holds (``group_names``: ``(group, name)`` pairs, e.g. ``kda_state``, ``mla_latent``,
+    ``indexer_cache``; empty when the engine named none)."""
 
     attn_groups: frozenset[int]
     state_groups: frozenset[int]
     world_size: int
     replicated_groups: frozenset[int]
     chunk_tokens: int
+    group_names: tuple[tuple[int, str], ...] = ()
+
+    def name_of(self, group: int) -> str:
+        """The group's name, or ``group_<id>`` when the engine named none."""
+        return dict(self.group_names).get(group, f"group_{group}")
 
     def ranks(self, groups: Iterable[int]) -> list[tuple[int, int]]:
         """The ``(group, rank)`` pairs of ``groups`` that one chunk holds."""

@@ -71,6 +71,12 @@ class _StoreCollector(Collector):
         for group, b in s["bytes_by_group"].items():
             nbytes.add_metric([group], b)
         yield nbytes
+        named = GaugeMetricFamily(f"{PREFIX}_object_group_bytes", "Resident bytes by what the object group holds "
+                                  "(kda_state, mla_latent, indexer_cache, as engines name them at hello)",
+                                  labels=["name"])
+        for name, b in s["bytes_by_group_name"].items():
+            named.add_metric([name], b)
+        yield named
         yield GaugeMetricFamily(f"{PREFIX}_active_leases", "Leases not yet released or expired",
                                 value=s["active_leases"])
         yield GaugeMetricFamily(f"{PREFIX}_leased_objects", "Objects pinned by a lease", value=s["leased_objects"])

@@ -88,6 +88,7 @@ still holds objects.
 from __future__ import annotations
 
 import enum
+import re
 import struct
 from typing import Any
 
@@ -304,6 +305,22 @@ def group_list(header: dict[str, Any], name: str) -> list[int]:
     if len(set(groups)) != len(groups):
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"{name} has repeated group ids")
     return groups
+
+
+GROUP_NAME = re.compile(r"[a-z][a-z0-9_]{0,31}")
+
+
+def group_names(header: dict[str, Any], name: str = "group_names") -> dict[int, str]:
+    """Object group names by group id: ``{"<id>": "<name>"}``, names in ``[a-z0-9_]``
+    (they become metric label values), at most 32 characters."""
+    raw = field(header, name, dict)
+    out: dict[int, str] = {}
+    for k, v in raw.items():
+        if not (isinstance(k, str) and k.isdigit() and isinstance(v, str) and GROUP_NAME.fullmatch(v)):
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"{name} must map group ids to names of [a-z0-9_] "
+                                                       "(at most 32 characters)")
+        out[int(k)] = v
+    return out
 
 
 def key_list(header: dict[str, Any], name: str = "keys") -> list[ObjectKey]:

@@ -243,8 +243,11 @@ class CacheServer:
                 raise p.ProtocolError(p.ErrorCode.BAD_REQUEST, "attn_groups and state_groups must be disjoint "
                                                                "and hold the replicated_groups")
             self._check_groups([*attn, *state])
+            names = p.group_names(h) if "group_names" in h else {}
+            if not set(names) <= {*attn, *state}:
+                raise p.ProtocolError(p.ErrorCode.BAD_REQUEST, "group_names must name attn_groups or state_groups")
             self.store.set_layout(ns, Layout(frozenset(attn), frozenset(state), world_size, frozenset(replicated),
-                                             known[1] if known is not None else chunk))
+                                             known[1] if known is not None else chunk, tuple(sorted(names.items()))))
         reply = {"v": p.PROTOCOL_VERSION, "chunk_size": chunk, "min_chunk_size": self.config.min_chunk_size,
                  "separate_object_groups": self.config.separate_object_groups,
                  "max_object_bytes": self.config.max_object_bytes}

@@ -466,6 +466,15 @@ class ObjectStore:
         """Objects resident in one namespace."""
         return self._objects_by_namespace.get(namespace, 0)
 
+    def _bytes_by_group_name_locked(self) -> dict[str, int]:
+        """Resident bytes by what the groups hold, over every namespace (group ids mean
+        different things in different namespaces; names, declared at hello, do not)."""
+        out: dict[str, int] = defaultdict(int)
+        for (ns, g), b in self._bytes_by_namespace_group.items():
+            tree = self._trees.get(ns)
+            out[tree.layout.name_of(g) if tree is not None else f"group_{g}"] += b
+        return dict(sorted(out.items()))
+
     def snapshot(self) -> dict[str, Any]:
         """A consistent JSON-able view for /status and /metrics; O(groups), not O(objects)."""
         with self._lock:
@@ -476,6 +485,7 @@ class ObjectStore:
                 "capacity_bytes": self.capacity_bytes,
                 "bytes_by_group": {str(g): b for g, b in sorted(self._bytes_by_group.items()) if b},
                 "objects_by_group": {str(g): n for g, n in sorted(self._objects_by_group.items()) if n},
+                "bytes_by_group_name": self._bytes_by_group_name_locked(),
                 "active_leases": len(self._leases),
                 "leased_objects": self._leases.leased_objects,
                 "leased_bytes": self._leases.leased_bytes,

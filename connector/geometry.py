@@ -4,12 +4,20 @@ Pure functions over vLLM's resolved ``KVCacheConfig``: no server, no torch tenso
 connector resolves a ``Geometry`` once at start-up (both roles compute the same one) and
 every later decision (strict-prefix lookup, which blocks make a chunk, which state block
 a resume reads) is arithmetic on it.
+
+The server stores *object groups*, one object per chunk (and rank, where sharded) each:
+the recurrent (KDA) state, the MLA latent and the indexer cache apart, whatever vLLM packs
+into one KV cache group. A vLLM group whose layers are of several kinds (native GLM-5.3:
+the kpool indexer's pages and the latent's pages alternate in one block table) becomes one
+object group per kind; a cache row holding several parts (the plugin's row: latent, then
+indexer key and pool gate) becomes one object group per part, read column by column, when
+the model declares its row's parts (:data:`RowParts`).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -29,34 +37,67 @@ class UnsupportedLayout(GeometryError):
     without the external cache instead of refusing to start (fail closed, never guess)."""
 
 
+# Object group names: what the bytes are (``/status``, metrics and logs name groups so).
+STATE, LATENT, INDEXER, ATTENTION = "kda_state", "mla_latent", "indexer_cache", "attention"
+
+# The parts of a model's cache row, in row order: ``(object group name, values)``. Declared
+# by a model whose one attention layer keeps several things per token in one row (the
+# plugin: ``((LATENT, kv_lora_rank + qk_rope_head_dim), (INDEXER, 2 * index_head_dim))``).
+RowParts = tuple[tuple[str, int], ...]
+
+
 @dataclass(frozen=True)
 class LayerPage:
-    """One layer's page in one block, as vLLM's own spec for that layer sizes it.
+    """What one object takes from one layer's page in one block, as vLLM's own spec for
+    that layer sizes the page.
 
     A group can hold layers with different pages (vLLM's ``UniformTypeKVCacheSpecs``
     packs the MLA latent and the kpool indexer into one block table), so every layer
     carries its own size: reading one layer's size for all of them saves the wrong
-    bytes and overwrites neighbouring pages on load."""
+    bytes and overwrites neighbouring pages on load. An object of one part of a row
+    takes ``row_width`` bytes at ``row_offset`` of each of the page's ``rows`` rows
+    (``row_stride`` bytes apart); an object of whole pages takes the page (one row)."""
 
     name: str
-    page_bytes: int  # content bytes of this layer's page in one block (padding excluded)
+    page_bytes: int  # content bytes this object takes from the page in one block (padding excluded)
     dtype: str  # element type(s) of the page, for logs and the namespace fingerprint
     tokens_per_page: int  # tokens one block of this layer spans
     states_per_page: int  # stored rows per block: tokens / tokens_per_state; 1 for state
     spec: str  # vLLM spec class name
+    rows: int = 1  # rows of the page this object reads a part of; 1: the whole page
+    row_stride: int = 0  # bytes from one row of the page to the next (rows > 1)
+    row_offset: int = 0  # bytes before this object's part in each row
+
+    @property
+    def row_width(self) -> int:
+        """Bytes this object takes from each row."""
+        return self.page_bytes // self.rows
+
+    @property
+    def page_extent(self) -> int:
+        """Bytes of the page this object's parts lie in, from the page's first byte."""
+        return self.page_bytes if self.rows == 1 else self.rows * self.row_stride
 
 
 @dataclass(frozen=True)
 class CacheGroup:
-    """One prefix-cacheable vLLM KV cache group as the cache sees it."""
+    """One object group: what one object per chunk (and rank) holds, from one
+    prefix-cacheable vLLM KV cache group."""
 
-    group_id: int  # index into kv_cache_config.kv_cache_groups
+    group_id: int  # the object group (the server's group of its objects)
     is_state: bool  # recurrent state (Mamba/GDN/KDA): one snapshot per block position
     block_size: int  # tokens one block of this group spans
     layers: tuple[LayerPage, ...]  # vLLM's layer order in the group
     # Identical bytes on every TP rank (MLA latent / indexer): such objects need not be
     # stored once per rank. Informational here; keys are the connector's business.
     replicated_across_tp: bool = False
+    kv_group: int | None = None  # vLLM's KV cache group whose blocks it reads; None: group_id
+    name: str = ""  # STATE, LATENT, INDEXER or ATTENTION
+
+    @property
+    def vllm_group(self) -> int:
+        """Index into ``kv_cache_config.kv_cache_groups`` (the block ids' group)."""
+        return self.group_id if self.kv_group is None else self.kv_group
 
     @property
     def layer_names(self) -> tuple[str, ...]:
@@ -104,6 +145,13 @@ class Geometry:
                 return g
         raise KeyError(f"KV cache group {group_id} is not cached")
 
+    def state_group_of(self, vllm_group: int) -> CacheGroup | None:
+        """The state object group reading vLLM group ``vllm_group``'s blocks, if any."""
+        for g in self.state_groups:
+            if g.vllm_group == vllm_group:
+                return g
+        return None
+
     def with_chunk_size(self, chunk_size: int) -> Geometry:
         if chunk_size <= 0 or chunk_size % self.scheduler_block_size:
             raise GeometryError(
@@ -118,10 +166,11 @@ class Geometry:
         pages = {
             g.group_id: sorted({p.page_bytes for p in g.layers}) for g in self.groups
         }
+        names = {g.group_id: g.name for g in self.groups}
         return (
             f"Resolved geometry: group_tokens_per_block={list(self.group_tokens_per_block)}, "
             f"scheduler_block_size={self.scheduler_block_size}, chunk_size={self.chunk_size}, "
-            f"page_bytes_per_group={pages}"
+            f"object_groups={names}, page_bytes_per_group={pages}"
         )
 
 
@@ -276,8 +325,44 @@ def check_engine_config(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig)
                 )
 
 
-def _resolve_group(gid: int, group: Any, dcp: int, tp: int) -> CacheGroup:
-    """One prefix-cacheable group, or :class:`UnsupportedLayout` naming why not.
+def _layer_kind(spec: Any) -> str:
+    """The object group a whole page of this layer belongs to."""
+    from vllm.v1.kv_cache_interface import MambaSpec, MLAAttentionSpec
+
+    if isinstance(spec, MambaSpec):
+        return STATE
+    if isinstance(spec, MLAAttentionSpec):
+        role = getattr(spec, "cache_role", None)  # SparseCacheRole: "sparse" or "indexer"
+        return INDEXER if getattr(role, "value", role) == "indexer" else LATENT
+    return ATTENTION
+
+
+def _row_split(name: str, spec: Any, parts: RowParts) -> list[tuple[str, LayerPage]] | None:
+    """The layer's page as one object part per row part, or None when the declared parts
+    do not describe this layer (not a one-row-per-token page of exactly their width)."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
+
+    if isinstance(spec, MambaSpec) or not isinstance(spec, FullAttentionSpec):
+        return None
+    if spec.num_kv_heads != 1 or spec.head_size_v != 0 or spec.head_size != sum(v for _, v in parts):
+        return None
+    item = spec.real_page_size_bytes // (spec.block_size * spec.head_size)
+    if item * spec.block_size * spec.head_size != spec.real_page_size_bytes or int(spec.tokens_per_state) != 1:
+        return None
+    whole = _layer_page(name, spec, spec.block_size)
+    out, offset = [], 0
+    for kind, values in parts:
+        out.append((kind, replace(whole, page_bytes=spec.block_size * values * item, rows=spec.block_size,
+                                  row_stride=spec.head_size * item, row_offset=offset * item)))
+        offset += values
+    return out
+
+
+def _resolve_group(gid: int, group: Any, dcp: int, tp: int, row_parts: RowParts | None,
+                   first_id: int) -> list[CacheGroup]:
+    """One prefix-cacheable vLLM group as its object groups (ids from ``first_id``, in the
+    order their kinds first appear among its layers), or :class:`UnsupportedLayout`
+    naming why not.
 
     Recurrent state: vLLM (align mode) keeps the snapshot after position ``p`` (a multiple
     of the block) in block ``p // block - 1`` of the state group, and a resumed request
@@ -297,7 +382,8 @@ def _resolve_group(gid: int, group: Any, dcp: int, tp: int) -> CacheGroup:
     if not layer_specs:
         raise _refuse(gid, group.kv_cache_spec, "no layers on this rank")
     span = int(resolve_dcp_kv_block_size(group.kv_cache_spec, dcp))
-    pages: list[LayerPage] = []
+    parts: dict[str, list[LayerPage]] = {}  # object group name -> its pages, layer order
+    replicated: dict[str, bool] = {}
     kinds: set[bool] = set()
     for name, spec in layer_specs:
         reason = _layer_reason(spec)
@@ -306,22 +392,30 @@ def _resolve_group(gid: int, group: Any, dcp: int, tp: int) -> CacheGroup:
         if int(resolve_dcp_kv_block_size(spec, dcp)) != span:
             raise _refuse(gid, spec, f"layer {name} spans a different block than its group")
         kinds.add(isinstance(spec, MambaSpec))
-        pages.append(_layer_page(name, spec, span))
+        split = _row_split(name, spec, row_parts) if row_parts and not isinstance(spec, MambaSpec) else None
+        if row_parts and not isinstance(spec, MambaSpec) and split is None:
+            raise _refuse(gid, spec, f"layer {name}: the model's declared cache-row parts {list(row_parts)} "
+                                     "do not describe its page")
+        for kind, page in split or [(_layer_kind(spec), _layer_page(name, spec, span))]:
+            parts.setdefault(kind, []).append(page)
+            replicated[kind] = replicated.get(kind, True) and _replicated_across_tp(spec, tp)
     if len(kinds) > 1:
         raise _refuse(gid, group.kv_cache_spec, "it mixes recurrent state and attention layers")
-    return CacheGroup(
-        group_id=gid,
-        is_state=kinds.pop(),
-        block_size=span,
-        layers=tuple(pages),
-        replicated_across_tp=all(_replicated_across_tp(s, tp) for _, s in layer_specs),
-    )
+    is_state = kinds.pop()
+    return [
+        CacheGroup(group_id=first_id + i, is_state=is_state, block_size=span, layers=tuple(pages),
+                   replicated_across_tp=replicated[kind], kv_group=gid, name=kind)
+        for i, (kind, pages) in enumerate(parts.items())
+    ]
 
 
 def resolve_geometry(
-    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, chunk_size: int | None = None
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, chunk_size: int | None = None,
+    row_parts: RowParts | None = None,
 ) -> Geometry:
     """Read vLLM's cache groups. ``chunk_size`` None: the scheduler block, until negotiated.
+    ``row_parts``: the model's cache-row parts (:func:`model_row_parts`), None if it
+    declares none (each layer's page is then one part, named by its spec).
 
     Raises :class:`GeometryError` for fixable misconfigurations and its subclass
     :class:`UnsupportedLayout` for layouts the connector does not understand. Groups
@@ -338,12 +432,25 @@ def resolve_geometry(
         if gid not in cacheable:
             tokens_per_block.append(0)
             continue
-        g = _resolve_group(gid, group, dcp, tp)
-        tokens_per_block.append(g.block_size)
-        groups.append(g)
+        object_groups = _resolve_group(gid, group, dcp, tp, row_parts, len(groups))
+        tokens_per_block.append(object_groups[0].block_size)
+        groups.extend(object_groups)
     if not groups:
         raise UnsupportedLayout("no prefix-cacheable KV cache group: nothing to cache")
     if not any(not g.is_state for g in groups):
         raise UnsupportedLayout("no attention group among the prefix-cacheable groups")
     block = math.lcm(*(g.block_size for g in groups))
     return Geometry(tuple(groups), tuple(tokens_per_block), block, chunk_size or block)
+
+
+def model_row_parts(vllm_config: VllmConfig) -> RowParts | None:
+    """The cache-row parts the engine's model class declares (classmethod
+    ``kv_cache_row_parts(hf_config)``), or None when it declares none (vLLM's own models,
+    whose layers keep one thing per page). Read from the class vLLM resolves for the model
+    config, as :func:`connector.keys.model_cache_row_format` reads the row format."""
+    from vllm.model_executor.model_loader.utils import get_model_cls
+
+    declare = getattr(get_model_cls(vllm_config.model_config), "kv_cache_row_parts", None)
+    if declare is None:
+        return None
+    return tuple((str(name), int(values)) for name, values in declare(vllm_config.model_config.hf_config))

@@ -37,7 +37,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from connector.config import Settings, logger
-from connector.geometry import Geometry, UnsupportedLayout, disabled_geometry, resolve_geometry
+from connector.geometry import (
+    Geometry,
+    RowParts,
+    UnsupportedLayout,
+    disabled_geometry,
+    model_row_parts,
+    resolve_geometry,
+)
 from connector.keys import model_cache_row_format
 from connector.scheduler import SchedulerSide
 from connector.stats import SCHEDULER_KEYS, DeltaReporter, GlmCachePromMetrics, GlmCacheStats
@@ -56,15 +63,16 @@ if TYPE_CHECKING:
 
 
 def resolve_or_disable(
-    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, row_parts: RowParts | None = None
 ) -> tuple[Geometry, str | None]:
     """The engine's cache geometry, or an empty one and the reason when vLLM handed us
     a layout we do not understand (fail closed: serve without the external cache, never
-    guess a layout). Logged once here. Fixable misconfigurations (prefix caching off,
+    guess a layout). ``row_parts``: the model's cache-row parts (``model_row_parts``).
+    Logged once here. Fixable misconfigurations (prefix caching off,
     recurrent state without align-mode snapshots) still raise ``GeometryError`` and stop
     vLLM at start-up: the operator asked for the cache and one flag fixes it."""
     try:
-        return resolve_geometry(vllm_config, kv_cache_config), None
+        return resolve_geometry(vllm_config, kv_cache_config, row_parts=row_parts), None
     except UnsupportedLayout as e:
         logger.error("GlmCacheConnector: %s; serving without the external cache", e)
         return disabled_geometry(kv_cache_config), str(e)
@@ -83,7 +91,7 @@ class GlmCacheConnector(KVConnectorBase_V1, SupportsHMA):
         settings = Settings.from_config(self._kv_transfer_config)
         # Raises GeometryError (prefix caching off, non-align state groups) at start-up;
         # a layout we do not understand disables the external cache instead.
-        geometry, refused = resolve_or_disable(vllm_config, kv_cache_config)
+        geometry, refused = resolve_or_disable(vllm_config, kv_cache_config, model_row_parts(vllm_config))
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:

@@ -354,9 +354,12 @@ def engine_fingerprint(
         "groups": [
             [
                 g.group_id,
+                g.name,
+                g.vllm_group,
                 g.is_state,
                 g.block_size,
-                [[p.name, p.page_bytes, p.dtype, p.states_per_page] for p in g.layers],
+                [[p.name, p.page_bytes, p.dtype, p.states_per_page, p.rows, p.row_stride, p.row_offset]
+                 for p in g.layers],
             ]
             for g in geometry.groups
         ],

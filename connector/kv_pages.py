@@ -2,11 +2,12 @@
 
 vLLM allocates one flat backing buffer; ``KVCacheTensor`` says where block ``b`` of layer
 ``l`` starts (``offset + l * layer_stride + b * block_stride``). A cache object is the
-concatenation, layer by layer, of a group's pages for a list of blocks: the attention
-object of a chunk covers that chunk's blocks; a state object is one block (the state
-snapshot at the chunk's end). Each layer's page has its own size (one group may pack
-pages of different sizes, e.g. the MLA latent and the kpool indexer). Pages are opaque
-bytes: the connector never interprets them.
+concatenation, layer by layer, of an object group's pages for a list of blocks: the
+attention object of a chunk covers that chunk's blocks; a state object is one block (the
+state snapshot at the chunk's end). Each layer's page has its own size (one group may pack
+pages of different sizes, e.g. the MLA latent and the kpool indexer). An object group of
+one part of each row (``LayerPage.rows`` > 1) takes that part's columns of every row of
+the page, row after row. Pages are opaque bytes: the connector never interprets them.
 """
 
 from __future__ import annotations
@@ -17,17 +18,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from connector.geometry import CacheGroup
+from connector.geometry import CacheGroup, LayerPage
 
 if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 
 @dataclass(frozen=True)
-class _LayerPages:
-    base: int  # byte offset of block 0 in the backing buffer
+class _Placement:
+    base: int  # byte offset of the layer's block 0 in the backing buffer
     block_stride: int
-    page_bytes: int  # content bytes of this layer's page
 
 
 @dataclass(frozen=True)
@@ -36,13 +36,15 @@ class _Lane:
     pages have the same size and block stride, lie ``dst_step`` bytes apart in the KV
     buffer, and one period of the group's layer list apart in the object."""
 
-    dst_base: int  # byte offset of block 0's page of the lane's first layer
+    dst_base: int  # byte offset of block 0's part of the lane's first layer
     dst_step: int  # bytes between the pages of consecutive layers of the lane, one block
     block_stride: int
     page_bytes: int
     count: int
     obj_offset: int  # bytes before the lane's first layer in a one-block object
     obj_period: int  # bytes of one period of layers in a one-block object
+    rows: int  # rows of each page the lane takes a part of (1: whole pages)
+    row_stride: int
 
 
 def _as_uint8(payload: bytes | memoryview) -> torch.Tensor:
@@ -61,7 +63,7 @@ class PagedKVCache:
         groups: tuple[CacheGroup, ...],
     ) -> None:
         self._groups = {g.group_id: g for g in groups}
-        self._layers: dict[str, _LayerPages] = {}
+        self._layers: dict[str, _Placement] = {}
         self._lanes: dict[int, tuple[_Lane, ...]] = {}
         if not groups:  # served without the external cache: nothing to read or write
             self._raw = torch.empty(0, dtype=torch.uint8)
@@ -81,7 +83,7 @@ class PagedKVCache:
         for g in groups:
             for p in g.layers:
                 base, block_stride, _ = placements[p.name]
-                self._layers[p.name] = _LayerPages(base, block_stride, p.page_bytes)
+                self._layers[p.name] = _Placement(base, block_stride)
             self._check_disjoint(g, kv_cache_config.num_blocks, placements)
             self._lanes[g.group_id] = self._find_lanes(g)
         self._check_views(kv_caches, groups)
@@ -92,26 +94,33 @@ class PagedKVCache:
         block stride, and the distance between their pages is the same all along each lane
         (and positive). GLM-5.3-Flash's attention group alternates an indexer page and a
         latent page per layer: P = 2, one copy for each kind instead of one per page. With
-        no such P each layer is a lane of its own (one copy per page)."""
-        lps = [self._layers[p.name] for p in g.layers]
+        no such P each layer is a lane of its own (one copy per page). Parts of rows
+        (``LayerPage.rows`` > 1) are lanes of the same shape: one copy moves a part of every
+        row of the lane's pages."""
+        parts = g.layers
+        lps = [self._layers[p.name] for p in parts]
         m = len(lps)
         offsets = [0]
-        for lp in lps:
-            offsets.append(offsets[-1] + lp.page_bytes)
+        for p in parts:
+            offsets.append(offsets[-1] + p.page_bytes)
+
+        def shape(i: int) -> tuple[int, ...]:
+            p = parts[i]
+            return (p.page_bytes, p.rows, p.row_stride, p.row_offset, lps[i].block_stride)
+
         for period in range(1, m + 1):
             if m % period:
                 continue
-            steps = [lps[j + period].base - lps[j].base if period < m else lps[j].page_bytes
+            steps = [lps[j + period].base - lps[j].base if period < m else parts[j].page_extent
                      for j in range(period)]
             if period < m and not all(
-                lps[i].page_bytes == lps[i - period].page_bytes
-                and lps[i].block_stride == lps[i - period].block_stride
-                and lps[i].base - lps[i - period].base == steps[i % period] > 0
+                shape(i) == shape(i - period) and lps[i].base - lps[i - period].base == steps[i % period] > 0
                 for i in range(period, m)
             ):
                 continue
-            return tuple(_Lane(lps[j].base, steps[j], lps[j].block_stride, lps[j].page_bytes, m // period,
-                               offsets[j], offsets[period]) for j in range(period))
+            return tuple(_Lane(lps[j].base + parts[j].row_offset, steps[j], lps[j].block_stride, parts[j].page_bytes,
+                               m // period, offsets[j], offsets[period], parts[j].rows, parts[j].row_stride)
+                         for j in range(period))
         return ()  # a group without layers: nothing to copy
 
     def _check_disjoint(self, g: CacheGroup, num_blocks: int,
@@ -123,13 +132,16 @@ class PagedKVCache:
         spans = []
         for p in g.layers:
             base, block_stride, size = placements[p.name]
-            if num_blocks > 1 and p.page_bytes > block_stride:
+            if p.rows > 1 and p.row_offset + p.row_width > p.row_stride:
+                raise ValueError(f"layer {p.name}: row part at {p.row_offset} of {p.row_width} bytes exceeds "
+                                 f"its row of {p.row_stride}")
+            if num_blocks > 1 and p.page_extent > block_stride:
                 raise ValueError(
-                    f"layer {p.name}: page of {p.page_bytes} bytes exceeds its block stride {block_stride}"
+                    f"layer {p.name}: page of {p.page_extent} bytes exceeds its block stride {block_stride}"
                 )
-            if base + (num_blocks - 1) * block_stride + p.page_bytes > size:
+            if base + (num_blocks - 1) * block_stride + p.page_extent > size:
                 raise ValueError(f"layer {p.name}: pages run past the KV allocation of {size} bytes")
-            spans.append((base, base + p.page_bytes, p.name))
+            spans.append((base, base + p.page_extent, p.name))
         spans.sort()
         for (_, end, name), (start, _, nxt) in zip(spans, spans[1:]):
             if end > start:
@@ -155,10 +167,11 @@ class PagedKVCache:
     def object_bytes(self, group_id: int, num_blocks: int) -> int:
         return self._groups[group_id].object_bytes(num_blocks)
 
-    def _span(self, name: str, block_id: int) -> tuple[int, int]:
-        lp = self._layers[name]
-        start = lp.base + block_id * lp.block_stride
-        return start, start + lp.page_bytes
+    def _page(self, part: LayerPage, block_id: int) -> torch.Tensor:
+        """``part``'s bytes of one block's page, as a ``[rows, row_width]`` view."""
+        lp = self._layers[part.name]
+        start = lp.base + block_id * lp.block_stride + part.row_offset
+        return self._raw.as_strided((part.rows, part.row_width), (part.row_stride or part.row_width, 1), start)
 
     def read(self, group_id: int, block_ids: list[int]) -> memoryview:
         """The object for ``block_ids`` of one group: layer-major, then block order.
@@ -175,11 +188,11 @@ class PagedKVCache:
         on_device = device.type != "cpu"
         out = torch.empty(g.object_bytes(len(block_ids)), dtype=torch.uint8, pin_memory=on_device)
         pos = 0
-        for layer in g.layers:
+        for part in g.layers:
             for b in block_ids:
-                start, end = self._span(layer.name, b)
-                out[pos : pos + layer.page_bytes].copy_(self._raw[start:end], non_blocking=on_device)
-                pos += layer.page_bytes
+                dst = out[pos : pos + part.page_bytes].view(part.rows, part.row_width)
+                dst.copy_(self._page(part, b), non_blocking=on_device)
+                pos += part.page_bytes
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         elif on_device:
@@ -205,19 +218,21 @@ class PagedKVCache:
             src = src.to(self._raw.device)
         n = len(block_ids)
         for lane in self._lanes[group_id]:
-            rows = (lane.count, lane.page_bytes)
+            width = lane.page_bytes // lane.rows
+            rows = (lane.count, lane.rows, width)
             for t, b in enumerate(block_ids):
                 if b is not None:
-                    dst = self._raw.as_strided(rows, (lane.dst_step, 1), lane.dst_base + b * lane.block_stride)
-                    dst.copy_(src.as_strided(rows, (n * lane.obj_period, 1), n * lane.obj_offset + t * lane.page_bytes))
+                    dst = self._raw.as_strided(rows, (lane.dst_step, lane.row_stride or width, 1),
+                                               lane.dst_base + b * lane.block_stride)
+                    dst.copy_(src.as_strided(rows, (n * lane.obj_period, width, 1),
+                                             n * lane.obj_offset + t * lane.page_bytes))
 
     def write_layer_page(self, layer_name: str, group_id: int, block_id: int,
                          page: bytes | memoryview) -> None:
         """Write one layer's page of one block."""
-        if layer_name not in self._groups[group_id].layer_names:
+        part = next((p for p in self._groups[group_id].layers if p.name == layer_name), None)
+        if part is None:
             raise ValueError(f"layer {layer_name} is not in group {group_id}")
-        lp = self._layers[layer_name]
-        if len(page) != lp.page_bytes:
-            raise ValueError(f"page of {len(page)} bytes, expected {lp.page_bytes}")
-        start, end = self._span(layer_name, block_id)
-        self._raw[start:end].copy_(_as_uint8(page).to(self._raw.device))
+        if len(page) != part.page_bytes:
+            raise ValueError(f"page of {len(page)} bytes, expected {part.page_bytes}")
+        self._page(part, block_id).copy_(_as_uint8(page).to(self._raw.device).view(part.rows, part.row_width))

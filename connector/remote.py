@@ -136,7 +136,8 @@ class RemoteCache:
         return client.hello(self._namespace(), geo.scheduler_block_size, self._world_size,
                             self.replicated_groups(),
                             attn_groups=[g.group_id for g in geo.attn_groups],
-                            state_groups=[g.group_id for g in geo.state_groups])
+                            state_groups=[g.group_id for g in geo.state_groups],
+                            group_names={g.group_id: g.name for g in geo.groups if g.name})
 
     def ready(self) -> bool | None:
         """True when negotiated; None while a background handshake is under way; False

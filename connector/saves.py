@@ -72,7 +72,7 @@ class SavePlanner:
         moves: list[ObjectMove] = []
         for g in geo.attn_groups:
             per_chunk = C // g.block_size
-            ids = block_ids[g.group_id]
+            ids = block_ids[g.vllm_group]
             for k in range(state.saved_chunks, n):
                 chunk_ids = ids[k * per_chunk : (k + 1) * per_chunk]
                 if len(chunk_ids) != per_chunk or null_id in chunk_ids:
@@ -85,11 +85,11 @@ class SavePlanner:
         """States vLLM snapshots at block boundaries; we keep those at chunk boundaries."""
         geo = self._geometry()
         C = geo.chunk_size
-        state_ids = {g.group_id for g in geo.state_groups}
         moves: list[ObjectMove] = []
         prev_chunk = state.state_chunk
-        for group_id, block_id, boundary in sorted(entries, key=lambda e: e[2]):
-            if group_id not in state_ids or boundary <= 0 or boundary % C:
+        for vllm_group, block_id, boundary in sorted(entries, key=lambda e: e[2]):
+            group = geo.state_group_of(vllm_group)
+            if group is None or boundary <= 0 or boundary % C:
                 continue
             if boundary <= state.loaded_tokens:
                 continue  # came from the server
@@ -100,7 +100,7 @@ class SavePlanner:
                 prev_chunk, state.state_chunk = state.state_chunk, k
             keys = state.keys
             prev = keys[prev_chunk - 1] if 0 < prev_chunk < k else None
-            moves.append(ObjectMove(keys[k - 1], group_id, [block_id], prev, parent_of(keys, k - 1)))
+            moves.append(ObjectMove(keys[k - 1], group.group_id, [block_id], prev, parent_of(keys, k - 1)))
         return moves
 
     def local_state_resave(self, state: RequestState, blocks: KVCacheBlocks, hit: Hit) -> list[ObjectMove]:
@@ -118,7 +118,7 @@ class SavePlanner:
         keys = self._keys(state, k)
         moves = []
         for g in geo.state_groups:
-            blk = blocks.blocks[g.group_id][local // g.block_size - 1]
+            blk = blocks.blocks[g.vllm_group][local // g.block_size - 1]
             if not blk.is_null:
                 moves.append(ObjectMove(keys[k - 1], g.group_id, [blk.block_id], parent=parent_of(keys, k - 1)))
         return moves

@@ -393,7 +393,7 @@ class SchedulerSide:
         moves: list[ObjectMove] = []
         for g in self._geometry.attn_groups:
             per_chunk = C // g.block_size
-            group_blocks = blocks.blocks[g.group_id]
+            group_blocks = blocks.blocks[g.vllm_group]
             first_new_block = hit.local_tokens // g.block_size
             for k in range(hit.start_chunk, hit.end_chunk):
                 ids: list[int | None] = []
@@ -403,7 +403,7 @@ class SchedulerSide:
                 moves.append(ObjectMove(hashes[k], g.group_id, ids))
         resume_block = hit.end_chunk * C
         for g in self._geometry.state_groups:
-            blk = blocks.blocks[g.group_id][resume_block // g.block_size - 1]
+            blk = blocks.blocks[g.vllm_group][resume_block // g.block_size - 1]
             if blk.is_null:
                 raise LookupError(f"no state block allocated at position {resume_block} for group {g.group_id}")
             moves.append(ObjectMove(hashes[hit.end_chunk - 1], g.group_id, [blk.block_id]))

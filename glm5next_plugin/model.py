@@ -268,6 +268,16 @@ class Glm5NextForConditionalGeneration(nn.Module, *_vllm_interfaces()):
     # (connector.geometry.engine_fingerprint), so rows saved by another row format never load.
     kv_cache_row_format: ClassVar[str] = CACHE_ROW_FORMAT
 
+    @classmethod
+    def kv_cache_row_parts(cls, hf_config) -> tuple[tuple[str, int], ...]:
+        """The parts of one sparse-MLA cache row, in row order, as ``(object group,
+        values)``: the external cache stores each part as its own object group (the MLA
+        latent apart from the indexer cache, as vLLM's native layout keeps them in
+        separate layers). See ``SparseMLAProjections.row_size``."""
+        text = text_config_of(hf_config)
+        return (("mla_latent", text.kv_lora_rank + text.qk_rope_head_dim),
+                ("indexer_cache", 2 * text.index_head_dim))
+
     def __init__(self, *, vllm_config, prefix: str = "") -> None:
         super().__init__()
         hf_config = vllm_config.model_config.hf_config

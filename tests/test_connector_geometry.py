@@ -135,7 +135,7 @@ def test_namespace_fingerprints_the_cache_row_format():
     vllm, kv = _config([_state(), _attn()])
     geo = resolve_geometry(vllm, kv)
     plain = engine_fingerprint(vllm, kv, geo)
-    assert engine_fingerprint(vllm, kv, geo, None) == plain == "GLM-5.3-Flash-2e932afc852135f3"
+    assert engine_fingerprint(vllm, kv, geo, None) == plain == "GLM-5.3-Flash-a89936cf9c8ab564"
     v1 = engine_fingerprint(vllm, kv, geo, "glm5next-plugin-sparse-mla-rows/1")
     v2 = engine_fingerprint(vllm, kv, geo, "glm5next-plugin-sparse-mla-rows/2")
     assert len({plain, v1, v2}) == 3

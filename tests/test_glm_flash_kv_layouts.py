@@ -60,34 +60,57 @@ def test_geometry_pages_are_each_layers_own(cfg, layout, tp):
     geo = L.resolve(built)
     kv = built.kv_cache_config
     assert geo.scheduler_block_size == built.block_size
+    row_cover: dict[str, int] = {}
     for g in geo.groups:
         for p in g.layers:
             start, end = _page_ranges(views, raw, p.name, 0)
-            assert p.page_bytes == end - start, p.name
+            assert p.page_extent == end - start, p.name
             assert p.tokens_per_page == built.block_size
-    mla = [g for g in geo.attn_groups]
-    assert len(mla) == 1 and len(geo.state_groups) == 4
+            row_cover[p.name] = row_cover.get(p.name, 0) + p.row_width
+            if p.rows > 1:  # one part of each of the page's rows
+                assert p.rows == built.block_size and p.row_offset + p.row_width <= p.row_stride
+    # the object groups' parts of a page tile its rows exactly: nothing left out, nothing twice
+    for g in geo.groups:
+        for p in g.layers:
+            assert row_cover[p.name] == (p.row_stride if p.rows > 1 else p.page_bytes), p.name
+    # three object groups: KDA state (4 vLLM groups), MLA latent, indexer cache
+    assert [g.name for g in geo.state_groups] == ["kda_state"] * 4
+    assert sorted(g.name for g in geo.attn_groups) == ["indexer_cache", "mla_latent"]
+    assert len({g.vllm_group for g in geo.attn_groups}) == 1
+    latent, indexer = (next(g for g in geo.attn_groups if g.name == n) for n in ("mla_latent", "indexer_cache"))
     assert sum(len(g.layers) for g in geo.state_groups) == 34
-    assert all(g.replicated_across_tp for g in mla)
+    assert len(latent.layers) == len(indexer.layers) == 11
+    assert latent.replicated_across_tp and indexer.replicated_across_tp
     assert not any(g.replicated_across_tp for g in geo.state_groups)
     kda = geo.state_groups[0].layers[0]
     assert kda.page_bytes == L.kda_page_bytes(cfg, tp)
+    kv_lora, pool, idx_dim = cfg.kv_lora_rank, cfg.index_kpool, cfg.index_head_dim
     if layout == "native":
-        # One vLLM group, two page sizes: latent (bf16, 1 KiB a token) and kpool indexer
-        # (fp8 + scale bytes, one 132-byte state per 16 tokens).
-        pages = {p.name.rsplit(".", 1)[-1]: p for p in mla[0].layers}
-        assert len(mla[0].layers) == 22
-        assert pages["attn"].page_bytes == built.block_size * 1024
-        assert pages["attn"].dtype == "bfloat16"
-        assert pages["k_cache"].page_bytes == built.block_size // 16 * 132
-        assert (pages["k_cache"].dtype, pages["k_cache"].states_per_page) == ("uint8", built.block_size // 16)
+        # One vLLM group, two page sizes, one object group each: latent (bf16, 1 KiB a
+        # token) and kpool indexer (fp8 + scale bytes, one 132-byte state per pool).
+        assert all(p.name.endswith(".attn") for p in latent.layers)
+        assert all(p.name.endswith(".indexer.k_cache") for p in indexer.layers)
+        assert {p.page_bytes for p in latent.layers} == {built.block_size * kv_lora * 2}
+        assert {p.dtype for p in latent.layers} == {"bfloat16"}
+        assert {p.page_bytes for p in indexer.layers} == {built.block_size // pool * (idx_dim + idx_dim // 128 * 4)}
+        assert {(p.dtype, p.states_per_page) for p in indexer.layers} == {("uint8", built.block_size // pool)}
         # The tail ring is a scratch group: present in vLLM's config, never cached.
         tail = [i for i, grp in enumerate(kv.kv_cache_groups) if "tail_cache" in grp.layer_names[0]]
         assert len(tail) == 1 and geo.group_tokens_per_block[tail[0]] == 0
-        assert tail[0] not in {g.group_id for g in geo.groups}
+        assert tail[0] not in {g.vllm_group for g in geo.groups}
     else:
-        assert len(mla[0].layers) == 11
-        assert {p.page_bytes for p in mla[0].layers} == {built.block_size * 768 * 2}
+        # One row per token (latent, then the indexer's key and pool gate, bf16), split
+        # by the parts the plugin declares: columns [0, 512) and [512, 768) of every row.
+        row = 2 * (kv_lora + 2 * idx_dim)
+        assert {(p.rows, p.row_stride, p.row_offset, p.row_width) for p in latent.layers} == {
+            (built.block_size, row, 0, 2 * kv_lora)}
+        assert {(p.rows, p.row_stride, p.row_offset, p.row_width) for p in indexer.layers} == {
+            (built.block_size, row, 2 * kv_lora, 4 * idx_dim)}
+
+
+def _part(region: torch.Tensor, p) -> torch.Tensor:
+    """The bytes of ``region`` (one layer's page in one block) that object part ``p`` holds."""
+    return region if p.rows == 1 else region.view(p.rows, p.row_stride)[:, p.row_offset : p.row_offset + p.row_width]
 
 
 @pytest.mark.parametrize(("layout", "tp"), CASES)
@@ -106,8 +129,7 @@ def test_round_trip_is_byte_exact_and_leaves_neighbours(cfg, layout, tp):
             before = raw.clone()
             payload = pages.read(g.group_id, src)
             assert len(payload) == g.object_bytes(len(src)) == sum(
-                _page_ranges(views, raw, p.name, 0)[1] - _page_ranges(views, raw, p.name, 0)[0]
-                for p in g.layers
+                _part(raw[slice(*_page_ranges(views, raw, p.name, 0))], p).numel() for p in g.layers
             ) * len(src)
             pages.write(g.group_id, dst, payload)
             expected = before.clone()
@@ -117,7 +139,7 @@ def test_round_trip_is_byte_exact_and_leaves_neighbours(cfg, layout, tp):
                         continue
                     s0, s1 = _page_ranges(views, raw, p.name, s)
                     d0, d1 = _page_ranges(views, raw, p.name, d)
-                    expected[d0:d1] = before[s0:s1]
+                    _part(expected[d0:d1], p).copy_(_part(before[s0:s1], p))
             assert torch.equal(raw, expected), (layout, tp, g.group_id, src, dst)
             kept = [(s, d) for s, d in zip(src, dst) if d is not None]
             assert pages.read(g.group_id, [d for _, d in kept]) == pages.read(g.group_id, [s for s, _ in kept])

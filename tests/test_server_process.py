@@ -195,6 +195,31 @@ def test_http_endpoints(server, client):
     assert client.stats()["objects"] == 0
 
 
+def test_status_and_metrics_report_bytes_by_object_group_name(server, client):
+    """Engines name their object groups at hello; group ids mean different things in
+    different namespaces, so bytes are summed by name across them (a namespace without
+    names reports ``group_<id>``)."""
+    names = {0: "kda_state", 1: "mla_latent", 2: "indexer_cache"}
+    client.hello("ns-named-a", 16, attn_groups=[1, 2], state_groups=[0], group_names=names)
+    # another engine whose group 1 is its state: the same id, another name
+    client.hello("ns-named-b", 16, attn_groups=[0], state_groups=[1], group_names={0: "mla_latent", 1: "kda_state"})
+    h = bytes(32)
+    client.put("ns-named-a", [(h, 0, 0, b"s" * 7), (h, 1, 0, b"l" * 30), (h, 2, 0, b"i" * 12)])
+    client.put("ns-named-b", [(h, 0, 0, b"l" * 5), (h, 1, 0, b"s" * 3)])
+    client.put("ns-unnamed", [(h, 4, 0, b"u" * 2)])
+    status = client.stats()
+    assert status["bytes_by_group_name"] == {"group_4": 2, "indexer_cache": 12, "kda_state": 10, "mla_latent": 35}
+    with urllib.request.urlopen(server.http_url + "/metrics", timeout=5) as r:
+        metrics = r.read().decode()
+    assert 'glm_cache_object_group_bytes{name="mla_latent"} 35.0' in metrics
+    assert 'glm_cache_object_group_bytes{name="indexer_cache"} 12.0' in metrics
+    # names become label values: only [a-z0-9_], and only of the groups declared
+    for bad in ({0: "KDA state"}, {5: "kda_state"}):
+        with pytest.raises(CacheServerError, match="group_names"):
+            client.hello("ns-named-c", 16, attn_groups=[1], state_groups=[0], group_names=bad)
+    http_json(server.http_url + "/cache/clear", method="POST")
+
+
 def test_absent_server_raises_within_the_timeout():
     with CacheClient(f"tcp://127.0.0.1:{free_port()}", timeout_s=0.5) as c:
         t0 = time.monotonic()

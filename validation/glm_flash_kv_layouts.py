@@ -265,6 +265,7 @@ class BuiltLayout:
     vllm_config: Any
     kv_cache_config: Any
     kv_layout: Any  # vLLM KVCacheLayout
+    cfg: Any = None  # the text config it was built from
 
 
 def _vllm_config(tp: int, block: int) -> Any:
@@ -318,7 +319,7 @@ def build(layout: str, tp: int, num_blocks: int = 4, cfg: Any = None) -> BuiltLa
     kv = get_kv_cache_config_from_groups(vcfg, groups, per_block * num_blocks)
     kv.kv_cache_layout = kv_layout.name
     kv.kv_tp_replicas = kv_cache_groups_tp_replicas(groups, tp)
-    return BuiltLayout(layout, tp, block, specs, vcfg, kv, kv_layout)
+    return BuiltLayout(layout, tp, block, specs, vcfg, kv, kv_layout, cfg)
 
 
 def layer_spec(kv_cache_config: Any, name: str) -> Any:
@@ -351,4 +352,9 @@ def resolve(built: BuiltLayout) -> Any:
     """The connector's geometry for this engine (both roles compute it alike)."""
     from connector.geometry import resolve_geometry
 
-    return resolve_geometry(built.vllm_config, built.kv_cache_config)
+    parts = None
+    if built.layout == "plugin":  # the row parts the plugin's model class declares
+        from glm5next_plugin.model import Glm5NextForConditionalGeneration
+
+        parts = Glm5NextForConditionalGeneration.kv_cache_row_parts(built.cfg)
+    return resolve_geometry(built.vllm_config, built.kv_cache_config, row_parts=parts)

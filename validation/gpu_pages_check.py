@@ -122,7 +122,7 @@ def run(path: Path, reps: int) -> dict[str, Any]:
             for p in g.layers:
                 lp = pages._layers[p.name]
                 s = lp.base + dst[0] * lp.block_stride
-                allowed[s:s + p.page_bytes] = True
+                allowed[s:s + p.page_extent] = True
             ok = again == data and bool(allowed[changed].all())
             exact &= ok
             nbytes = len(data)
