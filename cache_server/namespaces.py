@@ -86,6 +86,7 @@ class NamespaceTable:
                      "metrics_id": self._metrics.namespace_id(ns),
                      "objects": self._store.namespace_objects(ns),
                      **self._replication_status(ns, layouts.get(ns)),
+                     "object_groups": self._store.group_names(ns),
                      "usable_prefixes": self._store.usable_prefixes(ns)} for ns, ac in table}
 
     def _replication_status(self, ns: str, layout: TpLayout | None) -> dict[str, Any]:

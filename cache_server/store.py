@@ -450,6 +450,13 @@ class ObjectStore:
         """Resident bytes of one group in one namespace."""
         return self._bytes_by_namespace_group.get((namespace, group), 0)
 
+    def group_names(self, namespace: str) -> dict[str, str]:
+        """What each of a namespace's groups holds, as its engine named them at hello
+        (``{"<group>": "<name>"}``; empty without a declared layout or names)."""
+        with self._lock:
+            tree = self._trees.get(namespace)
+            return {} if tree is None else {str(g): n for g, n in tree.layout.group_names}
+
     def usable_prefixes(self, namespace: str) -> dict[str, int] | None:
         """The usable-prefix figures of a namespace with a declared layout (None otherwise):
         O(1), maintained as objects come and go."""

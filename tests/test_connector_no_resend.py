@@ -76,9 +76,11 @@ def test_local_hit_turn_sends_only_new_chunks(llm, server, n1, local):
     assert s2["puts_stored"] > s1["puts_stored"]
     assert s2["stored_bytes_total"] > s1["stored_bytes_total"]
     groups = sorted(int(g) for g in s2["bytes_by_group"])
-    (kinds,) = llm.collective_rpc("kv_cache_group_kinds")  # vLLM's own word on each group
-    attention = {g for g in groups if kinds[g] == "attention"}
-    assert attention and attention != set(groups)
+    names = s2["namespaces"][namespace]["object_groups"]  # what the engine said each holds
+    attention = {g for g in groups if names[str(g)] in ("mla_latent", "indexer_cache")}
+    assert attention and attention != set(groups) and {names[str(g)] for g in set(groups) - attention} == {"kda_state"}
+    (kinds,) = llm.collective_rpc("kv_cache_group_kinds")  # vLLM's own word: one state object group per state group
+    assert kinds.count("state") == len(set(groups) - attention)
     hashes = vllm_chunk_keys(turn2, C, SPAN, salt)[:5]
     present = [{g for g, x in zip(groups, client.get(namespace, [(h, g, 0) for g in groups])) if x is not None}
                for h in hashes]

@@ -82,12 +82,16 @@ def test_tp2_stores_the_replicated_latent_once_and_states_per_rank(llm, server):
     after = client.stats()
     (ns,) = [n for n, v in after["namespaces"].items() if v.get("world_size") == 2]
     entry = after["namespaces"][ns]
-    (latent,) = entry["replicated_groups"]
+    names = entry["object_groups"]  # the plugin's row split: latent and indexer apart
+    replicated = sorted(entry["replicated_groups"])
+    assert sorted(names[str(g)] for g in replicated) == ["indexer_cache", "mla_latent"]
+    latent = next(g for g in replicated if names[str(g)] == "mla_latent")
     groups = set(after["objects_by_group"]) | set(before["objects_by_group"])
     new = {g: after["objects_by_group"].get(g, 0) - before["objects_by_group"].get(g, 0) for g in groups}
-    states = [g for g in new if int(g) != latent]
-    assert new[str(latent)] == 5  # one object per chunk, not one per rank
-    assert states and all(new[g] >= 2 and new[g] % 2 == 0 for g in states)  # every state: one per rank
+    states = [g for g in new if int(g) not in replicated]
+    assert all(new[str(g)] == 5 for g in replicated)  # one object per chunk, not one per rank
+    assert states and all(names[g] == "kda_state" for g in states)
+    assert all(new[g] >= 2 and new[g] % 2 == 0 for g in states)  # every state: one per rank
     # the keys: latent under rank 0 only, each state under ranks 0 and 1
     from testing.vllm_keys import vllm_chunk_keys
 

@@ -14,7 +14,8 @@ does not run on this machine); the driver plays vLLM's part:
   its strict-prefix rule (:func:`connector.geometry.strict_prefix_chunks`), and the object
   sizes per group of vLLM's native GLM-5.3-Flash at TP 4 (from
   ``validation/glm_flash_kv_layouts.py``, the same numbers ``geometry_report`` prints:
-  block 1536 tokens, one attention group stored once, four KDA state groups per rank).
+  block 1152 tokens (seed 003's), two attention object groups stored once (MLA latent,
+  indexer cache), four KDA state groups per rank).
 * Imitated: the scheduler side's decisions, written out here the way
   ``GlmCacheConnector`` makes them: a lookup of ``floor((N-1)/C)`` chunks per turn, then
   attention saves for the prompt's whole chunks past the hit (rank 0 only for the replicated
@@ -60,6 +61,7 @@ from connector.keys import chunk_hashes  # noqa: E402
 
 GB = 1e9
 GIB = 1 << 30
+GROUP_NAMES = ("mla_latent", "indexer_cache", "kda_state")
 
 
 @dataclass(frozen=True)
@@ -70,6 +72,7 @@ class Sizes:
     world: int
     attn: dict[int, int]  # group -> bytes per chunk object (replicated: one copy)
     state: dict[int, int]  # group -> bytes per rank
+    names: dict[int, str]  # group -> object group name (kda_state, mla_latent, indexer_cache)
 
     @property
     def state_bytes_all_ranks(self) -> int:
@@ -77,9 +80,9 @@ class Sizes:
 
 
 def native_tp4_sizes(block: int | None = None) -> Sizes:
-    """``block`` None: vLLM 0.32's unified block as derived by the fixture (1536 at TP 4);
-    else that many tokens a chunk (1152: the block older vLLM releases derive), attention
-    bytes scaled per token, the KDA state (one per block position) unchanged."""
+    """``block`` None: vLLM's unified block as derived by the fixture for the served
+    checkpoint (1152 at TP 4, as seed 003 logs it); else that many tokens a chunk,
+    attention bytes scaled per token, the KDA state (one per block position) unchanged."""
     from validation import glm_flash_kv_layouts as L
 
     built = L.build("native", 4, num_blocks=1, cfg=L.text_config())
@@ -87,7 +90,8 @@ def native_tp4_sizes(block: int | None = None) -> Sizes:
     assert all(g.replicated_across_tp for g in geo.attn_groups)
     chunk = block or built.block_size
     return Sizes(chunk, 4, {g.group_id: g.object_bytes_per_block * chunk // built.block_size for g in geo.attn_groups},
-                 {g.group_id: g.object_bytes_per_block for g in geo.state_groups})
+                 {g.group_id: g.object_bytes_per_block for g in geo.state_groups},
+                 {g.group_id: g.name for g in geo.groups})
 
 
 @dataclass
@@ -118,7 +122,7 @@ class Policy:
         groups = [*sizes.attn, *sizes.state]
         if ours:
             self.client.hello(self.ns, sizes.chunk, sizes.world, list(sizes.attn),
-                              attn_groups=list(sizes.attn), state_groups=list(sizes.state))
+                              attn_groups=list(sizes.attn), state_groups=list(sizes.state), group_names=sizes.names)
         else:
             self.client.hello(self.ns, sizes.chunk, sizes.world)
         self._payload = {g: bytes(self._obj(g)) for g in groups}
@@ -177,11 +181,13 @@ class Policy:
             self.client.put(self.ns, items)
 
     def bytes_by_group(self) -> dict[str, int]:
-        """Resident bytes per group kind, at full scale."""
+        """Resident bytes per object group name, at full scale (the baseline declares no
+        names to its server, so they come from the sizes here)."""
         st = self.client.stats()
-        by = {int(g): b * self.scale for g, b in st["bytes_by_group"].items()}
-        return {"attention": sum(by.get(g, 0) for g in self.sizes.attn),
-                "state": sum(by.get(g, 0) for g in self.sizes.state)}
+        out = dict.fromkeys(GROUP_NAMES, 0)
+        for g, b in st["bytes_by_group"].items():
+            out[self.sizes.names[int(g)]] += b * self.scale
+        return out
 
     def close(self) -> None:
         self.client.close()
@@ -241,7 +247,8 @@ def main() -> None:
                     help="full-scale L1 budgets (GB) of phases a, b-20k and b-100k")
     ap.add_argument("--seed", type=int, default=12)
     ap.add_argument("--block", type=int, default=None,
-                    help="tokens a chunk/block (default: vLLM 0.32's derived 1536 at TP 4; seed 003 reports 1152)")
+                    help="tokens a chunk/block (default: vLLM's block for the served checkpoint at TP 4, 1152, "
+                         "as seed 003 logs it)")
     ap.add_argument("--shares", type=float, nargs="*", default=[0.3, 0.5],
                     help="--l1-state-share values to run as extra policies (ours-value-s<f>)")
     ap.add_argument("--sweep-gb", type=float, nargs="*", default=[3.0, 4.0, 5.0],
@@ -251,8 +258,9 @@ def main() -> None:
     args = ap.parse_args()
     t0 = time.monotonic()
     sizes = native_tp4_sizes(args.block)
-    attn_per_token = sum(sizes.attn.values()) / sizes.chunk
-    print(f"native TP 4: chunk {sizes.chunk} tokens, attention {attn_per_token:.0f} B/token (stored once), "
+    per_token = {sizes.names[g]: b / sizes.chunk for g, b in sizes.attn.items()}
+    print(f"native TP 4: chunk {sizes.chunk} tokens, attention " + ", ".join(
+        f"{n} {v:.0f} B/token" for n, v in per_token.items()) + " (stored once), "
           f"state {sum(sizes.state.values()) / 1e6:.1f} MB/rank x {sizes.world} ranks; bytes scaled 1/{args.scale}")
     phases = [("a: seed 000", args.budget_gb[0], lambda ps: phase_seed000(ps, args.seed)),
               ("b: 20k sessions", args.budget_gb[1], lambda ps: phase_steady(ps, args.seed, 120, 19_000, 600)),
@@ -280,12 +288,13 @@ def main() -> None:
             print(f"    {name:16} {u}")
     print()
     print(f"{'phase':18} {'budget':>7} {'policy':16} {'resumable tok/GB':>17} {'ratio':>6} {'probes warm':>11} "
-          f"{'attention GB':>12} {'state GB':>9}")
+          f"{'latent GB':>9} {'indexer GB':>10} {'state GB':>9}")
     for label, budget_gb, name, per_gb, warm, by in rows:
         base = next(r[3] for r in rows if r[0] == label and r[2] == "lmcache")
         ratio = f"{per_gb / base:.1f}x" if base else ("inf" if per_gb else "-")
         print(f"{label:18} {budget_gb:6.0f}G {name:16} {per_gb:17,.0f} {ratio:>6} "
-              f"{'' if warm is None else f'{warm} of 6':>11} {by['attention'] / GB:12.2f} {by['state'] / GB:9.2f}")
+              f"{'' if warm is None else f'{warm} of 6':>11} {by['mla_latent'] / GB:9.2f} "
+              f"{by['indexer_cache'] / GB:10.2f} {by['kda_state'] / GB:9.2f}")
     if args.sweep_gb:
         print("\nseed 000 at smaller budgets (probes warm of 6 / resumable tokens per GB):")
         print(f"{'budget':>7} {'lmcache':>16} {'ours-lru':>16} {'ours-value':>16}")

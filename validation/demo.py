@@ -125,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
                   f"{fmt_ms(reloaded.ttft_s):>12} {cold.ttft_s / reloaded.ttft_s:>7.2f}x | {str(match):>16}")
         with urllib.request.urlopen(server.http_url + "/status", timeout=5) as r:
             status = json.loads(r.read())
-        print(f"server: {status['objects']} objects, bytes per group {status['bytes_by_group']}, "
+        print(f"server: {status['objects']} objects, bytes per object group {status['bytes_by_group_name']}, "
               f"{status['hits']} lookup hits, {status['misses']} misses, {status['evictions']} evictions")
         print("engine (vllm serve /metrics, vllm:glm_cache_*):",
               ", ".join(f"{k} {v:.0f}" for k, v in counters.items() if k.endswith(("bytes", "failures"))))
