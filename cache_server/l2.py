@@ -103,6 +103,7 @@ class Promotion:
     deadline: float = 0.0  # time.monotonic() past which the lookup is answered from L1
     results: list[Fetched] = field(default_factory=list)  # verified objects, appended by the reader
     cancel: threading.Event = field(default_factory=threading.Event)
+    keep: list[StoreKey] = field(default_factory=list)  # L1 objects the resume counts on: pinned while it puts
 
 
 class L2Tier:
@@ -362,8 +363,11 @@ class L2Tier:
                 self.counters.skipped += 1
                 return Promotion(store, l1_depth)
             self.counters.lookups += 1
-        absent = [k for i in range(start_chunk, n) for k in (*attn[i], *state[i]) if k not in store]
-        promotion = Promotion(store, l1_depth, deadline=time.monotonic() + self.config.timeout_s)
+        absent, keep = [], []
+        for i in range(start_chunk, n):
+            for k in (*attn[i], *state[i]):
+                (keep if k in store else absent).append(k)
+        promotion = Promotion(store, l1_depth, deadline=time.monotonic() + self.config.timeout_s, keep=keep)
         promotion.future = self._reader.submit(self._fetch_prefix, absent, attn, state, start_chunk, n,
                                                bool(state_groups), store, promotion.results, promotion.cancel)
         return promotion
@@ -387,8 +391,12 @@ class L2Tier:
             got = list(promotion.results)  # what was verified before the deadline
             if deadline_hit:
                 self.counters.timeouts += 1
+        # The L1 objects the resume goes through stay while the fetched ones make room:
+        # evicting them (worthless leftovers of this very prefix, first in line) to store
+        # the rest of it would leave the lookup nothing to answer.
+        keep = set(promotion.keep)
         for key, payload, checksum, prev, parent in got:
-            if promotion.store.put(key, payload, prev, checksum, parent) == p.PutResult.STORED:
+            if promotion.store.put(key, payload, prev, checksum, parent, keep=keep) == p.PutResult.STORED:
                 with self._lock:
                     self.counters.promoted_objects += 1
                     self.counters.promoted_bytes += payload.nbytes

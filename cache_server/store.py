@@ -29,7 +29,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -155,13 +155,16 @@ class ObjectStore:
             self._trees[namespace] = ChunkTree(namespace, layout, self.value_alpha, self._requeue_locked)
 
     def put(self, key: StoreKey, payload: Payload, prev: bytes | None = None,
-            checksum: bytes = b"", parent: bytes | None = UNKNOWN_PARENT) -> PutResult:
+            checksum: bytes = b"", parent: bytes | None = UNKNOWN_PARENT,
+            keep: Collection[StoreKey] = ()) -> PutResult:
         """Store one object. Makes room by evicting whole unleased objects (worthless ones
-        first, then superseded states, then least recently used); if that cannot make room,
-        evicts nothing and answers ``NO_SPACE``. ``prev`` links a state object to the
-        previous state of the same path (same namespace, group and rank). ``parent`` is the
-        hash of the chunk before this one (None: the first chunk; :data:`UNKNOWN_PARENT`:
-        not said), which places the object in its namespace's chunk tree."""
+        first, then superseded states, then least recently used), never one in ``keep``; if
+        that cannot make room, evicts nothing and answers ``NO_SPACE``. ``prev`` links a
+        state object to the previous state of the same path (same namespace, group and
+        rank). ``parent`` is the hash of the chunk before this one (None: the first chunk;
+        :data:`UNKNOWN_PARENT`: not said), which places the object in its namespace's chunk
+        tree. ``keep``: what an L2 promotion's resume goes through in L1 (often worthless
+        leftovers of that very prefix: the first candidates, were they not kept)."""
         nbytes = memoryview(payload).nbytes
         if nbytes > self.max_object_bytes or nbytes > self.capacity_bytes:
             return PutResult.TOO_LARGE
@@ -181,14 +184,19 @@ class ObjectStore:
                 need = self._kind_bytes[kind] + nbytes - self._kind_caps[kind]
                 evictable = self._kind_bytes[kind] - self._leases.kind_leased[kind]
                 victims_of = kind
-            if need > evictable:  # even every unleased object is too little
+            kept = [e for e in map(self._objects.get, keep)
+                    if e is not None and not e.leases and victims_of in (None, e.kind)]
+            if need > evictable - sum(e.nbytes for e in kept):  # even every unleased object is too little
                 self.counters.puts_no_space += 1
                 return PutResult.NO_SPACE
+            passed_over: list[StoreKey] = []
             while need > 0:
-                freed = self._remove_locked(self._pop_victim_locked(victims_of), evicted=True)
+                freed = self._remove_locked(self._pop_victim_locked(victims_of, keep, passed_over), evicted=True)
                 need -= freed
                 self.counters.evicted_bytes += freed
                 self.counters.evictions += 1
+            for k in passed_over:  # back in line: popping them off the heap was not evicting them
+                self._queue_locked(k, self._objects[k])
             self._tick += 1
             entry = _Entry(payload, nbytes, self._tick, kind, self._eviction.inflation, checksum=checksum)
             self._objects[key] = entry
@@ -216,14 +224,21 @@ class ObjectStore:
         tree = self._trees.get(key[0])
         return STATE if tree is not None and key[2] in tree.layout.state_groups else OTHER
 
-    def _pop_victim_locked(self, kind: int | None = None) -> StoreKey:
-        """The next object to evict (:meth:`EvictionQueues.pop`), of ``kind`` only if given."""
+    def _pop_victim_locked(self, kind: int | None = None, keep: Collection[StoreKey] = (),
+                           passed_over: list[StoreKey] | None = None) -> StoreKey:
+        """The next object to evict (:meth:`EvictionQueues.pop`), of ``kind`` only if given,
+        not one of ``keep`` (those the queue offers are appended to ``passed_over``)."""
 
         def is_current(item: HeapItem, cls: int) -> bool:
             prio, tick, key = item
             entry = self._objects.get(key)
-            return entry is not None and entry.tick == tick and entry.prio == prio and entry.leases == 0 \
+            current = entry is not None and entry.tick == tick and entry.prio == prio and entry.leases == 0 \
                 and self._class_locked(key, entry) == cls
+            if current and key in keep:
+                if passed_over is not None:
+                    passed_over.append(key)
+                return False
+            return current
 
         key = self._eviction.pop((OTHER, STATE) if kind is None else (kind,), is_current)
         if key is None:

@@ -324,6 +324,32 @@ def test_l1_evictions_are_served_again_from_l2(cluster):
         assert c.stats()["l2"]["hits"] == 1
 
 
+def test_promotion_keeps_the_l1_objects_its_resume_goes_through(cluster):
+    """A prefix whose state left L1 keeps its attention there as worthless leftovers (the
+    first eviction candidates). Promoting the state from L2 into a full L1 must not evict
+    those very objects to make room: the lookup resumes the whole prefix, and the
+    room comes from another namespace's objects."""
+    hashes = _hashes(4, seed=30)
+    items = _objects(hashes, size=100_000)
+    parents = [None, *hashes[:-1], hashes[-2]]
+    # 600 KiB: six 100 kB objects fit, a seventh makes an eviction
+    with _server(cluster, "--l1-size-gb", str(600 / 1024 / 1024)) as a:
+        c = CacheClient(a.url, timeout_s=10)
+        c.hello(NS, 16, 1, attn_groups=[ATTN], state_groups=[STATE])
+        assert set(c.put(NS, items, parent=parents)) == {"stored"}
+        wait_written(c.stats, len(items))
+        assert c.request({"op": "delete", "ns": NS, "keys": [[hashes[-1], STATE, 0]]})[0]["removed"] == 1
+        assert c.stats()["namespaces"][NS]["usable_prefixes"]["worthless_objects"] == 4
+        other = [(h, ATTN, 0, os.urandom(100_000)) for h in _hashes(2, seed=31)]
+        assert set(c.put("model-b", other)) == {"stored"}
+        assert c.stats()["used_bytes"] == 600_000
+        assert c.lookup(NS, hashes, [ATTN], [STATE], lease=False)[0] == 4
+        stats = c.stats()
+        assert stats["l2"]["promoted_objects"] == 1 and stats["evictions"] == 1
+        assert [x is None for x in c.get("model-b", [o[:3] for o in other])].count(True) == 1
+        c.close()
+
+
 def test_corrupt_value_in_l2_is_refused_at_promotion(cluster):
     """A flipped byte in L2: promotion finds the MAC does not match, refuses the object
     (the lookup gets what the rest allows: here nothing, as the state is the flipped one),
