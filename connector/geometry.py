@@ -315,13 +315,15 @@ def check_engine_config(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig)
         )
     from vllm.v1.kv_cache_interface import MambaSpec
 
+    from connector.vllm_compat import align_mode_flags
+
     for gid, group in enumerate(kv_cache_config.kv_cache_groups):
         for _, spec in _layer_specs(group):
             if isinstance(spec, MambaSpec) and spec.mamba_cache_mode != "align":
                 raise GeometryError(
                     f"KV cache group {gid} holds recurrent state without per-block "
                     f"snapshots (mamba_cache_mode={spec.mamba_cache_mode!r}); start vLLM "
-                    "with --enable-prefix-caching --mamba-cache-mode align."
+                    f"with {align_mode_flags()} (the flags that select align mode on this vLLM)."
                 )
 
 

@@ -15,6 +15,7 @@ from connector.geometry import (
     strict_prefix_chunks,
 )
 from connector.keys import engine_fingerprint
+from connector.vllm_compat import align_mode_flags, mamba_cache_mode_flag_honoured
 
 vkv = pytest.importorskip("vllm.v1.kv_cache_interface")
 
@@ -99,9 +100,31 @@ def test_prefix_caching_off_is_refused_naming_the_flag():
 
 
 def test_state_groups_without_align_snapshots_are_refused():
+    """Naming the flags that select align mode on the installed vLLM: 0.32 honours
+    ``--mamba-cache-mode align``; 0.33 ignores that flag and follows --enable-prefix-caching."""
     vllm, kv = _config([_state(mode="none"), _attn()])
-    with pytest.raises(GeometryError, match="mamba-cache-mode align"):
+    with pytest.raises(GeometryError, match="without per-block snapshots") as e:
         resolve_geometry(vllm, kv)
+    assert f"start vLLM with {align_mode_flags()} " in str(e.value)
+    assert ("--mamba-cache-mode align" in str(e.value)) == mamba_cache_mode_flag_honoured()
+
+
+@pytest.mark.parametrize(
+    ("version", "flags"),
+    [("0.32.0", "--enable-prefix-caching --mamba-cache-mode align"),
+     ("0.32.0+cpu", "--enable-prefix-caching --mamba-cache-mode align"),
+     ("0.33.0", "--enable-prefix-caching"),
+     ("0.33.1.dev4+g1234abc", "--enable-prefix-caching")],
+)
+def test_align_mode_flags_per_vllm_version(version, flags):
+    assert align_mode_flags(version) == flags
+
+
+def test_the_flags_named_are_what_the_installed_vllm_does():
+    """vLLM 0.33 says so itself: ``--mamba-cache-mode`` "has no effect" there."""
+    arg_utils = pytest.importorskip("vllm.engine.arg_utils")
+    deprecation = getattr(arg_utils, "_MAMBA_CACHE_MODE_DEPRECATION_MESSAGE", "")
+    assert mamba_cache_mode_flag_honoured() == ("no effect" not in deprecation)
 
 
 def test_pipeline_parallel_is_refused_at_start_up():
