@@ -24,17 +24,19 @@ def cfg():
     return L.text_config()
 
 
-def test_config_defaults_are_the_real_model(cfg):
+def test_config_is_the_served_checkpoint(cfg):
     kinds = cfg.layer_types
     assert len(kinds) == cfg.num_hidden_layers == 45
     assert kinds.count("linear_attention") == 34
     assert (cfg.linear_num_heads, cfg.linear_head_dim) == (64, 128)
-    assert (cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.index_kpool, cfg.index_head_dim) == (512, 0, 16, 128)
+    assert (cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.index_head_dim, cfg.index_topk) == (512, 0, 128, 2048)
+    # the served checkpoint pools 4 tokens per indexer slot (transformers' default: 16)
+    assert cfg.index_kpool == 4
 
 
 @pytest.mark.parametrize(
     ("layout", "tp", "block"),
-    [("native", 1, 4608), ("native", 2, 2560), ("native", 4, 1536),
+    [("native", 1, 4352), ("native", 2, 2176), ("native", 4, 1152),
      ("plugin", 1, 2944), ("plugin", 2, 1536), ("plugin", 4, 768)],
 )
 def test_unified_block_size(cfg, layout, tp, block):
@@ -42,6 +44,51 @@ def test_unified_block_size(cfg, layout, tp, block):
     # The attention page of a block holds the KDA state: what the alignment is for.
     per_token = L.native_attn_page_per_token(cfg) if layout == "native" else L.plugin_attn_page_per_token(cfg)
     assert block * per_token >= L.kda_page_bytes(cfg, tp)
+
+
+def test_tp4_native_reproduces_the_served_engines_log(cfg):
+    """Seed 003 (the LMCache GLM-5.3-Flash recipe: vLLM 0.33, native model, 4 x H200, TP 4)
+    logs ``Setting attention block size to 1152 tokens`` and ``group_tokens_per_block=[1152,
+    1152, 1152, 1152, 1152, 0], scheduler_block_size=1152``: four KDA state groups, the
+    sparse-MLA latent with the compressed indexer cache (``slots_per_block=288``, one slot
+    per four tokens), and the per-request kpool-tail scratch group, not cached."""
+    built = L.build("native", 4, num_blocks=2, cfg=cfg)
+    geo = L.resolve(built)
+    assert built.block_size == geo.scheduler_block_size == 1152
+    assert list(geo.group_tokens_per_block) == [1152] * 5 + [0]
+    assert "group_tokens_per_block=[1152, 1152, 1152, 1152, 1152, 0], scheduler_block_size=1152" in (
+        geo.with_chunk_size(1152).log_line())
+    kinds = [{type(s).__name__ for s in g.kv_cache_spec.kv_cache_specs.values()}
+             for g in built.kv_cache_config.kv_cache_groups]
+    assert kinds == [{"MambaSpec"}] * 4 + [{"MLAAttentionSpec"}, {"CircularBufferSpec"}]
+    assert [len(g.layer_names) for g in built.kv_cache_config.kv_cache_groups] == [9, 9, 8, 8, 22, 11]
+    group4 = {n.split(".self_attn.")[1] for n in built.kv_cache_config.kv_cache_groups[4].layer_names}
+    assert group4 == {"attn", "indexer.k_cache"}
+    assert all(n.endswith(".indexer.tail_cache") for n in built.kv_cache_config.kv_cache_groups[5].layer_names)
+    # 288 indexer rows per block: the connector's geometry and vLLM's own view of the cache
+    indexer = next(g for g in geo.attn_groups if g.name == "indexer_cache")
+    assert {(p.states_per_page, p.tokens_per_page) for p in indexer.layers} == {(288, 1152)}
+    _, views = L.allocate(built)
+    assert {tuple(views[p.name].shape) for p in indexer.layers} == {(2, 1, 288, 132)}
+
+
+def test_latent_sets_topk_buffer_width_as_the_native_model_does(cfg):
+    """vLLM 0.33's latent spec carries the width of the sparse top-k index buffer; the
+    fixture sets it as the native model computes it (where the field exists)."""
+    from dataclasses import fields
+
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    assert L.topk_buffer_width(cfg) == 2176  # 2048 + 4 - 1, up to a multiple of 128
+    latent = L.native_specs(cfg, 4, 1152)["model.layers.3.self_attn.attn"]
+    if not any(f.name == "topk_buffer_width" for f in fields(MLAAttentionSpec)):
+        pytest.skip("this vLLM's MLAAttentionSpec has no topk_buffer_width (added in vLLM 0.33)")
+    assert latent.topk_buffer_width == L.topk_buffer_width(cfg)
+    try:
+        from vllm.models.glm5next.common.model import get_sparse_topk_buffer_width
+    except ImportError:
+        return  # the native model does not import on this build: the formula above stands
+    assert L.topk_buffer_width(cfg) == get_sparse_topk_buffer_width(cfg)
 
 
 def _page_ranges(views: dict[str, torch.Tensor], raw: torch.Tensor, name: str, block: int) -> tuple[int, int]:

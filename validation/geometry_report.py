@@ -2,7 +2,8 @@
 per-rank bytes per 1152-token chunk (attention) and per state snapshot (KDA), computed
 from the KV cache config vLLM builds for GLM-5.3-Flash (validation/glm_flash_kv_layouts.py);
 then memory plans for the recipes' GPUs (derived, not run: weights at FP8 from the
-parameter count of the transformers config defaults, and what is left for vLLM's cache).
+parameter count of the fixture's text config: transformers' defaults with the served
+index_kpool; and what is left for vLLM's cache).
 
     python validation/geometry_report.py
 """
@@ -33,7 +34,7 @@ def report() -> str:
                        f"kv layout {built.kv_layout.name}")
             for gid, grp in enumerate(kv.kv_cache_groups):
                 if geo.group_tokens_per_block[gid] == 0:
-                    out.append(f"  group {gid}: {len(grp.layer_names)} layers, "
+                    out.append(f"  vLLM group {gid}: {len(grp.layer_names)} layers, "
                                f"{type(grp.kv_cache_spec).__name__}: not prefix-cacheable, skipped")
             for g in geo.groups:
                 kinds: dict[tuple[int, str, int], int] = {}
@@ -42,7 +43,8 @@ def report() -> str:
                     kinds[key] = kinds.get(key, 0) + 1
                 desc = ", ".join(f"{n} x {pb} B ({dt}, {st} rows/block)" for (pb, dt, st), n in kinds.items())
                 kind = "KDA state" if g.is_state else "attention"
-                out.append(f"  group {g.group_id} ({kind}, replicated_across_tp={g.replicated_across_tp}): "
+                out.append(f"  object group {g.group_id} {g.name} (vLLM group {g.vllm_group}, {kind}, "
+                           f"replicated_across_tp={g.replicated_across_tp}): "
                            f"{len(g.layers)} layers: {desc}")
             attn_per_token = sum(g.object_bytes_per_block for g in geo.attn_groups) / built.block_size
             per_chunk = attn_per_token * L.CHUNK_TOKENS
@@ -69,7 +71,7 @@ ACTIVATION_RESERVE_GIB = 6.0  # per GPU, for activations, CUDA graphs and the ru
 
 
 def parameter_count(cfg) -> int:
-    """Parameters of the text model plus lm_head at the transformers config defaults
+    """Parameters of the text model plus lm_head of the fixture's text config
     (vision tower and MTP heads left out), counted on the meta device."""
     import torch
     from transformers.models.glm5_next import modeling_glm5_next as m

@@ -1,15 +1,31 @@
 """The KV cache vLLM builds for the real GLM-5.3-Flash, native and plugin layouts, on CPU.
 
 No engine and no weights: the per-layer KV cache specs are built the way the model's
-layers build them (sources cited per spec), then vLLM's own functions group them and
-place them (``get_kv_cache_groups``, ``get_kv_cache_config_from_groups``), and the caches
-are allocated as vLLM's model runner views them (``create_kv_cache_views``) over one
-flat backing buffer. Shapes come from ``transformers.Glm5NextTextConfig()`` defaults:
-45 layers (34 KDA with 64 heads x 128, 11 sparse MLA with kv_lora_rank 512, NoPE, and
-the kpool indexer, index_head_dim 128, index_kpool 16).
+layers build them (sources cited per spec; line numbers are vLLM 0.32's unless marked
+0.33), then vLLM's own functions group them and place them (``get_kv_cache_groups``,
+``get_kv_cache_config_from_groups``, imported through ``connector.vllm_compat`` because
+0.33 moved them), and the caches are allocated as vLLM's model runner views them
+(``create_kv_cache_views``) over one flat backing buffer.
 
-Used by ``tests/test_glm_flash_kv_layouts.py`` (byte-exact round trips) and
-``validation/geometry_report.py`` (the numbers recipes quote).
+Where each fact comes from (:func:`text_config`):
+
+* ``transformers.Glm5NextTextConfig()`` defaults: 45 layers (34 KDA with 64 heads x 128
+  and conv kernel 4, 11 sparse MLA with kv_lora_rank 512, NoPE, index_head_dim 128,
+  index_topk 2048). The served checkpoint's unified block and groups at TP 4 (below)
+  come out of these exactly, so they are its shapes as far as the cache is concerned.
+* ``index_kpool`` 4, not the default 16: the served zai-org/GLM-5.3-Flash pools four
+  tokens per indexer slot. The evidence is the production log of a native-model vLLM 0.33
+  engine at TP 4 (seed 003, the LMCache GLM-5.3-Flash recipe): ``Setting attention block
+  size to 1152 tokens``, ``group_tokens_per_block=[1152, 1152, 1152, 1152, 1152, 0]`` and
+  an indexer cache with ``slots_per_block=288, one slot per four tokens``. vLLM's block
+  alignment (:func:`native_block_size`) gives 1152 at TP 4 with index_kpool 4, and 1536
+  with 16 (whose kernel blocks are 512 tokens).
+* ``MLAAttentionSpec.topk_buffer_width`` (a field vLLM 0.33 added): set on the latent as
+  0.33's native model sets it, from index_topk and index_kpool (:func:`topk_buffer_width`);
+  left out where the installed vLLM has no such field.
+
+Used by ``tests/test_glm_flash_kv_layouts.py`` (byte-exact round trips, seed 003's log)
+and ``validation/geometry_report.py`` (the numbers recipes quote).
 """
 
 from __future__ import annotations
@@ -25,10 +41,31 @@ LAYOUTS = ("native", "plugin")
 CHUNK_TOKENS = 1152  # the production chunk recipes quote
 
 
+SERVED_INDEX_KPOOL = 4  # tokens per indexer slot in the served checkpoint (module docstring)
+
+
 def text_config() -> Any:
+    """The served GLM-5.3-Flash's text config: transformers' defaults but ``index_kpool``
+    (see the module docstring for where each fact comes from)."""
     import transformers
 
-    return transformers.Glm5NextTextConfig()
+    return transformers.Glm5NextTextConfig(index_kpool=SERVED_INDEX_KPOOL)
+
+
+def topk_buffer_width(cfg: Any) -> int:
+    """The width of the native model's sparse top-k index buffer, which vLLM 0.33's
+    ``MLAAttention.get_kv_cache_spec`` puts in the latent's ``MLAAttentionSpec``: the
+    top-k plus room for the incomplete pool tail, rounded up to the sparse-MLA tile of
+    128 (0.33: ``get_sparse_topk_buffer_width``, vllm/models/glm5next/common/model.py:106-112;
+    the buffer built at :714-719; MLAAttention takes its width at
+    model_executor/layers/attention/mla_attention.py:567-569 and puts it in the spec at :1397)."""
+    return _cdiv(cfg.index_topk + cfg.index_kpool - 1, 128) * 128
+
+
+def _spec_has_field(cls: Any, name: str) -> bool:
+    from dataclasses import fields
+
+    return any(f.name == name for f in fields(cls))
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -118,7 +155,10 @@ def native_kernel_blocks(cfg: Any) -> tuple[int, int]:
 
 def native_block_size(cfg: Any, tp: int) -> int:
     """vLLM's unified block for the native model (GPU; ``_align_hybrid_block_size``,
-    vllm/platforms/interface.py:1084-1091, with the MLA floor of 128 at :1077-1082)."""
+    vllm/platforms/interface.py:1084-1091, with the MLA floor of 128 at :1077-1082). vLLM 0.33
+    also aligns to the Mamba layers' prefill checkpoint alignment in align mode (0.33:
+    interface.py:1089-1094), which GLM-5.3-Flash's KDA layer does not declare (its
+    ``GatedDeltaNetAttention`` base keeps ``MambaBase``'s None): the same block on both."""
     first, lcm_all = native_kernel_blocks(cfg)
     align = max(first, 128)
     block = align * _cdiv(kda_page_bytes(cfg, tp), align * native_attn_page_per_token(cfg))
@@ -177,11 +217,13 @@ def native_specs(cfg: Any, tp: int, block: int) -> dict[str, Any]:
         kda, num_prefill_checkpoint_blocks=int(alignment is not None),
         prefill_checkpoint_alignment=alignment,
     )
+    # vLLM 0.33 adds topk_buffer_width to the latent's spec (0.33: mla_attention.py:1395-1399)
+    topk = {"topk_buffer_width": topk_buffer_width(cfg)} if _spec_has_field(MLAAttentionSpec, "topk_buffer_width") else {}
     latent = MLAAttentionSpec(  # MLAAttention.get_kv_cache_spec, mla_attention.py:1350-1378
         block_size=block, num_kv_heads=1, max_tp_shards=1,
         head_size=cfg.kv_lora_rank + cfg.qk_rope_head_dim,  # mla_attention.py:479
         dtype=torch.bfloat16, cache_dtype_str="auto", kv_quant_mode=get_kv_quant_mode("auto"),
-        state_content_bytes=None, is_index_group_leader=True,
+        state_content_bytes=None, is_index_group_leader=True, **topk,
     )
     quant_block = 128  # Indexer.quant_block_size, attention.py:253
     indexer = replace(
@@ -302,7 +344,7 @@ def _resolve_layout(vcfg: Any, layout: str, specs: dict[str, Any]) -> Any:
 def build(layout: str, tp: int, num_blocks: int = 4, cfg: Any = None) -> BuiltLayout:
     """The ``KVCacheConfig`` vLLM computes for this layout and TP size, sized to
     ``num_blocks`` blocks (a small memory budget, as profiling would hand it)."""
-    from vllm.v1.core.kv_cache_utils import (
+    from connector.vllm_compat import (
         _get_kv_cache_bytes_per_block,
         get_kv_cache_config_from_groups,
         get_kv_cache_groups,
