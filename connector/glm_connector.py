@@ -155,6 +155,22 @@ class GlmCacheConnector(KVConnectorBase_V1, SupportsHMA):
         assert self._worker is not None
         self._worker.register_kv_caches(kv_caches)
 
+    # Sleep mode (vLLM 0.33 asks supports_sleep_mode before it starts an engine with
+    # --enable-sleep-mode, then calls the two hooks around the KV cache's remap; 0.32 calls
+    # none of them). We follow the remap: see WorkerSide.unregister_kv_caches.
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        return True
+
+    def unregister_kv_caches(self) -> None:
+        if self._worker is not None:
+            self._worker.unregister_kv_caches()
+
+    def restore_kv_caches(self) -> None:
+        if self._worker is not None:
+            self._worker.restore_kv_caches()
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         assert self._worker is not None
         self._worker.start_load_kv(self._connector_metadata)

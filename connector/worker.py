@@ -141,6 +141,7 @@ class WorkerSide:
         self._replicated = {g.group_id for g in self._geometry.groups if g.replicated_across_tp}
         self._state_ids = {g.group_id for g in self._geometry.state_groups}
         self._pages = None
+        self._kv_caches: dict[str, Any] | None = None  # what vLLM registered (sleep mode)
         self._load_client = CacheClient(
             settings.url, timeout_s=settings.timeout_s, auth_token=settings.auth_token,
             shm=settings.shm
@@ -172,12 +173,40 @@ class WorkerSide:
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from connector.kv_pages import PagedKVCache
 
+        self._kv_caches = kv_caches  # for restore_kv_caches
         self._pages = PagedKVCache(kv_caches, self._kv_cache_config, self._geometry.groups)
         logger.info(
             "GlmCacheConnector worker rank %d: bytes per block per group %s",
             self._rank,
             {g.group_id: g.object_bytes_per_block for g in self._geometry.groups},
         )
+
+    # Sleep mode (vLLM 0.33: gpu_worker.py's sleep and discard call unregister_kv_caches
+    # before the KV cache's memory goes, wake_up calls restore_kv_caches once it is back).
+    # Meanwhile nothing may touch the buffer. Only the load thread writes pages outside the
+    # model's steps, so unregistering drops the pages, then waits until the load thread has
+    # finished what it was given (a load that finds no pages fails: its request is
+    # recomputed) and the device has run the copies it queued. Saves copy pages on the
+    # model's thread (wait_for_save) and skip while there are none. Restoring rebuilds the
+    # pages over the same tensors (vLLM maps the memory back at the same addresses; what was
+    # in it is gone, as is vLLM's prefix cache, which the sleep resets). Both idempotent.
+
+    def unregister_kv_caches(self) -> None:
+        pages, self._pages = self._pages, None
+        if pages is None:
+            return
+        self._loader.submit(lambda: None).result()  # one load thread: everything before has run
+        import torch
+
+        cache = next(iter(self._kv_caches.values()), None)
+        tensor = cache[0] if isinstance(cache, (list, tuple)) else cache
+        if tensor is not None and tensor.device.type != "cpu":
+            torch.accelerator.synchronize(tensor.device)
+        logger.info("GlmCacheConnector worker rank %d: KV caches unregistered (sleep)", self._rank)
+
+    def restore_kv_caches(self) -> None:
+        if self._pages is None and self._kv_caches is not None:
+            self.register_kv_caches(self._kv_caches)
 
     def start_load_kv(self, meta: Any) -> None:
         if not isinstance(meta, GlmConnectorMetadata) or not meta.loads:
@@ -212,7 +241,8 @@ class WorkerSide:
         moves = self._load_order(job)
         written = 0
         try:
-            assert self._pages is not None
+            if self._pages is None:
+                raise RuntimeError("no KV caches registered (vLLM asleep)")
             if self._auth_broken:
                 raise RuntimeError("no usable auth_token_file")
             if self._refused_layout is not None:
