@@ -1,9 +1,15 @@
 """Sparse MLA layer with its cache in vLLM's paged KV cache.
 
-Cache row per token (one "head", ``kv_lora_rank + 2 * index_head_dim`` values), row
-format :data:`CACHE_ROW_FORMAT`::
+Cache row per token (one "head", ``kv_lora_rank + qk_rope_head_dim + 2 * index_head_dim``
+values), row format :data:`CACHE_ROW_FORMAT`::
 
-    [ MLA latent c (kv_lora_rank) | indexer key k (index_head_dim) | kpool gate z (index_head_dim) ]
+    [ MLA latent c (kv_lora_rank) | rope key r (qk_rope_head_dim) | indexer key k (index_head_dim)
+      | kpool gate z (index_head_dim) ]
+
+GLM-5.3-Flash has ``qk_rope_head_dim`` 0, so its rows are ``[c | k | z]``. With a rope part,
+``r`` is the unnormalized tail of ``kv_a_proj_with_mqa`` (transformers' ``k_rot``, no rotary
+embedding in this text model): a key part shared by all heads, scored against each head's
+last ``qk_rope_head_dim`` query values; values come from the latent alone.
 
 except that the row of a token closing a pool (position ``i``, ``(i + 1) % kpool == 0``)
 holds its pool's key in place of ``z`` (see :mod:`glm5next_plugin.sparse_mla`). New rows
@@ -38,8 +44,8 @@ from .vllm_layer import register_layer
 # What the bytes of a sparse-MLA cache row mean, part of the external cache's namespace
 # (connector.geometry.engine_fingerprint reads it from the model class): any change to the
 # row layout takes a new number, so rows written in another layout are never loaded.
-# Format 2: [latent | k | z] per token, except that a pool's closing row holds the pool key
-# in place of its z (format 1, the same rows without stored keys, is what
+# Format 2: [latent | rope key (qk_rope_head_dim, usually none) | k | z] per token, except
+# that a pool's closing row holds the pool key in place of its z (format 1, the same rows without stored keys, is what
 # validation/bench_pool_keys.py times against).
 CACHE_ROW_FORMAT = "glm5next-plugin-sparse-mla-rows/2"
 
@@ -66,14 +72,14 @@ class SparseMLAProjections(nn.Module):
     def __init__(self, config, tp: TPInfo = TP1) -> None:
         super().__init__()
         self.tp = tp
-        if config.qk_rope_head_dim:
-            raise NotImplementedError("GLM-5.3-Flash MLA is NoPE; qk_rope_head_dim must be 0")
         if not config.index_kpool_always_select_tail:
             raise NotImplementedError("index_kpool_always_select_tail=False is not supported")
         hidden = config.hidden_size
         self.num_heads = tp.split(config.num_attention_heads, "num_attention_heads")
         self.kv_lora_rank = config.kv_lora_rank
-        self.qk_head_dim = config.qk_nope_head_dim
+        self.nope_dim = config.qk_nope_head_dim
+        self.rope_dim = config.qk_rope_head_dim
+        self.qk_head_dim = self.nope_dim + self.rope_dim
         self.v_head_dim = config.v_head_dim
         self.index_topk = config.index_topk
         self.kpool = config.index_kpool
@@ -81,24 +87,26 @@ class SparseMLAProjections(nn.Module):
         self.q_a_proj = nn.Linear(hidden, config.q_lora_rank, bias=bias)
         self.q_a_layernorm = RMSNorm(config.q_lora_rank, config.rms_norm_eps)
         self.q_b_proj = nn.Linear(config.q_lora_rank, self.num_heads * self.qk_head_dim, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(hidden, config.kv_lora_rank, bias=bias)
+        self.kv_a_proj_with_mqa = nn.Linear(hidden, config.kv_lora_rank + self.rope_dim, bias=bias)
         self.kv_a_layernorm = RMSNorm(config.kv_lora_rank, config.rms_norm_eps)
         self.kv_b_proj = nn.Linear(
-            config.kv_lora_rank, self.num_heads * (self.qk_head_dim + self.v_head_dim), bias=False
+            config.kv_lora_rank, self.num_heads * (self.nope_dim + self.v_head_dim), bias=False
         )
         self.o_proj = nn.Linear(self.num_heads * self.v_head_dim, hidden, bias=bias)
         self.indexer = Indexer(config)
-        self.row_size = config.kv_lora_rank + 2 * config.index_head_dim
-        self.index_cols = slice(config.kv_lora_rank, self.row_size)  # k and z
-        self.pool_key_cols = slice(config.kv_lora_rank + config.index_head_dim, self.row_size)  # z / pool key
+        self.key_size = config.kv_lora_rank + self.rope_dim  # latent and rope key: what attention reads
+        self.row_size = self.key_size + 2 * config.index_head_dim
+        self.index_cols = slice(self.key_size, self.row_size)  # k and z
+        self.pool_key_cols = slice(self.key_size + config.index_head_dim, self.row_size)  # z / pool key
 
     def cache_rows(self, x: torch.Tensor) -> torch.Tensor:
         """What each new token leaves in the cache: ``[T, row_size]``."""
-        latent = self.kv_a_layernorm(self.kv_a_proj_with_mqa(x))
+        latent, rope_key = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        latent = self.kv_a_layernorm(latent)  # the rope key part is not normalized
         ix = self.indexer
         k = ix.k_norm(ix.wk(x))
         z = torch.nn.functional.linear(x, ix.index_kpool_compress_gate)
-        return torch.cat([latent, k.to(latent.dtype), z.to(latent.dtype)], dim=-1)
+        return torch.cat([latent, rope_key.to(latent.dtype), k.to(latent.dtype), z.to(latent.dtype)], dim=-1)
 
     def pool_keys_at(self, closing: torch.Tensor, fetch, dtype: torch.dtype) -> torch.Tensor:
         """Keys ``[P, index_head_dim]`` of the pools closed at positions ``closing`` ``[P]``,
@@ -131,15 +139,16 @@ class SparseMLAProjections(nn.Module):
         of ``seq_len`` cached rows (pool keys stored) read through
         ``fetch(token_indices, column_slice)``.
 
-        Only the stored key of each complete pool and the latents of the chosen tokens are
-        read; ``kv_b_proj`` is never applied to cached rows (see :mod:`.sparse_mla`)."""
+        Only the stored key of each complete pool and the latents (and rope keys) of the
+        chosen tokens are read; ``kv_b_proj`` is never applied to cached rows (see
+        :mod:`.sparse_mla`)."""
         t = x.shape[0]
         ix = self.indexer
         r = self.kv_lora_rank
         q_resid = self.q_a_layernorm(self.q_a_proj(x))
         q = self.q_b_proj(q_resid).view(t, self.num_heads, self.qk_head_dim)
-        w = self.kv_b_proj.weight.view(self.num_heads, self.qk_head_dim + self.v_head_dim, r)
-        w_k, w_v = w[:, : self.qk_head_dim], w[:, self.qk_head_dim :]  # [H, Dq, R], [H, Dv, R]
+        w = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_head_dim, r)
+        w_k, w_v = w[:, : self.nope_dim], w[:, self.nope_dim :]  # [H, Dn, R], [H, Dv, R]
 
         closing = sparse_mla.closing_positions(0, seq_len, self.kpool, x.device)
         pooled = fetch(closing, self.pool_key_cols).to(x.dtype)  # [P, Dk]
@@ -147,7 +156,7 @@ class SparseMLAProjections(nn.Module):
         head_w = ix.weights_proj(x).float() * ix.n_heads**-0.5
         out = sparse_mla.sparse_mla_absorbed(
             q, w_k, w_v, index_q, head_w, pooled, positions, self.kpool, self.index_topk,
-            lambda idx: fetch(idx, slice(0, r)),
+            lambda idx: fetch(idx, slice(0, self.key_size)),
         )
         return self.project_out(out.reshape(t, -1))
 
@@ -159,9 +168,10 @@ class SparseMLAProjections(nn.Module):
         ix = self.indexer
         q_resid = self.q_a_layernorm(self.q_a_proj(x))
         q = self.q_b_proj(q_resid).view(t, self.num_heads, self.qk_head_dim)
-        latent = rows[:, : self.kv_lora_rank]
-        kv = self.kv_b_proj(latent).view(s, self.num_heads, self.qk_head_dim + self.v_head_dim)
-        k, v = kv.split([self.qk_head_dim, self.v_head_dim], dim=-1)
+        latent, rope_key = rows[:, : self.key_size].split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        kv = self.kv_b_proj(latent).view(s, self.num_heads, self.nope_dim + self.v_head_dim)
+        k_nope, v = kv.split([self.nope_dim, self.v_head_dim], dim=-1)
+        k = torch.cat([k_nope, rope_key[:, None, :].expand(s, self.num_heads, self.rope_dim)], dim=-1)
         index_q = ix.wq_b(q_resid).view(t, ix.n_heads, ix.head_dim)
         head_w = ix.weights_proj(x).float() * ix.n_heads**-0.5
         pooled = rows[sparse_mla.closing_positions(0, s, self.kpool, rows.device), self.pool_key_cols]

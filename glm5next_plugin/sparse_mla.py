@@ -1,9 +1,10 @@
 """Sparse MLA math: kpool-compressed indexer, top-k pool selection, masked attention.
 
-Per sequence, every cached token ``j`` carries three vectors: the MLA latent ``c_j``
-(``kv_lora_rank``), the indexer key ``k_j`` and the kpool gate score ``z_j`` (both
-``index_head_dim``). A *pool* is a complete run of ``index_kpool`` tokens starting at a
-multiple of ``index_kpool``; its key is a per-channel softmax-weighted mean of its tokens::
+Per sequence, every cached token ``j`` carries the MLA latent ``c_j`` (``kv_lora_rank``),
+its rope key part ``r_j`` (``qk_rope_head_dim`` values, none in GLM-5.3-Flash), the indexer
+key ``k_j`` and the kpool gate score ``z_j`` (both ``index_head_dim``). A *pool* is a
+complete run of ``index_kpool`` tokens starting at a multiple of ``index_kpool``; its key
+is a per-channel softmax-weighted mean of its tokens::
 
     pool_key[p, d] = sum_slot softmax_slot(z[slot, d] + ape[slot, d]) * k[slot, d]
 
@@ -49,8 +50,20 @@ Two formulations of the attention live here:
   :func:`absorbed_attention`): each query gathers only its chosen pools and its tail
   (at most ``index_topk + index_kpool`` latents) and attends in the latent space, with
   ``kv_b_proj``'s K part folded into the query and its V part applied to the output
-  (``q.k_j = (W_k^T q) . c_j``, ``sum_j p_j W_v c_j = W_v sum_j p_j c_j``). Work and
-  memory per query are bounded by the top-k, not the context.
+  (``q.k_j = (W_k^T q_nope) . c_j + q_rot . r_j``, ``sum_j p_j W_v c_j = W_v sum_j p_j c_j``).
+  Work and memory per query are bounded by the top-k, not the context.
+
+The rope part ``r_j`` is what transformers' ``Glm5NextTextAttention`` calls ``k_rot``: the
+last ``qk_rope_head_dim`` outputs of ``kv_a_proj_with_mqa``, not normalized, shared by all
+heads and placed after each head's ``k_nope``; the query has ``qk_nope_head_dim +
+qk_rope_head_dim`` values per head and the scale is ``(qk_nope_head_dim +
+qk_rope_head_dim) ** -0.5``. The text model applies no rotary embedding to it (NoPE), so it
+is a plain position-free key part. vLLM's native model (``vllm/models/glm5next/common/``)
+differs: it rotates ``q_rot`` and ``k_rot`` with RoPE unless the config sets
+``mla_use_nope``; with ``mla_use_nope`` it pads the checkpoint's ``kv_a_proj_with_mqa`` with
+zero rows for the rope part (``k_rot`` is then 0 and only the scale keeps the rope dims);
+and its indexer rotates the first ``qk_rope_head_dim`` values of its query and key, which
+transformers and this plugin leave as they are.
 """
 
 from __future__ import annotations
@@ -249,27 +262,31 @@ def absorbed_attention(
     valid: torch.Tensor,
     scale: float,
     block_elems: int | None = None,
+    value_dim: int | None = None,
 ) -> torch.Tensor:
     """Attention in the latent space over each query's own tokens.
 
-    ``q_latent``: ``[T, H, R]`` queries already multiplied into the latent space;
-    ``latent_rows(idx)`` returns the latents ``[..., R]`` of token indices ``idx``;
-    ``tokens``/``valid``: ``[T, K]`` from :func:`gather_index`. Returns the
-    probability-weighted latents ``[T, H, R]``; queries in blocks so the gathered
-    ``[block, K, R]`` latents stay under ``block_elems`` values (default :func:`block_budget`).
+    ``q_latent``: ``[T, H, Dk]`` queries already multiplied into the latent space (the
+    latent query, then the rope query if any); ``latent_rows(idx)`` returns the key rows
+    ``[..., Dk]`` of token indices ``idx`` (the latent, then the rope key part);
+    ``tokens``/``valid``: ``[T, K]`` from :func:`gather_index`. The values are the first
+    ``value_dim`` columns of the key rows (the latent; default all). Returns the
+    probability-weighted values ``[T, H, value_dim]``; queries in blocks so the gathered
+    ``[block, K, Dk]`` rows stay under ``block_elems`` values (default :func:`block_budget`).
     """
-    t_len, heads, rank = q_latent.shape
+    t_len, heads, key_dim = q_latent.shape
+    value_dim = value_dim or key_dim
     width = tokens.shape[1]
     block_elems = block_elems or block_budget(q_latent.device)
-    out = q_latent.new_empty(t_len, heads, rank)
-    block = max(1, block_elems // max(1, width * rank))
+    out = q_latent.new_empty(t_len, heads, value_dim)
+    block = max(1, block_elems // max(1, width * key_dim))
     for start in range(0, t_len, block):
         end = min(start + block, t_len)
-        lat = latent_rows(tokens[start:end]).to(q_latent.dtype)  # [b, K, R]
+        lat = latent_rows(tokens[start:end]).to(q_latent.dtype)  # [b, K, Dk]
         logits = torch.bmm(q_latent[start:end], lat.transpose(1, 2)) * scale  # [b, H, K]
         logits = logits.masked_fill(~valid[start:end, None, :], float("-inf"))
         probs = logits.float().softmax(dim=-1).to(lat.dtype)
-        out[start:end] = torch.bmm(probs, lat)
+        out[start:end] = torch.bmm(probs, lat[..., :value_dim])
     return out
 
 
@@ -283,18 +300,21 @@ def sparse_mla_absorbed(
     positions: torch.Tensor,
     kpool: int,
     topk: int,
-    latent_rows,
+    key_rows,
 ) -> torch.Tensor:
     """The whole sparse MLA core as the layers run it: select, gather, attend in latent space.
 
-    ``q``: ``[T, H, Dq]``; ``w_k``: ``[H, Dq, R]`` and ``w_v``: ``[H, Dv, R]`` (``kv_b_proj``'s
-    K and V parts per head); indexer inputs as in :func:`select_pools`; ``latent_rows(idx)``
-    returns the latents of token indices ``idx``. Returns ``[T, H, Dv]``, equal to
-    :func:`masked_attention` over ``k = c W_k^T``, ``v = c W_v^T`` with the
-    :func:`select_tokens` mask (scale ``Dq ** -0.5``).
+    ``q``: ``[T, H, Dn + Dr]`` (``qk_nope_head_dim`` then ``qk_rope_head_dim`` values per
+    head); ``w_k``: ``[H, Dn, R]`` and ``w_v``: ``[H, Dv, R]`` (``kv_b_proj``'s K and V parts
+    per head); indexer inputs as in :func:`select_pools`; ``key_rows(idx)`` returns the
+    latents then rope key parts ``[..., R + Dr]`` of token indices ``idx``. Returns
+    ``[T, H, Dv]``, equal to :func:`masked_attention` over ``k = [c W_k^T, r]``,
+    ``v = c W_v^T`` with the :func:`select_tokens` mask (scale ``(Dn + Dr) ** -0.5``).
     """
-    q_latent = torch.bmm(q.transpose(0, 1), w_k).transpose(0, 1)  # [T, H, R]
+    nope, rank = w_k.shape[1], w_k.shape[2]
+    q_latent = torch.bmm(q[..., :nope].transpose(0, 1), w_k).transpose(0, 1)  # [T, H, R]
+    q_key = torch.cat([q_latent, q[..., nope:]], dim=-1)  # [T, H, R + Dr]
     chosen = select_pools(index_q, head_weights, pooled, positions, kpool, topk)
     tokens, valid = gather_index(chosen, positions, kpool)
-    out_latent = absorbed_attention(q_latent, latent_rows, tokens, valid, q.shape[-1] ** -0.5)
+    out_latent = absorbed_attention(q_key, key_rows, tokens, valid, q.shape[-1] ** -0.5, value_dim=rank)
     return torch.bmm(out_latent.transpose(0, 1), w_v.transpose(1, 2)).transpose(0, 1)  # [T, H, Dv]
