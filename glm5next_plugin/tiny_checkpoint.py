@@ -8,8 +8,15 @@ byte-level BPE tokenizer trained offline with ``tokenizers``, with a GLM-style c
 template, so ``AutoTokenizer``, ``vllm serve`` and chat requests work.
 
 The defaults keep it small enough for a 2-core CPU while exercising every path:
-3 KDA + 2 sparse-MLA layers, MoE layers, and ``index_topk`` small enough that prompts
-past a few hundred tokens take the sparse top-k path.
+3 KDA + 2 sparse-MLA layers, MoE layers, pools of 4 tokens per indexer slot as in the
+served GLM-5.3-Flash checkpoint (``index_kpool`` 4), and ``index_topk`` small enough that
+prompts longer than 131 tokens take the sparse top-k path (a query keeps 32 pools).
+
+``qk_rope_head_dim`` above 0 writes a checkpoint whose MLA keys have a rope part
+(transformers' ``k_rot``; GLM-5.3-Flash itself has none). transformers' attention computes
+it, but its ``Glm5NextTextConfig`` validator refuses such a config ("Expecting NoPE"), so
+loading that checkpoint through ``AutoConfig`` needs the check lifted, as
+``validation/parity_sweep.py`` does to compare the plugin with transformers.
 
 CLI::
 
@@ -119,8 +126,10 @@ def build_config(
     layer_types: str = "LLILI",
     dense_layers: int = 1,
     index_topk: int = 128,
-    index_kpool: int = 16,
+    index_kpool: int = 4,
     index_n_heads: int = 16,
+    index_head_dim: int = 16,
+    qk_rope_head_dim: int = 0,
     linear_num_heads: int = 2,
     linear_head_dim: int = 16,
     n_routed_experts: int = 8,
@@ -167,7 +176,7 @@ def build_config(
         mlp_layer_types=["dense"] * min(dense_layers, n) + ["sparse"] * max(n - dense_layers, 0),
         layer_types=layers,
         index_topk=index_topk,
-        index_head_dim=16,
+        index_head_dim=index_head_dim,
         index_n_heads=index_n_heads,
         index_kpool=index_kpool,
         index_kpool_always_select_tail=True,
@@ -205,7 +214,18 @@ def build_config(
     )
     config.architectures = ["Glm5NextForConditionalGeneration"]
     config.dtype = dtype
+    if qk_rope_head_dim:
+        _set_rope_dim(config.text_config, qk_rope_head_dim)
     return config
+
+
+def _set_rope_dim(text_config, rope_dim: int) -> None:
+    """Give a validated (NoPE) text config a rope part. Class validators run only when a
+    config is built, so setting the field afterwards passes; the derived fields follow as
+    ``Glm5NextTextConfig.__post_init__`` would set them."""
+    text_config.qk_rope_head_dim = rope_dim
+    text_config.head_dim = rope_dim
+    text_config.qk_head_dim = text_config.qk_nope_head_dim + rope_dim
 
 
 def _random_state(model: torch.nn.Module, seed: int) -> dict[str, torch.Tensor]:
@@ -313,12 +333,20 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("--dense-layers", type=int, default=1, help="leading layers with a dense MLP")
     p.add_argument("--index-topk", type=int, default=128)
-    p.add_argument("--index-kpool", type=int, default=16)
+    p.add_argument("--index-kpool", type=int, default=4, help="tokens per indexer pool (GLM-5.3-Flash: 4)")
     p.add_argument(
         "--index-n-heads",
         type=int,
         default=16,
         help="indexer heads; with few heads (2) many pools score exactly 0 (a tie-heavy checkpoint)",
+    )
+    p.add_argument("--index-head-dim", type=int, default=16)
+    p.add_argument(
+        "--qk-rope-head-dim",
+        type=int,
+        default=0,
+        help="rope key part per MLA head (GLM-5.3-Flash: 0); transformers' config class refuses a value above 0 on "
+        "load (see the module docstring)",
     )
     p.add_argument("--linear-num-heads", type=int, default=2)
     p.add_argument("--linear-head-dim", type=int, default=16)
