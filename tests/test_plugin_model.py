@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
-
 from glm5next_plugin import kda, sparse_mla, tiny_checkpoint
-from glm5next_plugin.model import Glm5NextModel, cast_for_inference, check_supported, load_by_name
+from glm5next_plugin.model import cast_for_inference, check_supported, load_by_name
+from glm5next_plugin.standalone import StandaloneLM as _Standalone
+from glm5next_plugin.standalone import load_standalone
 
 # fp32 on both sides; the residual difference is summation order over 5 layers with
 # unit-scale random weights and 20 Sinkhorn iterations per mHC.
@@ -136,28 +136,12 @@ def ckpt(tmp_path_factory):
     return out
 
 
-class _Standalone(nn.Module):
-    def __init__(self, text_config, tie_word_embeddings: bool = False):
-        super().__init__()
-        self.model = Glm5NextModel(text_config)
-        self.lm_head = nn.Linear(text_config.hidden_size, text_config.vocab_size, bias=False)
-        if tie_word_embeddings:  # as Glm5NextForConditionalGeneration.__init__ ties them
-            self.lm_head.weight = self.model.language_model.embed_tokens.weight
-
-    def logprobs(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.model.language_model(ids)).log_softmax(-1)
-
-
 @pytest.fixture(scope="module")
 def both_models(ckpt):
-    from safetensors.torch import load_file
-    from transformers import AutoConfig, Glm5NextForConditionalGeneration
+    from transformers import Glm5NextForConditionalGeneration
 
-    cfg = AutoConfig.from_pretrained(ckpt)
-    ours = _Standalone(cfg.text_config)
-    load_by_name(ours, load_file(str(ckpt / "model.safetensors")).items(), cfg.text_config.num_hidden_layers)
     ref = Glm5NextForConditionalGeneration.from_pretrained(ckpt, dtype=torch.float32).eval()
-    return ours.eval(), ref
+    return load_standalone(ckpt), ref
 
 
 @pytest.mark.parametrize("t_len", [20, 150, 700])
