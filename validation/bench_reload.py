@@ -2,12 +2,12 @@
 
 One TP rank's share of a ``--tokens`` prompt (default 300k) is loaded from a real
 glm-cache-server process into a real :class:`~connector.kv_pages.PagedKVCache` over the
-KV cache vLLM builds for GLM-5.3-Flash (native layout, TP 4: unified block 1536 tokens,
-MLA latent + kpool indexer 11355 B per token, a 36.9 MB KDA state snapshot in 4 groups;
-see ``validation/glm_flash_kv_layouts.py``). The chunk is one block, 1536 tokens, as
-production runs it (C == N); per token the bytes are those of 1152-token chunks (13.08 MB
-each, the chunk of the LMCache deployment), so the total is the same: about 3.4 GB per rank
-at 300k tokens.
+KV cache vLLM builds for GLM-5.3-Flash (native layout, TP 4, the served checkpoint's
+``index_kpool`` 4: unified block 1152 tokens as seed 003 logs it, MLA latent 11,264 B and
+kpool indexer 363 B per token, each its own object group, a 36.9 MB KDA state snapshot in 4
+groups; see ``validation/glm_flash_kv_layouts.py``). The chunk is one block, 1152 tokens,
+as production runs it (C == N): 13.39 MB of attention a chunk, about 3.5 GB per rank at
+300k tokens.
 
 Steps: populate the server (puts, not timed), then time ``WorkerSide``'s load of the whole
 hit (streamed in ``batch_bytes`` batches, fetch of batch i+1 overlapping the page writes
