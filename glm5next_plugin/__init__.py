@@ -15,10 +15,13 @@ The choice is logged once per process at start-up.
 What the plugin puts in vLLM's cache (what a KV connector sees):
 
 - one full-attention group for the sparse-MLA layers, one row per token
-  ``[latent (kv_lora_rank) | indexer key | kpool gate (index_head_dim each)]`` in the model
-  dtype, except that a pool's closing row holds the pool's key in place of its gate
+  ``[latent (kv_lora_rank) | rope key (qk_rope_head_dim, none in GLM-5.3-Flash) |
+  indexer key | kpool gate (index_head_dim each)]`` in the model dtype, except that a
+  pool's closing row holds the pool's key in place of its gate
   (``mla_layer.CACHE_ROW_FORMAT``); every row depends only on its prefix, so there is no
-  tail scratch group and every block-aligned prefix is complete;
+  tail scratch group and every block-aligned prefix is complete. The model declares the
+  row's parts (``kv_cache_row_parts``: MLA latent with the rope key, indexer cache), which
+  the connector stores as two object groups;
 - state ("Mamba") groups for the KDA layers, GDN metadata, per slot conv
   ``(conv_kernel - 1, 3 * heads * head_dim)`` (model dtype) and recurrent
   ``(heads, head_dim, head_dim)`` ``[H, V, K]`` (fp32 unless ``mamba_ssm_cache_dtype``);

@@ -179,6 +179,32 @@ def test_plugin_model_declares_its_row_format_to_the_connector(tmp_path):
     vllm = SimpleNamespace(model_config=ModelConfig(model=str(tmp_path / "ckpt"), dtype="float32"))
     assert model_cache_row_format(vllm) == CACHE_ROW_FORMAT == sparse_mla_backend(64).cache_row_format
     assert CACHE_ROW_FORMAT.endswith("/2")
+    # and the row's parts, which tile the row the layer writes (rope key with the latent)
+    from connector.geometry import model_row_parts
+    from glm5next_plugin.mla_layer import SparseMLAProjections
+
+    text = vllm.model_config.hf_config.text_config
+    parts = model_row_parts(vllm)
+    assert parts == (("mla_latent", 32), ("indexer_cache", 32))
+    assert sum(v for _, v in parts) == SparseMLAProjections(text).row_size == 64
+
+
+def test_declared_row_parts_split_each_row_and_must_describe_the_page():
+    """A one-row-per-token page (the plugin's) becomes one object group per declared part:
+    the part's columns of every row; parts that do not add up to the row refuse the layout
+    (fail closed) rather than store a guess."""
+    row = vkv.FullAttentionSpec(block_size=1152, num_kv_heads=1, head_size=768, head_size_v=0,
+                                dtype=torch.bfloat16)
+    vllm, kv = _config([_state(), row])
+    geo = resolve_geometry(vllm, kv, row_parts=(("mla_latent", 512), ("indexer_cache", 256)))
+    assert [(g.group_id, g.name, g.vllm_group, g.is_state) for g in geo.groups] == [
+        (0, "kda_state", 0, True), (1, "mla_latent", 1, False), (2, "indexer_cache", 1, False)]
+    latent, indexer = (g.layers[0] for g in geo.attn_groups)
+    assert (latent.rows, latent.row_stride, latent.row_offset, latent.page_bytes) == (1152, 1536, 0, 1152 * 1024)
+    assert (indexer.rows, indexer.row_stride, indexer.row_offset, indexer.page_bytes) == (1152, 1536, 1024, 1152 * 512)
+    assert geo.group_tokens_per_block == (1152, 1152)  # vLLM's groups, as vLLM logs them
+    with pytest.raises(UnsupportedLayout, match="declared cache-row parts"):
+        resolve_geometry(vllm, kv, row_parts=(("mla_latent", 512), ("indexer_cache", 128)))
 
 
 def test_unknown_spec_kind_is_refused_naming_group_and_class():

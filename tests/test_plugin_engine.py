@@ -51,14 +51,26 @@ def llm(ckpt):
 
 @pytest.fixture(scope="module")
 def reference(ckpt):
+    """transformers with the plugin's documented tie order, and where two pools' scores
+    differ by float32 rounding only, the plugin's pick (``validation.parity_sweep``: at 2100
+    tokens one query row of this checkpoint is such a near tie, 2.8e-7 apart, and moves the
+    later log-probs by 0.17 nats)."""
     from transformers import Glm5NextForConditionalGeneration
 
-    return Glm5NextForConditionalGeneration.from_pretrained(ckpt, dtype=torch.float32).eval()
+    from glm5next_plugin.standalone import load_standalone
+
+    model = Glm5NextForConditionalGeneration.from_pretrained(ckpt, dtype=torch.float32).eval()
+    return model, load_standalone(ckpt)
 
 
 def _reference_logprobs(reference, ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return reference(input_ids=torch.tensor([ids])).logits[0].float().log_softmax(-1)
+    from validation.parity_sweep import plugin_choices, stable_tie_order
+
+    model, plugin = reference
+    with torch.no_grad(), plugin_choices() as chosen:
+        plugin.logprobs(torch.tensor(ids))
+    with torch.no_grad(), stable_tie_order(model, adopt=chosen):
+        return model(input_ids=torch.tensor([ids])).logits[0].float().log_softmax(-1)
 
 
 def test_engine_runs_the_plugin_with_align_mode_kda_state(llm):

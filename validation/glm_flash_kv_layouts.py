@@ -114,9 +114,9 @@ def native_attn_page_per_token(cfg: Any) -> int:
 
 
 def plugin_row_size(cfg: Any) -> int:
-    """The plugin's cache row: latent + indexer key + kpool gate (``SparseMLAProjections``'s
-    ``row_size``)."""
-    return cfg.kv_lora_rank + 2 * cfg.index_head_dim
+    """The plugin's cache row: latent + rope key + indexer key + kpool gate
+    (``SparseMLAProjections``'s ``row_size``; the rope key is empty for GLM-5.3-Flash)."""
+    return cfg.kv_lora_rank + cfg.qk_rope_head_dim + 2 * cfg.index_head_dim
 
 
 def plugin_attn_page_per_token(cfg: Any) -> int:
