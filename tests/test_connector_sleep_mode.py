@@ -8,7 +8,6 @@ worker's fetches are answered in-process."""
 from __future__ import annotations
 
 import threading
-import time
 from types import SimpleNamespace
 
 import pytest
@@ -21,6 +20,7 @@ from connector.config import Settings  # noqa: E402
 from connector.glm_connector import GlmCacheConnector  # noqa: E402
 from connector.metadata import GlmConnectorMetadata, LoadJob, ObjectMove  # noqa: E402
 from connector.worker import WorkerSide  # noqa: E402
+from testing.worker_loads import wait_load  # noqa: E402
 from validation import glm_flash_kv_layouts as L  # noqa: E402
 
 NS = "sleep-mode"
@@ -35,17 +35,6 @@ def layout():
 def _object(n: int, seed: int) -> bytes:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g).numpy().tobytes()
-
-
-def _wait_load(w: WorkerSide, req_id: str, timeout_s: float = 30.0) -> bool:
-    """True when the load finished, False when it failed."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        r = w.get_transfer_results()
-        if req_id in r.finished_recving:
-            return req_id not in r.failed_recving
-        time.sleep(0.005)
-    raise AssertionError("load never reported")
 
 
 class _Fetches:
@@ -107,13 +96,13 @@ def test_sleep_drops_the_pages_after_inflight_loads_and_wake_up_rebuilds_them(la
         fetches.gate.set()
         sleeper.join(10)
         assert not sleeper.is_alive()
-        assert _wait_load(w, "in-flight") is False
+        assert wait_load(w, "in-flight") is False
         assert torch.equal(raw, before)
 
         # Asleep: loads fail at once, saves copy nothing, a second unregister is a no-op.
         w.unregister_kv_caches()
         w.start_load_kv(GlmConnectorMetadata(namespace=NS, loads=[job("asleep")]))
-        assert _wait_load(w, "asleep") is False
+        assert wait_load(w, "asleep") is False
         w.wait_for_save(GlmConnectorMetadata(namespace=NS, saves=[ObjectMove(h, latent.group_id, [2])]))
         assert w.wait_for_pending_saves(5)
         assert torch.equal(raw, before)
@@ -125,7 +114,7 @@ def test_sleep_drops_the_pages_after_inflight_loads_and_wake_up_rebuilds_them(la
         w.restore_kv_caches()
         assert w._pages is pages
         w.start_load_kv(GlmConnectorMetadata(namespace=NS, loads=[job("awake")]))
-        assert _wait_load(w, "awake") is True
+        assert wait_load(w, "awake") is True
         got = b"".join(_page(views, p.name, 2) for p in latent.layers)
         assert got == objects[(h, latent.group_id)]
         got = b"".join(_page(views, p.name, 3)[: p.page_bytes] for p in state.layers)

@@ -26,6 +26,7 @@ from connector.metadata import (
 )
 from connector.saves import MAX_SAVE_RETRIES, SavePlanner
 from connector.worker import WorkerSide, batches
+from testing.worker_loads import wait_load
 
 vkv = pytest.importorskip("vllm.v1.kv_cache_interface")
 
@@ -96,17 +97,6 @@ def _load_job(chunks: int) -> LoadJob:
     return LoadJob("req-1", moves)
 
 
-def _wait_load(w: WorkerSide, req_id: str, timeout_s: float = 30.0) -> bool:
-    """True when the load finished, False when it failed."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        r = w.get_transfer_results()
-        if req_id in r.finished_recving:
-            return req_id not in r.failed_recving
-        time.sleep(0.005)
-    raise AssertionError("load never reported")
-
-
 @pytest.fixture(scope="module")
 def server():
     with ServerProcess("--separate-object-groups", "--chunk-size", str(C), "--l1-size-gb", "0.05") as srv:
@@ -141,7 +131,7 @@ def test_load_streams_in_batches_with_scaled_deadlines_and_lands_every_page(serv
     w._load_client.get = counting_get
     try:
         w.start_load_kv(GlmConnectorMetadata(namespace=NS, loads=[_load_job(chunks)]))
-        assert _wait_load(w, "req-1")
+        assert wait_load(w, "req-1")
     finally:
         w.shutdown()
     # The state goes first (a missing resume state fails before attention moves), then
@@ -165,7 +155,7 @@ def test_a_load_that_loses_an_object_part_way_fails_the_whole_request(server):
     w, _ = _worker(server.url, batch_bytes=2 * 2 * PAGE_A)
     try:
         w.start_load_kv(GlmConnectorMetadata(namespace=NS, loads=[_load_job(chunks)]))
-        assert _wait_load(w, "req-1") is False  # failed_recving: vLLM recomputes the request
+        assert wait_load(w, "req-1") is False  # failed_recving: vLLM recomputes the request
     finally:
         w.shutdown()
     assert w.stats["load_failures"] == 1
@@ -316,7 +306,7 @@ def test_saved_pages_come_back_byte_exact_through_shared_memory(server):
         loads = [ObjectMove(_hash(300 + k), ATTN, [10 + 2 * k, 11 + 2 * k]) for k in range(3)]
         loads.append(ObjectMove(_hash(302), STATE, [NB - 2]))
         w.start_load_kv(GlmConnectorMetadata(namespace=NS, loads=[LoadJob("req-shm", loads)]))
-        assert _wait_load(w, "req-shm")
+        assert wait_load(w, "req-shm")
         assert w._load_client.transport == "shm"
         with CacheClient(server.url) as cli:  # every byte came through the segment, none as frames
             assert cli.stats()["shm"]["get_bytes"] - shm_before == 3 * 2 * 2 * PAGE_A + PAGE_S
@@ -354,7 +344,7 @@ def test_a_byte_flipped_in_the_shared_memory_region_fails_the_load_and_reaches_n
     client._place_shm_locked = flip_after_the_servers_copy
     try:
         w.start_load_kv(GlmConnectorMetadata(namespace=NS, loads=[_load_job(chunks)]))
-        assert _wait_load(w, "req-1") is False  # failed_recving: vLLM recomputes the request
+        assert wait_load(w, "req-1") is False  # failed_recving: vLLM recomputes the request
         assert client.transport == "shm" and len(flipped) >= 2
         assert client.corrupt_objects == 1
     finally:
@@ -383,7 +373,7 @@ def test_a_refused_load_writes_nothing_and_fails_the_request(server):
         job = _load_job(chunks)
         job.refused = "no state block allocated at position 768"
         w.start_load_kv(GlmConnectorMetadata(namespace=NS, loads=[job]))
-        assert _wait_load(w, "req-1") is False
+        assert wait_load(w, "req-1") is False
         assert torch.equal(buf, before)
     finally:
         w.shutdown()
@@ -406,7 +396,7 @@ def test_an_object_of_the_wrong_size_fails_the_load_and_is_deleted(server):
     try:
         before = buf.clone()
         w.start_load_kv(GlmConnectorMetadata(namespace=NS, loads=[LoadJob("req-w", moves)]))
-        assert _wait_load(w, "req-w") is False
+        assert wait_load(w, "req-w") is False
         assert torch.equal(buf, before)
     finally:
         w.shutdown()
