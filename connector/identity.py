@@ -37,9 +37,26 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 _SNAPSHOT = re.compile(r"/snapshots/([0-9a-f]{40})(/|$)")
 
 
-class UnnamedWeights(RuntimeError):
+class Unnameable(RuntimeError):
+    """Something the cached bytes depend on that the namespace cannot name: the engine
+    serves without the external cache (what identity cannot name is not cached)."""
+
+
+class UnnamedWeights(Unnameable):
     """The weights cannot be named (no weight files found for the model): nothing the
     engine computes may be shared."""
+
+
+def check_nameable(vllm_config: Any) -> None:
+    """Raise :class:`Unnameable` for an engine whose bytes depend on what the namespace
+    does not name yet: speculative decoding (a draft model's cache row at a chunk's last
+    position depends on the token after the chunk, which the chunk's key does not cover,
+    and the draft method and lookahead are not in the identity)."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    if spec is not None:
+        method = getattr(spec, "method", None) or type(spec).__name__
+        raise Unnameable(f"speculative decoding ({method}) is not in the cache identity yet "
+                         "(draft rows depend on the token after a chunk)")
 
 
 def _samples(fd: int, begin: int, end: int) -> bytes:

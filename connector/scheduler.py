@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from connector.config import SchedulerBlockAligner, Settings, logger, require_recompute_on_load_failure
 from connector.geometry import Geometry, strict_prefix_chunks
-from connector.identity import UnnamedWeights, engine_identity
+from connector.identity import Unnameable, check_nameable, engine_identity
 from connector.keys import (
     ChunkKeys,
     choose_key_scheme,
@@ -81,8 +81,9 @@ class SchedulerSide:
                                    geometry.scheduler_block_size, logger)
         self.keys = ChunkKeys(scheme, span)
         try:
+            check_nameable(vllm_config)
             identity = engine_identity(vllm_config.model_config)
-        except UnnamedWeights as e:  # what identity cannot name is not cached
+        except Unnameable as e:  # what identity cannot name is not cached
             logger.error("GlmCacheConnector: %s; serving without the external cache", e)
             identity = None
         # the model's cache-row format, the key scheme, the weights and the engine join the namespace

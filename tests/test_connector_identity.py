@@ -87,6 +87,25 @@ def test_weights_that_cannot_be_named_are_not_cached(tmp_path, server, monkeypat
         unnamed.shutdown()
 
 
+def test_speculative_decoding_is_not_cached_until_identity_names_the_draft(server):
+    """With drafts on (vLLM's native model takes --speculative-config; the plugin refuses
+    it), the MTP layer's rows at a chunk's end depend on the token after the chunk: the
+    engine serves without the external cache rather than share them under a partial name."""
+    import validation.sched_harness as harness
+
+    drafts = harness.scheduler_side(server.url, block=C,
+                                    speculative=SimpleNamespace(method="mtp", num_speculative_tokens=1))
+    try:
+        assert not drafts.remote.usable() and drafts.namespace == ""
+    finally:
+        drafts.shutdown()
+    plain = harness.scheduler_side(server.url, block=C)
+    try:
+        assert plain.remote.usable() and plain.namespace
+    finally:
+        plain.shutdown()
+
+
 def _objects(url: str) -> int:
     with CacheClient(url) as c:
         return c.stats()["objects"]

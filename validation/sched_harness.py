@@ -9,6 +9,7 @@ import tempfile
 from functools import cache
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import torch
 
@@ -27,13 +28,14 @@ def weights_dir() -> Path:
 
 def scheduler_side(url: str, *, block: int = 256, tp: int = 1, timeout_s: float = 1.0,
                    retry_after_s: float = 1.0, hash_algo: str = "sha256", latent_rows: bool = False,
-                   chunk_keys: str = "auto", hash_block: int | None = None):
+                   chunk_keys: str = "auto", hash_block: int | None = None, speculative: Any = None):
     """A :class:`connector.scheduler.SchedulerSide` for one state group and one attention
     group of ``block`` tokens, TP ``tp``, talking to the server at ``url``; ``hash_algo`` is
     vLLM's ``--prefix-caching-hash-algo``. ``latent_rows``: the attention group has the
     sparse-MLA plugin's shape (one K-only row per token, the same bytes on every rank), so
     it is stored once for all ranks, as GLM-5.3-Flash's is. ``chunk_keys``: the connector's
-    setting of that name; ``hash_block``: the tokens per vLLM block hash (default ``block``)."""
+    setting of that name; ``hash_block``: the tokens per vLLM block hash (default ``block``);
+    ``speculative``: vLLM's ``speculative_config`` (None: drafts off)."""
     from vllm.v1 import kv_cache_interface as vkv
 
     from connector.config import Settings
@@ -58,6 +60,7 @@ def scheduler_side(url: str, *, block: int = 256, tp: int = 1, timeout_s: float 
                                      served_model_name="tiny-sched"),
         scheduler_config=SimpleNamespace(max_num_batched_tokens=block),
         kv_transfer_config=SimpleNamespace(kv_load_failure_policy="recompute"),
+        speculative_config=speculative,
     )
     kv.hash_block_size = hash_block or block  # what vLLM's engine core sets at start-up
     geo = resolve_geometry(vllm, kv)
