@@ -498,7 +498,7 @@ class ObjectStore:
         return dict(sorted(out.items()))
 
     def snapshot(self) -> dict[str, Any]:
-        """A consistent JSON-able view for /status and /metrics; O(groups), not O(objects)."""
+        """A consistent JSON-able view for /status and /metrics; O(namespaces x groups), not O(objects)."""
         with self._lock:
             c = self.counters
             return {
