@@ -195,8 +195,44 @@ class KDAStateLayer(KDAProjections, _vllm_state_layer_base()):
         out = torch.zeros_like(x)
         if md.num_actual_tokens == 0:
             return out
+        spec_rows, plain_rows = _token_rows(md, x.device)
+        if md.num_spec_decodes > 0:
+            self._forward_spec(x, spec_rows, md, out)
+        xs = x if plain_rows is None else x[plain_rows]
+        if xs.shape[0] == 0:
+            return out
+        ys = self._forward_plain(xs, md)
+        if plain_rows is None:
+            out[: ys.shape[0]] = ys
+        else:
+            out[plain_rows] = ys
+        return out
+
+    def _window(self, conv_cache: torch.Tensor, idx, first: int | torch.Tensor = 0) -> torch.Tensor:
+        """The ``W - 1`` raw inputs a sequence's conv starts from, ``[..., W - 1, C]``, from
+        row ``first`` of its slot (the slot holds ``W - 1 + k`` rows with k draft tokens)."""
+        state = conv_cache[idx]
+        if _conv_dim_first():
+            state = state.transpose(-1, -2)
+        w = self.conv_weight.shape[-1] - 1
+        if isinstance(first, int):
+            return state[..., first : first + w, :]
+        rows = first.view(-1, 1) + torch.arange(w, device=state.device)  # [B, W - 1]
+        return state.gather(1, rows.unsqueeze(-1).expand(-1, -1, state.shape[-1]))
+
+    def _store_conv(self, conv_cache: torch.Tensor, idx, new: torch.Tensor) -> None:
+        """Write ``new`` (``[..., n, C]``) into the first ``n`` rows of the slots ``idx``."""
+        n = new.shape[-2]
+        if _conv_dim_first():
+            conv_cache[idx, :, :n] = new.transpose(-1, -2).to(conv_cache.dtype)
+        else:
+            conv_cache[idx, :n] = new.to(conv_cache.dtype)
+
+    def _forward_plain(self, x: torch.Tensor, md) -> torch.Tensor:
+        """Prefill chunks and one-token decodes that carry no drafts (``x``: their tokens,
+        decodes first, as the metadata orders them)."""
         conv_cache, rec_cache = self.kv_cache
-        dim_first = _conv_dim_first()
+        out = torch.zeros_like(x)
         qsl = md.non_spec_query_start_loc.tolist()
         slots = md.non_spec_state_indices_tensor.tolist()
         has_init = md.has_initial_state.tolist() if md.has_initial_state is not None else None
@@ -206,14 +242,10 @@ class KDAStateLayer(KDAProjections, _vllm_state_layer_base()):
             idx = torch.tensor(slots[:nd], dtype=torch.long, device=x.device)
             xd = x[:nd]
             mixed, g, beta, out_gate = self.token_inputs(xd)
-            conv_state = conv_cache[idx]
-            if dim_first:
-                conv_state = conv_state.transpose(1, 2)
-            full = torch.cat([conv_state.to(mixed.dtype), mixed.unsqueeze(1)], dim=1)  # [B, W, C]
+            full = torch.cat([self._window(conv_cache, idx).to(mixed.dtype), mixed.unsqueeze(1)], dim=1)  # [B, W, C]
             w = self.conv_weight
             conv_out = torch.nn.functional.silu((full.to(w.dtype) * w.t()).sum(1)).to(mixed.dtype)
-            new_conv = full[:, 1:]
-            conv_cache[idx] = (new_conv.transpose(1, 2) if dim_first else new_conv).to(conv_cache.dtype)
+            self._store_conv(conv_cache, idx, full[:, 1:])
             q, k, v = self.split_qkv(conv_out)
             core, state = kda.kda_decode_step(q, k, v, g, beta, rec_cache[idx])
             rec_cache[idx] = state.to(rec_cache.dtype)
@@ -224,14 +256,68 @@ class KDAStateLayer(KDAProjections, _vllm_state_layer_base()):
             live = has_init[i] if has_init is not None else True
             conv_state = rec_state = None
             if live:
-                conv_state = conv_cache[slot]
-                conv_state = conv_state.t() if dim_first else conv_state
+                conv_state = self._window(conv_cache, slot)
                 rec_state = rec_cache[slot]
             y, new_conv, new_rec = self.forward_sequence(x[start:end], conv_state, rec_state)
-            conv_cache[slot] = (new_conv.t() if dim_first else new_conv).to(conv_cache.dtype)
+            self._store_conv(conv_cache, slot, new_conv)
             rec_cache[slot] = new_rec.to(rec_cache.dtype)
             out[start:end] = y
         return out
+
+    def _forward_spec(self, x: torch.Tensor, rows: torch.Tensor | None, md, out: torch.Tensor) -> None:
+        """Verify steps: each sequence's last token plus its drafts (up to ``k + 1`` tokens).
+
+        vLLM's contract for these rows (the GDN backend's, which its Triton kernels keep):
+        ``spec_state_indices_tensor[b]`` lists ``k + 1`` state slots; the state after the
+        last accepted token of the previous step is in slot ``[b, a - 1]`` (``a`` =
+        ``num_accepted_tokens[b]``), and the state after this step's token ``t`` goes to
+        slot ``[b, t]``, so the next step starts from whichever draft was accepted. The
+        conv slot (column 0's) holds ``W - 1 + k`` raw inputs; the window to start from
+        begins at row ``a - 1``; afterwards the slot holds the ``W - 2`` inputs after that
+        row followed by this step's inputs, so any accepted count finds its window.
+        """
+        conv_cache, rec_cache = self.kv_cache
+        n = md.num_spec_decodes
+        qsl = md.spec_query_start_loc[: n + 1].tolist()
+        slots = md.spec_state_indices_tensor[:n].tolist()
+        accepted = md.num_accepted_tokens[:n].tolist()
+        xs = x[: qsl[-1]] if rows is None else x[rows]
+        mixed, g, beta, out_gate = self.token_inputs(xs)
+        w = self.conv_weight
+        width = w.shape[-1]
+        core = torch.empty(xs.shape[0], self.num_heads, self.head_dim, dtype=torch.float32, device=x.device)
+        for b in range(n):
+            start, end = qsl[b], qsl[b + 1]
+            if end == start or slots[b][0] <= 0:  # padding / null block
+                continue
+            a = accepted[b]
+            window = self._window(conv_cache, slots[b][0], a - 1)
+            conv_out, _ = kda.causal_conv(mixed[start:end], w, window)
+            tail = self._window(conv_cache, slots[b][0], a)[: width - 2]
+            self._store_conv(conv_cache, slots[b][0], torch.cat([tail.to(mixed.dtype), mixed[start:end]]))
+            q, k, v = self.split_qkv(conv_out)
+            state = rec_cache[slots[b][a - 1]].float().unsqueeze(0)
+            for t in range(end - start):
+                o, state = kda.kda_decode_step(q[t : t + 1], k[t : t + 1], v[t : t + 1], g[start + t : start + t + 1],
+                                               beta[start + t : start + t + 1], state)
+                core[start + t] = o[0]
+                if slots[b][t] > 0:
+                    rec_cache[slots[b][t]] = state[0].to(rec_cache.dtype)
+        ys = self.output(core, out_gate, x.dtype)
+        if rows is None:
+            out[: ys.shape[0]] = ys
+        else:
+            out[rows] = ys
+
+
+def _token_rows(md, device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Which rows of the layer input are verify (draft) tokens and which are plain ones,
+    as index tensors, or None where the batch is all of one kind in order."""
+    if md.num_spec_decodes == 0 or md.spec_sequence_masks is None:
+        return None, None
+    if md.num_prefills == 0 and md.num_decodes == 0:
+        return None, torch.empty(0, dtype=torch.long, device=device)
+    return md.spec_token_indx.long(), md.non_spec_token_indx.long()
 
 
 def _conv_dim_first() -> bool:

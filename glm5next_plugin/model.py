@@ -29,6 +29,7 @@ from typing import ClassVar, Literal
 import torch
 from torch import nn
 
+from . import mamba_cpu
 from .blocks import MLP, HyperConnection, MoE, RMSNorm
 from .checkpoint_names import canonical_names
 from .kda_layer import KDAProjections, KDAStateLayer, kda_state_dtype, kda_state_shape
@@ -63,8 +64,6 @@ def check_supported(hf_config, vllm_config=None) -> None:
     if shared:
         raise NotImplementedError(f"glm5next plugin: 'shared' indexer layers {shared} are not supported yet")
     if vllm_config is not None:
-        if vllm_config.speculative_config is not None:
-            raise NotImplementedError("glm5next plugin: MTP / speculative decoding is not supported yet")
         par = vllm_config.parallel_config
         if par.pipeline_parallel_size != 1:
             raise NotImplementedError(
@@ -161,6 +160,13 @@ class Glm5NextModel(nn.Module):
     def __init__(self, config, vllm_config=None, tp: TPInfo | None = None) -> None:
         super().__init__()
         self.language_model = TextModel(config, vllm_config, tp=tp)
+
+    @property
+    def embed_tokens(self) -> nn.Embedding:
+        """The token embedding, where vLLM's speculative proposer looks for it
+        (``target.model.embed_tokens``) to share it with an MTP draft. A property, not a
+        second registration, so the parameter keeps its one checkpoint name."""
+        return self.language_model.embed_tokens
 
 
 # Kept in fp32 whatever the model dtype, as transformers does (_keep_in_fp32_modules_strict).
@@ -282,6 +288,10 @@ class Glm5NextForConditionalGeneration(nn.Module, *_vllm_interfaces()):
         super().__init__()
         hf_config = vllm_config.model_config.hf_config
         check_supported(hf_config, vllm_config)
+        if vllm_config.speculative_config is not None:
+            # drafts on a hybrid model in align mode move KDA state with two Triton-only
+            # kernels; on CPU the plugin supplies them (mamba_cpu)
+            mamba_cpu.register()
         self.config = text_config_of(hf_config)
         self.vllm_config = vllm_config
         self.tp = tp_info(vllm_config)
