@@ -200,6 +200,24 @@ def auth_token_from_config(get: Any) -> str | None:
     return None if path is None else read_token_file(path)
 
 
+def refuse_decode_saves_with_draft_rows(settings: Settings, draft_method: str | None, lookahead: int) -> None:
+    """``save_decode`` with a drafter whose cache rows look ahead (EAGLE, MTP, a draft
+    model): refused at start-up (ValueError, the engine does not start).
+
+    During prefill a draft row at p is computed from known tokens (the prompt's, or the
+    first sampled one), so the chunk's key can name them. During decode the draft layer
+    writes rows from its own draft tokens, and those of rejected drafts stay until a
+    later step overwrites them: a decode chunk's bytes at the moment it is saved are not
+    a function of its tokens, and no key can name them."""
+    if settings.save_decode and lookahead > 0:
+        raise ValueError(
+            f"GlmCacheConnector: kv_connector_extra_config save_decode=true cannot be used with "
+            f"--speculative-config method {draft_method!r}: the draft layer writes decode-time cache rows from "
+            "draft tokens, so saved decode chunks would not match their keys. Set save_decode to false "
+            "(prompt chunks are still cached) or serve without speculative decoding"
+        )
+
+
 def require_recompute_on_load_failure(vllm_config: VllmConfig) -> None:
     """A failed load must become a recompute, not a failed request.
 

@@ -14,6 +14,12 @@ is seen. What it misses: an edit confined to elements between the samples of a t
 (a hand-patched row, an added token's embedding row away from the samples). Other weight
 formats are sampled per file (:data:`FILE_SAMPLES` windows). A hub snapshot's commit is
 added where the path names one.
+
+Speculative decoding: a drafter whose layers write cache rows (EAGLE, MTP, a draft model)
+joins the identity with its method, draft length, lookahead and weights (the target's, for
+MTP layers shipped in its checkpoint; otherwise the draft's own, named the same way), and
+its lookahead joins the chunk keys. Drafters that cache nothing (n-gram, suffix) leave the
+namespace as it is without drafts; the rest is refused (:func:`check_nameable`).
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import json
 import os
 import re
 import struct
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -47,16 +54,119 @@ class UnnamedWeights(Unnameable):
     engine computes may be shared."""
 
 
-def check_nameable(vllm_config: Any) -> None:
-    """Raise :class:`Unnameable` for an engine whose bytes depend on what the namespace
-    does not name yet: speculative decoding (a draft model's cache row at a chunk's last
-    position depends on the token after the chunk, which the chunk's key does not cover,
-    and the draft method and lookahead are not in the identity)."""
+# How far a drafter's cache rows look past their own position (the lookahead L), by
+# ``--speculative-config`` method. The hidden-state drafters (EAGLE, EAGLE-3, MTP) compute
+# their row at position p from the target's hidden state at p and the embedding of token
+# p + 1 (vLLM shifts the draft's input ids by one: ``SpecDecodeBaseProposer
+# .set_inputs_first_pass``), and vLLM puts a draft layer whose cache spec equals the
+# target's in the target's KV group, so its rows are in our attention objects. A separate
+# draft model (``draft_model``) reads unshifted ids, so its prompt rows depend on tokens up
+# to p only; it is given L = 1 anyway, which never shares a row wrongly (it only keeps
+# prompts that fork exactly at a chunk boundary apart) and, like every drafter with rows,
+# refuses decode-time saves (its decode rows are written from draft tokens).
+_LOOKAHEAD_DRAFTERS = {"eagle": 1, "eagle3": 1, "mtp": 1, "draft_model": 1}
+# Drafters that write nothing into the KV cache: the cached bytes are the target's alone,
+# exactly as with drafts off, so neither the keys nor the namespace change.
+_CACHELESS_DRAFTERS = frozenset({"ngram", "ngram_gpu", "suffix", "medusa", "mlp_speculator"})
+# Everything else is refused (not cached): ``custom_class`` (arbitrary proposer code),
+# ``extract_hidden_states``, ``dflash`` and ``dspark`` (fill-in drafting: rows at slots
+# written from mask tokens, a lookahead not analysed here), and any method vLLM adds later.
+
+
+@dataclass(frozen=True)
+class Drafts:
+    """What the engine's speculative decoding puts into the cached bytes.
+
+    ``lookahead`` (L) is how many tokens after its position a draft row depends on: chunk
+    keys then cover the L tokens after each chunk (:class:`connector.keys.ChunkKeys`).
+    ``draft_model`` is the draft's model config where its weights are not the target's
+    (None: no draft model, or the target's own MTP layers)."""
+
+    method: str | None = None
+    num_speculative_tokens: int = 0
+    lookahead: int = 0
+    writes_rows: bool = False  # draft rows land in the cached groups
+    draft_model: Any = None
+
+
+NO_DRAFTS = Drafts()
+
+
+def _mtp_lookahead(spec: Any, k: int) -> int:
+    """One MTP module reads the next token; a chain of several (``num_nextn_predict_layers``
+    > 1, used up to k deep) reads up to k tokens ahead, as vLLM's
+    ``num_prefill_lookahead_tokens`` says."""
+    hf = getattr(getattr(spec, "draft_model_config", None), "hf_config", None)
+    modules = int(getattr(hf, "num_nextn_predict_layers", 1) or 1)
+    return k if min(modules, k) > 1 else 1
+
+
+def _is_target(draft: Any, target: Any) -> bool:
+    """The draft model config names the target's own checkpoint (MTP layers shipped in it)."""
+    if draft is None:
+        return True
+    if target is None:
+        return False
+    if (str(draft.model), getattr(draft, "revision", None)) == (str(target.model), getattr(target, "revision", None)):
+        return True
+    try:
+        return model_dir(draft) == model_dir(target)
+    except UnnamedWeights:
+        return False
+
+
+def check_nameable(vllm_config: Any) -> Drafts:
+    """What speculative decoding puts into the cached bytes (:class:`Drafts`); raises
+    :class:`Unnameable` for what the namespace cannot name: the methods listed above as
+    refused, a hidden-state drafter with a separate model that has no config, and EAGLE/MTP
+    with ``disable_eagle_block_drop`` (vLLM's local hits then keep blocks whose last draft
+    row came from another continuation, and the connector would save those rows under keys
+    that claim this request's next token)."""
     spec = getattr(vllm_config, "speculative_config", None)
-    if spec is not None:
-        method = getattr(spec, "method", None) or type(spec).__name__
-        raise Unnameable(f"speculative decoding ({method}) is not in the cache identity yet "
-                         "(draft rows depend on the token after a chunk)")
+    if spec is None:
+        return NO_DRAFTS
+    method = getattr(spec, "method", None) or type(spec).__name__
+    k = int(getattr(spec, "num_speculative_tokens", None) or 0)
+    if method in _CACHELESS_DRAFTERS:
+        return Drafts(method, k)
+    if method not in _LOOKAHEAD_DRAFTERS:
+        raise Unnameable(f"speculative decoding ({method}) is not in the cache identity (its draft rows' "
+                         f"dependence on later tokens is not known; named: {sorted(_LOOKAHEAD_DRAFTERS)} "
+                         f"and, with nothing cached, {sorted(_CACHELESS_DRAFTERS)})")
+    if method != "draft_model" and getattr(spec, "disable_eagle_block_drop", False):
+        raise Unnameable(f"speculative decoding ({method}) with disable_eagle_block_drop: vLLM's local prefix "
+                         "hits keep draft rows computed from another continuation")
+    draft = getattr(spec, "draft_model_config", None)
+    target = getattr(vllm_config, "model_config", None)
+    if method == "mtp":
+        draft = None if _is_target(draft, target) else draft
+        lookahead = _mtp_lookahead(spec, k)
+    else:
+        if draft is None:
+            raise Unnameable(f"speculative decoding ({method}) without a draft model config: its weights "
+                             "cannot be named")
+        draft = None if _is_target(draft, target) else draft
+        lookahead = _LOOKAHEAD_DRAFTERS[method]
+    return Drafts(method, k, lookahead, True, draft)
+
+
+def draft_identity(drafts: Drafts) -> dict[str, Any] | None:
+    """The namespace's part for the draft: None where nothing of it is cached (drafts off,
+    n-gram and other cacheless drafters: the same namespace as without drafts). Raises
+    :class:`UnnamedWeights` where a separate draft model's weights cannot be named."""
+    if not drafts.writes_rows:
+        return None
+    draft = drafts.draft_model
+    return {
+        "method": drafts.method,
+        "num_speculative_tokens": drafts.num_speculative_tokens,
+        "lookahead": drafts.lookahead,
+        # MTP layers in the target's checkpoint: named by the target's weights already
+        "weights": "target" if draft is None else weights_digest(model_dir(draft)),
+        "config": None if draft is None else _config_digest(draft),
+        "quantization": None if draft is None else str(getattr(draft, "quantization", None)),
+        "hf_overrides": None if draft is None else _overrides(getattr(draft, "hf_overrides", None)),
+    }
 
 
 def _samples(fd: int, begin: int, end: int) -> bytes:
@@ -144,16 +254,17 @@ def _overrides(overrides: Any) -> str:
     return json.dumps(overrides, sort_keys=True, default=str)
 
 
-def engine_identity(model_config: ModelConfig) -> dict[str, Any]:
-    """Everything besides the geometry that the cached bytes depend on, for the namespace.
-    Raises :class:`UnnamedWeights` where the weights cannot be named."""
+def engine_identity(model_config: ModelConfig, drafts: Drafts = NO_DRAFTS) -> dict[str, Any]:
+    """Everything besides the geometry that the cached bytes depend on, for the namespace:
+    with ``drafts`` that write cache rows, the draft too (:func:`draft_identity`). Raises
+    :class:`UnnamedWeights` where the weights cannot be named."""
     import vllm
     from vllm.platforms import current_platform
 
     directory = model_dir(model_config)
     snapshot = _SNAPSHOT.search(str(directory))
     capability = current_platform.get_device_capability()
-    return {
+    identity = {
         "weights": weights_digest(directory),
         "snapshot": snapshot.group(1) if snapshot else None,
         # the config as vLLM resolved it: quantization_config, rope and every
@@ -165,3 +276,7 @@ def engine_identity(model_config: ModelConfig) -> dict[str, Any]:
         "vllm": vllm.__version__,
         "device": [current_platform.device_type, None if capability is None else capability.to_int()],
     }
+    draft = draft_identity(drafts)
+    if draft is not None:  # absent otherwise: drafts-off namespaces stay what they were
+        identity["draft"] = draft
+    return identity

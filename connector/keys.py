@@ -17,6 +17,9 @@ Tokens are packed with ``array.array`` (one C loop over the list, then one byte 
 ``struct.pack`` of Python ints was most of the cost) and each chunk is hashed from a
 slice of that buffer; a chain already computed for a prefix is extended, never
 recomputed (:func:`extend_chunk_hashes`).
+
+With a drafter whose cache rows depend on the L tokens after their position (EAGLE, MTP:
+L = 1), each key also covers the L tokens after its chunk (:func:`lookahead_keys`).
 """
 
 from __future__ import annotations
@@ -121,6 +124,32 @@ def block_hash_keys(block_hashes: Sequence[bytes], chunk_size: int, span: int, s
     end = min(n_chunks, len(block_hashes) // per_chunk)
     grid = _GRID_TAG + chunk_size.to_bytes(4, "big")
     return [blake3(grid + block_hashes[(k + 1) * per_chunk - 1]).digest() for k in range(start, end)]
+
+
+_LOOKAHEAD_TAG = b"glm-cache-lookahead:"
+
+
+def lookahead_keys(plain: Sequence[bytes], token_ids: Sequence[int], chunk_size: int, lookahead: int,
+                   start: int, end: int) -> list[bytes]:
+    """The keys of chunks ``start`` up to ``end`` for a drafter with ``lookahead`` L > 0:
+    ``key'_j = blake3(b"glm-cache-lookahead:" || uint32_be(L) || key_j || tokens[(j+1)C :
+    (j+1)C+L] as big-endian uint32)``, where ``key_j`` is the chunk's key without drafts
+    (``plain[j]``, of either scheme).
+
+    A draft layer's row at position p is computed from token p + 1 (up to p + L): the
+    chunk's last rows depend on the first L tokens after it, which ``key_j`` (a hash of
+    the prefix up to the chunk's end) does not cover. Two prompts forking exactly at the
+    chunk's end have the same ``key_j`` but different rows; ``key'_j`` tells them apart.
+    ``token_ids`` must hold the L tokens after chunk ``end - 1``."""
+    need = end * chunk_size + lookahead
+    if len(token_ids) < need:
+        raise ValueError(f"the lookahead of chunk {end - 1} needs {need} tokens, got {len(token_ids)}")
+    tag = _LOOKAHEAD_TAG + lookahead.to_bytes(4, "big")
+    keys = []
+    for j in range(start, end):
+        after = (j + 1) * chunk_size
+        keys.append(blake3(tag + plain[j] + _pack_be_u32(token_ids[after:after + lookahead])).digest())
+    return keys
 
 
 def parent_of(hashes: list[bytes], k: int) -> bytes | None:
@@ -285,20 +314,49 @@ class ChunkKeys:
     """Chunk keys of requests, under one engine's :class:`KeyScheme`.
 
     A request's keys are one list, computed once and extended as the request grows; the
-    caller owns the list (one per request and chunk size)."""
+    caller owns the list (one per request and chunk size). With a drafter whose rows look
+    ``lookahead`` (L) tokens ahead, the keys are :func:`lookahead_keys` of the scheme's
+    keys (the caller keeps those in a second list, ``plain``), and a chunk has a key only
+    once the L tokens after it are known: a prompt ending exactly on a chunk's end gets
+    that chunk's key (and so saves it) when the first generated token is in. Every group
+    of a chunk uses the one key, KDA states included: their bytes hold no draft row, but
+    the server resumes a prefix at chunk j only with the attention of chunks 0..j found
+    under the same key chain, and the attention of chunk j needs the lookahead anyway."""
 
-    def __init__(self, scheme: KeyScheme, hash_span: int | None) -> None:
+    def __init__(self, scheme: KeyScheme, hash_span: int | None, lookahead: int = 0) -> None:
         self.scheme = scheme
         self.memo = ChunkMemo()
         self._hash_span = hash_span  # vLLM's block hash span, for the memo (None: no memo)
+        self.lookahead = lookahead
+
+    def known_chunks(self, request: Request, C: int) -> int:
+        """How many chunks of ``request`` can have a key now: its whole chunks, each
+        followed by ``lookahead`` known tokens."""
+        return max(0, (request.num_tokens - self.lookahead) // C)
 
     def extend(self, hashes: list[bytes], request: Request, C: int, n_chunks: int,
-               memo_only: bool = False) -> list[bytes]:
+               memo_only: bool = False, plain: list[bytes] | None = None) -> list[bytes]:
         """Extend ``hashes`` (the request's keys so far) to ``n_chunks`` keys where the
         request has the tokens; returns it. Token-chain chunks an earlier request already
         hashed (the previous turn of a conversation) come from the memo; ``memo_only``:
         nothing is hashed. With vLLM's block hashes, keys are read off
-        ``request.block_hashes`` as far as vLLM has hashed."""
+        ``request.block_hashes`` as far as vLLM has hashed. With a lookahead, ``plain`` is
+        the request's list of the scheme's own keys, extended here too."""
+        if not self.lookahead:
+            return self._extend_plain(hashes, request, C, n_chunks, memo_only)
+        if plain is None:
+            raise ValueError("chunk keys with a lookahead need the request's plain key list")
+        n = min(n_chunks, self.known_chunks(request, C))
+        if len(hashes) < n:
+            self._extend_plain(plain, request, C, n, memo_only)
+            end = min(n, len(plain))
+            if end > len(hashes):
+                tokens = request_tokens(request, end * C + self.lookahead)
+                hashes.extend(lookahead_keys(plain, tokens, C, self.lookahead, len(hashes), end))
+        return hashes
+
+    def _extend_plain(self, hashes: list[bytes], request: Request, C: int, n_chunks: int,
+                      memo_only: bool) -> list[bytes]:
         span = self.scheme.span
         if span is not None:
             hashes.extend(block_hash_keys(request.block_hashes, C, span, len(hashes), n_chunks))
@@ -313,7 +371,11 @@ class ChunkKeys:
         return hashes
 
     def adopt(self, hashes: list[bytes], request: Request, C: int, computed: list[bytes]) -> None:
-        """Take keys computed elsewhere (the lookup thread) for the same chain."""
+        """Take keys computed elsewhere (the lookup thread) for the same chain. The lookup
+        thread hashes plain token chains only: with a lookahead nothing is adopted (the
+        scheduler does not probe then)."""
+        if self.lookahead:
+            return
         if len(computed) > len(hashes):
             done = len(hashes)
             hashes.extend(computed[done:])

@@ -52,8 +52,10 @@ class RequestState:
     load_in_flight: bool = False  # a worker is writing a load into its blocks
     load_failed: bool = False  # vLLM recomputes it; offering the same hit again would loop
     finished: bool = False  # vLLM finished it while a load was in flight: kept for the report
-    # Chunk keys of the cacheable tokens so far, for chunk size ``keys_chunk_size``.
+    # Chunk keys of the cacheable tokens so far, for chunk size ``keys_chunk_size``; with a
+    # drafter's lookahead, ``plain_keys`` are the key scheme's own keys they derive from.
     keys: list[bytes] = field(default_factory=list)
+    plain_keys: list[bytes] = field(default_factory=list)
     keys_chunk_size: int = 0
     # Saves: from the first allocation on (``scheduled``).
     scheduled: bool = False
@@ -68,7 +70,7 @@ class RequestState:
         """The request's key list for ``chunk_size`` (a new server's chunk size starts a
         new list: keys of another grid name other prefixes)."""
         if self.keys_chunk_size != chunk_size:
-            self.keys, self.keys_chunk_size = [], chunk_size
+            self.keys, self.plain_keys, self.keys_chunk_size = [], [], chunk_size
         return self.keys
 
     def within_wait(self, wait_s: float) -> bool:

@@ -52,7 +52,8 @@ class SavePlanner:
 
     def cacheable_chunks(self, state: RequestState, computed: int) -> int:
         """Whole chunks of this request that may be saved once ``computed`` tokens exist
-        and have keys (vLLM hashes a block once it is full)."""
+        and have keys (vLLM hashes a block once it is full; with a drafter's lookahead, a
+        chunk has its key once the tokens after it are known)."""
         req = state.request
         limit = req.num_tokens if self._save_decode else req.num_prompt_tokens
         n = min(computed, limit) // self._geometry().chunk_size
@@ -116,6 +117,8 @@ class SavePlanner:
             return []  # the lookup started there and found the states present: nothing lost
         k = local // C
         keys = self._keys(state, k)
+        if len(keys) < k:
+            return []  # its key is not known yet (a drafter's lookahead past the prompt)
         moves = []
         for g in geo.state_groups:
             blk = blocks.blocks[g.vllm_group][local // g.block_size - 1]

@@ -17,6 +17,27 @@ N is vLLM's unified block) the replay boundary is the strict-prefix boundary. Wi
 run vLLM with ``--max-num-batched-tokens`` a multiple of C and
 ``--prefix-cache-retention-interval C`` (one state per chunk) or give the server
 ``--chunk-size N``; the connector warns otherwise.
+
+Speculative decoding with EAGLE/MTP (vLLM 0.32). vLLM's local prefix cache drops the last
+block of a hit for the drafter's groups (``single_type_kv_cache_manager.py:819``, after
+matching one block further, ``kv_cache_coordinator.py:857-882``): that block's last draft
+row was computed from the writer's next token, which its block hash does not cover
+(``kv_cache_coordinator.py:135-146``). The scheduler applies no such drop to our tokens
+(``sched/scheduler.py:978-1027`` takes them as returned), allocates blocks for the whole
+hit (``allocate_slots(..., num_external_computed_tokens)``, scheduler.py:1262; no
+lookahead slots during the async load, :1224) and hands them to
+:meth:`SchedulerSide.update_state_after_alloc` (:1289). None is needed: our chunk keys
+cover the token after each chunk (:func:`connector.keys.lookahead_keys`), which is what
+vLLM's drop buys locally. The drop moves vLLM's KDA snapshots one block back instead:
+a prompt's prefill checkpoint is ``N_b * floor(len / N_b) - N_b``
+(``kv_cache_interface.py:1110``, used at scheduler.py:476) and the retained replay
+boundaries are ``{N_b * floor((len-1)/N_b) - N_b, N_b * floor(len/N_b) - N_b}``
+(``kv_cache_coordinator.py:65``, Mamba groups told at :177). Those are the states we are
+offered and save, and a hit needs a state at its end, so with C == N_b a resend of an
+unaligned prompt resumes one chunk before the strict-prefix checkpoint and an aligned one
+at it; a state another request saved at the strict-prefix checkpoint is used there. The
+lookup is not capped below the strict prefix: with the lookahead in the keys every hit
+the server returns is valid for the drafter.
 """
 
 from __future__ import annotations
@@ -24,9 +45,15 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
-from connector.config import SchedulerBlockAligner, Settings, logger, require_recompute_on_load_failure
+from connector.config import (
+    SchedulerBlockAligner,
+    Settings,
+    logger,
+    refuse_decode_saves_with_draft_rows,
+    require_recompute_on_load_failure,
+)
 from connector.geometry import Geometry, strict_prefix_chunks
-from connector.identity import Unnameable, check_nameable, engine_identity
+from connector.identity import NO_DRAFTS, Unnameable, check_nameable, engine_identity
 from connector.keys import (
     ChunkKeys,
     choose_key_scheme,
@@ -79,13 +106,15 @@ class SchedulerSide:
         span = hash_block_size(vllm_config, kv_cache_config)
         scheme = choose_key_scheme(settings.chunk_keys, vllm_config, kv_cache_config,
                                    geometry.scheduler_block_size, logger)
-        self.keys = ChunkKeys(scheme, span)
         try:
-            check_nameable(vllm_config)
-            identity = engine_identity(vllm_config.model_config)
+            drafts = check_nameable(vllm_config)
+            identity = engine_identity(vllm_config.model_config, drafts)
         except Unnameable as e:  # what identity cannot name is not cached
             logger.error("GlmCacheConnector: %s; serving without the external cache", e)
-            identity = None
+            drafts, identity = NO_DRAFTS, None
+        refuse_decode_saves_with_draft_rows(settings, drafts.method, drafts.lookahead)
+        # a drafter's lookahead joins every chunk key (connector.keys.lookahead_keys)
+        self.keys = ChunkKeys(scheme, span, drafts.lookahead)
         # the model's cache-row format, the key scheme, the weights and the engine join the namespace
         self._fingerprint = engine_fingerprint(vllm_config, kv_cache_config, geometry, row_format,
                                                chunk_keys=scheme.identity, identity=identity)
@@ -171,7 +200,8 @@ class SchedulerSide:
         """The request's chunk keys, at least ``n_chunks`` of them where it has the tokens
         (``memo_only``: only what is known or in the memo, nothing hashed)."""
         C = self._geometry.chunk_size
-        return self.keys.extend(state.keys_for(C), state.request, C, n_chunks, memo_only)
+        keys = state.keys_for(C)
+        return self.keys.extend(keys, state.request, C, n_chunks, memo_only, plain=state.plain_keys)
 
     def request_keys(self, request: Request, n_chunks: int) -> list[bytes]:
         """``request``'s chunk keys (at least ``n_chunks`` where it has the tokens)."""
@@ -241,11 +271,17 @@ class SchedulerSide:
             max_chunks = strict_prefix_chunks(request.num_tokens, C)
         else:
             max_chunks = request.num_tokens // C
+        # Only chunks with a key: with a drafter's lookahead L, those followed by L known
+        # tokens. Under strict prefix with L = 1 that is every chunk asked about: the
+        # last one ends at C * floor((N-1)/C) <= N - 1, so the token after it is a
+        # prompt token (vLLM always computes the last one).
+        known = self.keys.known_chunks(request, C)
+        max_chunks = min(max_chunks, known)
         start_chunk = num_computed_tokens // C
         # Local hit already at the limit: still ask (without a lease) how deep the server
         # is, so a prefix the server lost can be saved again from vLLM's local blocks.
         want_load = max_chunks * C > num_computed_tokens
-        max_chunks = max(max_chunks, start_chunk)
+        max_chunks = min(max(max_chunks, start_chunk), known)
         if max_chunks == 0:
             return self._cold(state)
         start = start_chunk if want_load else 0
@@ -284,9 +320,11 @@ class SchedulerSide:
         """Send the request's question to the lookup thread."""
         request = state.request
         hashes = self._keys_of(state, max_chunks, memo_only=True)
-        if not hashes and start == 0 and want_load and max_chunks >= PROBE_MIN_CHUNKS:
+        if (not hashes and start == 0 and want_load and max_chunks >= PROBE_MIN_CHUNKS
+                and not self.keys.lookahead):
             # A prefix nobody here has seen: ask for its first chunk before hashing it
             # all (most such prompts are nowhere; a hit hashes the rest off this thread).
+            # Not with a drafter's lookahead: the lookup thread hashes plain chains only.
             C = self._geometry.chunk_size
             first = self._keys_of(state, 1)[:1]
             return self.remote.probe(self.namespace, first, request_tokens(request, max_chunks * C), C,

@@ -87,23 +87,35 @@ def test_weights_that_cannot_be_named_are_not_cached(tmp_path, server, monkeypat
         unnamed.shutdown()
 
 
-def test_speculative_decoding_is_not_cached_until_identity_names_the_draft(server):
-    """With drafts on (vLLM's native model takes --speculative-config; the plugin refuses
-    it), the MTP layer's rows at a chunk's end depend on the token after the chunk: the
-    engine serves without the external cache rather than share them under a partial name."""
+def test_drafts_are_cached_under_their_own_name_and_unnameable_drafters_are_refused(server):
+    """MTP's draft rows (in the attention objects) depend on the token after a chunk: an
+    engine with MTP drafts is cached under a namespace of its own (the identity names the
+    method, draft length and lookahead; the MTP layers are the target's weights), and its
+    keys cover that token. n-gram drafts write no cache rows: the drafts-off namespace and
+    keys. A drafter the identity cannot name (``custom_class``: any code; ``dflash``:
+    fill-in drafting) serves without the external cache rather than under a partial
+    name. (Keys and the rest: tests/test_connector_drafts.py.)"""
     import validation.sched_harness as harness
 
-    drafts = harness.scheduler_side(server.url, block=C,
-                                    speculative=SimpleNamespace(method="mtp", num_speculative_tokens=1))
+    made = []
+
+    def side(**kw):
+        made.append(harness.scheduler_side(server.url, block=C, **kw))
+        return made[-1]
+
     try:
-        assert not drafts.remote.usable() and drafts.namespace == ""
-    finally:
-        drafts.shutdown()
-    plain = harness.scheduler_side(server.url, block=C)
-    try:
+        plain = side()
+        mtp, ngram = side(speculative=harness.drafts("mtp", 1)), side(speculative=harness.drafts("ngram", 3))
         assert plain.remote.usable() and plain.namespace
+        assert mtp.remote.usable() and mtp.namespace not in ("", plain.namespace)
+        assert (plain.keys.lookahead, mtp.keys.lookahead, ngram.keys.lookahead) == (0, 1, 0)
+        assert ngram.remote.usable() and ngram.namespace == plain.namespace
+        for method in ("custom_class", "dflash"):
+            refused = side(speculative=harness.drafts(method, 2))
+            assert not refused.remote.usable() and refused.namespace == ""
     finally:
-        plain.shutdown()
+        for s in made:
+            s.shutdown()
 
 
 def _objects(url: str) -> int:

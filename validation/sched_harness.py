@@ -28,14 +28,16 @@ def weights_dir() -> Path:
 
 def scheduler_side(url: str, *, block: int = 256, tp: int = 1, timeout_s: float = 1.0,
                    retry_after_s: float = 1.0, hash_algo: str = "sha256", latent_rows: bool = False,
-                   chunk_keys: str = "auto", hash_block: int | None = None, speculative: Any = None):
+                   chunk_keys: str = "auto", hash_block: int | None = None, speculative: Any = None,
+                   save_decode: bool = False):
     """A :class:`connector.scheduler.SchedulerSide` for one state group and one attention
     group of ``block`` tokens, TP ``tp``, talking to the server at ``url``; ``hash_algo`` is
     vLLM's ``--prefix-caching-hash-algo``. ``latent_rows``: the attention group has the
     sparse-MLA plugin's shape (one K-only row per token, the same bytes on every rank), so
     it is stored once for all ranks, as GLM-5.3-Flash's is. ``chunk_keys``: the connector's
     setting of that name; ``hash_block``: the tokens per vLLM block hash (default ``block``);
-    ``speculative``: vLLM's ``speculative_config`` (None: drafts off)."""
+    ``speculative``: vLLM's ``speculative_config`` (None: drafts off; :func:`drafts` makes
+    one); ``save_decode``: the connector's setting of that name."""
     from vllm.v1 import kv_cache_interface as vkv
 
     from connector.config import Settings
@@ -64,7 +66,8 @@ def scheduler_side(url: str, *, block: int = 256, tp: int = 1, timeout_s: float 
     )
     kv.hash_block_size = hash_block or block  # what vLLM's engine core sets at start-up
     geo = resolve_geometry(vllm, kv)
-    settings = Settings(url=url, timeout_s=timeout_s, retry_after_s=retry_after_s, chunk_keys=chunk_keys)
+    settings = Settings(url=url, timeout_s=timeout_s, retry_after_s=retry_after_s, chunk_keys=chunk_keys,
+                        save_decode=save_decode)
     return SchedulerSide(vllm, kv, settings, geo, None)
 
 
@@ -79,3 +82,76 @@ def request(req_id: str, token_ids: list[int], salt: str | None = None, hash_blo
     if hash_block is not None:
         return vllm_hashed_request(req_id, token_ids, hash_block, salt)
     return Request(req_id, token_ids, SamplingParams(max_tokens=1), None, cache_salt=salt)
+
+
+def drafts(method: str, k: int = 1, draft_model: Path | None = None, **fields: Any) -> SimpleNamespace:
+    """vLLM's ``speculative_config`` as the connector reads it: ``method``,
+    ``num_speculative_tokens`` k and, for a separate draft, its model config (weights at
+    ``draft_model``); ``fields`` override the rest (``disable_eagle_block_drop``,
+    ``draft_model_config`` ...)."""
+    draft_config = None
+    if draft_model is not None:
+        draft_config = SimpleNamespace(model=str(draft_model), revision=None, quantization=None, hf_overrides=None,
+                                       hf_config=SimpleNamespace(to_dict=lambda: {"model_type": "draft"}))
+    return SimpleNamespace(**{"method": method, "num_speculative_tokens": k, "draft_model_config": draft_config,
+                              "disable_eagle_block_drop": False, **fields})
+
+
+class Blocks:
+    """vLLM's KV cache manager as the connector's scheduler side reads it (block ids per
+    request, the null block), handing out real ``KVCacheBlocks``: every request gets its
+    own block ids, ``n`` blocks in each of the harness's two groups (state 0, attention 1).
+    ``bind`` makes it the side's manager."""
+
+    def __init__(self) -> None:
+        from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+        self._block = KVCacheBlock
+        self.block_pool = SimpleNamespace(null_block=KVCacheBlock(0))
+        self.block_pool.null_block.is_null = True
+        self._tables: dict[str, tuple[list[Any], list[Any]]] = {}
+        self._next = 1
+
+    def bind(self, side: Any) -> Blocks:
+        side.kv_cache_manager = self
+        return self
+
+    def allocate(self, req_id: str, n: int) -> Any:
+        from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+
+        tables = self._tables.setdefault(req_id, ([], []))
+        for table in tables:
+            while len(table) < n:
+                table.append(self._block(self._next))
+                self._next += 1
+        return KVCacheBlocks((list(tables[0]), list(tables[1])))
+
+    def get_block_ids(self, req_id: str) -> tuple[list[int], ...]:
+        return tuple([b.block_id for b in table] for table in self._tables.get(req_id, ([], [])))
+
+
+def step(side: Any, scheduled: dict[str, tuple[int, int]],
+         offloads: dict[str, list[tuple[int, int, int]]] | None = None) -> Any:
+    """One scheduler step's plan: ``build_connector_meta`` for requests already scheduled
+    (``{req_id: (num_computed_tokens, num_scheduled_tokens)}``) with vLLM's boundary state
+    offloads (``{req_id: [(vllm_group, block_id, boundary_tokens)]}``)."""
+    ids = list(scheduled)
+    so = SimpleNamespace(
+        scheduled_new_reqs=[],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=ids, num_computed_tokens=[scheduled[r][0] for r in ids]),
+        num_scheduled_tokens={r: scheduled[r][1] for r in ids},
+        kv_connector_block_state=SimpleNamespace(boundary_state_offloads=offloads or {}),
+    )
+    return side.build_connector_meta(so)
+
+
+def store(url: str, namespace: str, moves: list[Any]) -> list[str]:
+    """Store what the worker side would for save ``moves`` (rank 0, a few bytes each, the
+    moves' parents and previous states): a stand-in for the worker's copy."""
+    from cache_server.client import CacheClient
+
+    if not moves:
+        return []
+    items = [(m.chunk_hash, m.group_id, 0, bytes([m.group_id + 1]) * 64) for m in moves]
+    with CacheClient(url) as c:
+        return c.put(namespace, items, prev=[m.prev for m in moves], parent=[m.parent for m in moves])
