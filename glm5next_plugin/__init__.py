@@ -49,8 +49,9 @@ import os
 logger = logging.getLogger("vllm.glm5next_plugin")
 
 ARCHITECTURES = ("Glm5NextForConditionalGeneration", "Glm5NextForCausalLM")
-# Model types of GLM-5.3-Flash configs (multimodal wrapper and flat text-only).
-MODEL_TYPES = ("glm5_next", "glm5_next_text")
+# Model types of GLM-5.3-Flash configs (multimodal wrapper and flat text-only) and of the
+# MTP draft config vLLM derives from either (glm5next_plugin.mtp).
+MODEL_TYPES = ("glm5_next", "glm5_next_text", "glm5_next_mtp")
 IMPL_ENV = "GLM5NEXT_IMPL"
 
 _registered_impl: str | None = None
@@ -108,11 +109,16 @@ def register() -> None:
         from vllm import ModelRegistry
 
         from .model import Glm5NextForCausalLM, Glm5NextForConditionalGeneration
+        from .mtp import MTP_ARCHITECTURE, Glm5NextMTPModel, install_config_override
 
         # The class itself, not a "module:Class" string: vLLM would inspect a string
         # in a subprocess at every start-up (~15 s on 2 cores).
         ModelRegistry.register_model("Glm5NextForConditionalGeneration", Glm5NextForConditionalGeneration)
         ModelRegistry.register_model("Glm5NextForCausalLM", Glm5NextForCausalLM)
+        # the MTP draft of both (--speculative-config '{"method":"mtp",...}'); the config
+        # rewrite also maps flat glm5_next_text checkpoints to it
+        ModelRegistry.register_model(MTP_ARCHITECTURE, Glm5NextMTPModel)
+        install_config_override()
         mark_not_mla()
     _registered_impl = impl
     logger.info(
@@ -141,8 +147,9 @@ def mark_not_mla() -> None:
     vLLM derives ``use_mla`` from a list of model types, not from the model class, and its
     CPU platform acts on it before the model exists: a 16-token block and, without AMX,
     prefix caching and chunked prefill switched off. The plugin's layers use no vLLM MLA
-    kernel, so the flag only does harm. The override is a convertor for these two model
-    types only, wrapping whatever convertor vLLM had for them; idempotent.
+    kernel, so the flag only does harm. The override is a convertor for these model types
+    only (the two config types and the MTP draft's), wrapping whatever convertor vLLM had
+    for them; idempotent.
     """
     from vllm.transformers_utils import model_arch_config_convertor as mac
 

@@ -13,9 +13,10 @@ MLP output once. Rank shards are cut from the full checkpoint tensors on load, s
 checkpoint serves every TP size (:mod:`glm5next_plugin.tp`).
 
 Not supported yet, and refused with a message rather than ignored: image/video inputs
-(the vision tower's tensors are skipped; the model registers as text-only), MTP heads,
+(the vision tower's tensors are skipped; the model registers as text-only),
 FP8/NVFP4 checkpoints, pipeline parallelism, ``"shared"`` indexer layers, TP sizes that do
-not divide the head counts and intermediate sizes.
+not divide the head counts and intermediate sizes. The MTP layer is not part of the target:
+it is the draft model of speculative method ``mtp`` (:mod:`glm5next_plugin.mtp`).
 ``Glm5NextForCausalLM`` (flat text-only checkpoints) maps names and runs the same modules;
 ``tie_word_embeddings=True`` shares ``lm_head`` with the embeddings, as transformers does.
 """
@@ -238,7 +239,7 @@ def load_by_name(
         raise ValueError(f"glm5next plugin: tensors missing from checkpoint: {missing}")
     if skipped["vision"] or skipped["mtp"]:
         logger.info(
-            "glm5next plugin: skipped %d vision-tower and %d MTP tensors (text-only, no MTP)",
+            "glm5next plugin: skipped %d vision-tower and %d MTP tensors (text-only; the MTP draft loads its own)",
             skipped["vision"],
             skipped["mtp"],
         )
