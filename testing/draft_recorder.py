@@ -35,13 +35,14 @@ class DraftRecorder(Scheduler):
         if self._log is None:
             return out
         lines = []
-        for req_id in out.num_scheduled_tokens:
+        for req_id, n in out.num_scheduled_tokens.items():
             req = self.requests[req_id]
-            if req.num_computed_tokens < req.num_prompt_tokens:  # a prompt chunk: no drafts to verify
-                continue
+            computed = req.num_computed_tokens - n  # schedule() has already advanced it by n
             drafts = list(out.scheduled_spec_decode_tokens.get(req_id, ()))
+            if computed + n - len(drafts) <= req.num_prompt_tokens - 1 and not drafts:
+                continue  # a prompt chunk before the last prompt token: nothing drafted or sampled
             lines.append(json.dumps({"prompt_len": req.num_prompt_tokens, "salt": req.cache_salt,
-                                     "computed": req.num_computed_tokens, "drafts": drafts}) + "\n")
+                                     "computed": computed, "drafts": drafts}) + "\n")
         if lines:
             with self._log.open("a") as f:
                 f.writelines(lines)

@@ -40,6 +40,7 @@ def test_register_is_idempotent_and_registers_the_plugin_class_on_cpu(monkeypatc
     from vllm import ModelRegistry
 
     from glm5next_plugin.model import Glm5NextForCausalLM, Glm5NextForConditionalGeneration
+    from glm5next_plugin.mtp import Glm5NextMTPModel
 
     monkeypatch.delenv("GLM5NEXT_IMPL", raising=False)
     monkeypatch.setattr(glm5next_plugin, "_registered_impl", None)
@@ -51,6 +52,7 @@ def test_register_is_idempotent_and_registers_the_plugin_class_on_cpu(monkeypatc
     assert calls == [
         ("Glm5NextForConditionalGeneration", Glm5NextForConditionalGeneration),
         ("Glm5NextForCausalLM", Glm5NextForCausalLM),
+        ("Glm5NextMTPModel", Glm5NextMTPModel),
     ]
     assert ModelRegistry._try_load_model_cls("Glm5NextForConditionalGeneration") is Glm5NextForConditionalGeneration
     assert ModelRegistry._try_load_model_cls("Glm5NextForCausalLM") is Glm5NextForCausalLM
@@ -127,7 +129,7 @@ def test_model_declares_hybrid_state_and_prefix_caching_support():
     assert M.supports_mamba_prefix_caching is True
 
 
-def test_mtp_parallelism_and_shared_indexers_are_refused_by_name(tmp_path):
+def test_parallelism_and_shared_indexers_are_refused_by_name_and_drafts_are_not(tmp_path):
     from transformers import AutoConfig
 
     from glm5next_plugin import tiny_checkpoint
@@ -137,8 +139,8 @@ def test_mtp_parallelism_and_shared_indexers_are_refused_by_name(tmp_path):
     cfg = AutoConfig.from_pretrained(ckpt)
     single = SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1)
     check_supported(cfg, SimpleNamespace(speculative_config=None, parallel_config=single))
-    with pytest.raises(NotImplementedError, match="MTP"):
-        check_supported(cfg, SimpleNamespace(speculative_config=object(), parallel_config=single))
+    # speculative decoding (MTP, ngram) runs: tests/test_plugin_spec_decode.py, test_plugin_mtp.py
+    check_supported(cfg, SimpleNamespace(speculative_config=object(), parallel_config=single))
     tp2 = SimpleNamespace(tensor_parallel_size=2, pipeline_parallel_size=1)
     check_supported(cfg, SimpleNamespace(speculative_config=None, parallel_config=tp2))  # TP 2 runs
     pp2 = SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=2)
