@@ -118,10 +118,20 @@ def _is_target(draft: Any, target: Any) -> bool:
 def check_nameable(vllm_config: Any) -> Drafts:
     """What speculative decoding puts into the cached bytes (:class:`Drafts`); raises
     :class:`Unnameable` for what the namespace cannot name: the methods listed above as
-    refused, a hidden-state drafter with a separate model that has no config, and EAGLE/MTP
+    refused, a hidden-state drafter with a separate model that has no config, EAGLE/MTP
     with ``disable_eagle_block_drop`` (vLLM's local hits then keep blocks whose last draft
     row came from another continuation, and the connector would save those rows under keys
-    that claim this request's next token)."""
+    that claim this request's next token), and a lookahead drafter on vLLM's padded drafter
+    batch (its default). There, for a request whose prompt is still being prefilled, the
+    drafter's input at the step's last position is the request's last known token
+    (``prepare_next_token_ids_padded``: ``get_token_id(num_tokens_no_spec - 1)``, the
+    prompt's last token), not the token after the step, so the draft row at every partial
+    prefill's end depends on how the prompt that computed it ends. Measured on the tiny
+    checkpoint: two prompts equal for 2 chunks stored different MTP rows at position 127
+    (up to 2.8 apart), and a prompt resumed from the other's chunk drafted differently from
+    its cold run at step 54 of 64. ``disable_padded_drafter_batch`` takes vLLM's other path
+    (``prepare_next_token_ids_cpu``: the next prompt token), whose rows the lookahead key
+    names; SGLang fixed the same defect in its EAGLE worker (sgl-project/sglang#26329)."""
     spec = getattr(vllm_config, "speculative_config", None)
     if spec is None:
         return NO_DRAFTS
@@ -136,6 +146,12 @@ def check_nameable(vllm_config: Any) -> Drafts:
     if method != "draft_model" and getattr(spec, "disable_eagle_block_drop", False):
         raise Unnameable(f"speculative decoding ({method}) with disable_eagle_block_drop: vLLM's local prefix "
                          "hits keep draft rows computed from another continuation")
+    if not getattr(spec, "disable_padded_drafter_batch", False):
+        raise Unnameable(
+            f"speculative decoding ({method}) with vLLM's padded drafter batch: the draft row at the end of "
+            "each partial prefill step is computed from the prompt's last token, not the next one "
+            "(prepare_next_token_ids_padded's backup token), so a chunk's rows depend on the rest of the "
+            "prompt that computed them; add \"disable_padded_drafter_batch\": true to --speculative-config")
     draft = getattr(spec, "draft_model_config", None)
     target = getattr(vllm_config, "model_config", None)
     if method == "mtp":

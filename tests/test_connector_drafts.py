@@ -220,7 +220,10 @@ def test_namespaces_differ_across_draft_method_length_lookahead_and_weights(side
     drafts("extract_hidden_states", 1),
     drafts("mtp", 1, disable_eagle_block_drop=True),
     drafts("eagle", 2),  # a separate draft without a model config: its weights cannot be named
-], ids=["custom_class", "dflash", "extract_hidden_states", "mtp-no-block-drop", "eagle-unnamed"])
+    # vLLM's default drafter batch: a partial prefill's last draft row comes from the prompt's
+    # last token (tests/test_connector_drafts_e2e.py measures what that does to a fork)
+    drafts("mtp", 2, disable_padded_drafter_batch=False),
+], ids=["custom_class", "dflash", "extract_hidden_states", "mtp-no-block-drop", "eagle-unnamed", "mtp-padded-batch"])
 def test_drafters_identity_cannot_name_serve_without_the_cache(sides, spec):
     side = sides(speculative=spec)
     assert not side.remote.usable() and side.namespace == ""

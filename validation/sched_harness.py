@@ -88,13 +88,14 @@ def drafts(method: str, k: int = 1, draft_model: Path | None = None, **fields: A
     """vLLM's ``speculative_config`` as the connector reads it: ``method``,
     ``num_speculative_tokens`` k and, for a separate draft, its model config (weights at
     ``draft_model``); ``fields`` override the rest (``disable_eagle_block_drop``,
-    ``draft_model_config`` ...)."""
+    ``draft_model_config`` ...). ``disable_padded_drafter_batch`` is True by default: the
+    setting under which the connector caches lookahead drafters (connector.identity)."""
     draft_config = None
     if draft_model is not None:
         draft_config = SimpleNamespace(model=str(draft_model), revision=None, quantization=None, hf_overrides=None,
                                        hf_config=SimpleNamespace(to_dict=lambda: {"model_type": "draft"}))
     return SimpleNamespace(**{"method": method, "num_speculative_tokens": k, "draft_model_config": draft_config,
-                              "disable_eagle_block_drop": False, **fields})
+                              "disable_eagle_block_drop": False, "disable_padded_drafter_batch": True, **fields})
 
 
 class Blocks:
