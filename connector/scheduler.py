@@ -113,6 +113,11 @@ class SchedulerSide:
             logger.error("GlmCacheConnector: %s; serving without the external cache", e)
             drafts, identity = NO_DRAFTS, None
         refuse_decode_saves_with_draft_rows(settings, drafts.method, drafts.lookahead)
+        if drafts.method is not None:
+            logger.info("GlmCacheConnector: %s drafts (k=%d) %s", drafts.method, drafts.num_speculative_tokens,
+                        f"cached: chunk keys cover the {drafts.lookahead} token(s) after each chunk, the draft "
+                        "is in the namespace" if drafts.lookahead else "write no cache rows: keys and namespace "
+                        "as without drafts")
         # a drafter's lookahead joins every chunk key (connector.keys.lookahead_keys)
         self.keys = ChunkKeys(scheme, span, drafts.lookahead)
         # the model's cache-row format, the key scheme, the weights and the engine join the namespace

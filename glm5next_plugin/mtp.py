@@ -259,8 +259,16 @@ def hf_config_override(hf_config, *args, **kwargs):
     rewrite unchanged. A module-level function: vLLM pickles the draft config's overrides to
     its engine process.
     """
+    model_type = getattr(hf_config, "model_type", None)
+    if model_type in ("glm5_next", FLAT_MODEL_TYPE):
+        text = getattr(hf_config, "text_config", None) or hf_config
+        if num_mtp_layers(text) == 0:
+            raise ValueError(
+                "glm5next plugin: --speculative-config method 'mtp' drafts with the checkpoint's MTP layer, and this "
+                "checkpoint has none (num_nextn_predict_layers is 0 or absent); use method 'ngram', or regenerate a "
+                "tiny checkpoint (glm5next-tiny writes one MTP layer)")
     plain = not args and kwargs.get("transformers_mtp_overrides") is None
-    if plain and getattr(hf_config, "model_type", None) == FLAT_MODEL_TYPE:
+    if plain and model_type == FLAT_MODEL_TYPE:
         hf_config.model_type = MTP_MODEL_TYPE
         hf_config.update(
             {

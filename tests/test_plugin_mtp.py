@@ -289,6 +289,11 @@ def test_draft_config_of_nested_and_flat_checkpoints_is_the_plugin_mtp_class(ckp
     ds = DeepseekV3Config(kv_lora_rank=32, q_lora_rank=32, num_nextn_predict_layers=1)
     ds.architectures = ["DeepseekV3ForCausalLM"]
     assert SpeculativeConfig.hf_config_override(ds).architectures == ["DeepSeekMTPModel"]
+    # a checkpoint without its MTP layer: refused by name, not vLLM's AttributeError
+    bare = AutoConfig.from_pretrained(ckpt)
+    del bare.text_config.num_nextn_predict_layers
+    with pytest.raises(ValueError, match="this checkpoint has none"):
+        SpeculativeConfig.hf_config_override(bare)
     # without the plugin's rewrite vLLM 0.32 refuses method mtp on a flat checkpoint
     monkeypatch.setattr(SpeculativeConfig, "hf_config_override", staticmethod(mtp._vllm_override()))
     with pytest.raises(NotImplementedError, match="Unsupported speculative method"):

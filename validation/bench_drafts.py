@@ -3,7 +3,8 @@ off and on, cold and reloaded, side by side in one run.
 
     PYTHONPATH=$PWD python validation/bench_drafts.py [--prompt 1000] [--tokens 64] [--prompts 3]
 
-For each configuration (drafts off; MTP drafts, ``num_speculative_tokens`` 2; ngram drafts,
+For each configuration (drafts off; MTP drafts, ``num_speculative_tokens`` 2 with
+``disable_padded_drafter_batch``, which the connector needs to cache MTP rows; ngram drafts,
 2) this starts a real ``glm-cache-server`` and ``vllm serve`` on the tiny GLM-5.3-Flash
 (float32, a 128-token block and chunk) with ``GlmCacheConnector``, then for each prompt
 (random token ids, so ngram finds few matches): a cold request (a fresh ``cache_salt``,
@@ -39,7 +40,8 @@ from validation.serving import VllmServer, complete, connector_config  # noqa: E
 C = 128
 CONFIGS = {
     "off": None,
-    "mtp k=2": {"method": "mtp", "num_speculative_tokens": 2},
+    # the connector caches MTP rows only off vLLM's padded drafter batch (connector.identity)
+    "mtp k=2": {"method": "mtp", "num_speculative_tokens": 2, "disable_padded_drafter_batch": True},
     "ngram k=2": {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1, "prompt_lookup_max": 3},
 }
 
