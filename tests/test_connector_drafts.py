@@ -23,24 +23,11 @@ from connector.identity import check_nameable, draft_identity
 from connector.keys import chunk_hashes
 from testing.vllm_keys import vllm_chunk_keys
 from validation import sched_harness as harness
-from validation.sched_harness import Blocks, drafts, request, scheduler_side, step, store
+from validation.sched_harness import Blocks, drafts, request, step, store
 
 C = 256  # the shared server fixture's minimum chunk (conftest.py)
 SCHEMES = ("lmcache", "vllm")  # the token chain, vLLM's block hashes
 
-
-@pytest.fixture()
-def sides(server):
-    made = []
-
-    def make(**kw):
-        s = scheduler_side(server.url, block=C, **kw)
-        made.append(s)
-        return s
-
-    yield make
-    for s in made:
-        s.shutdown()
 
 
 def _req(req_id, tokens, salt, scheme):

@@ -13,24 +13,11 @@ import pytest
 from cache_server.client import CacheClient
 from connector.keys import chunk_hashes
 from testing.vllm_keys import vllm_chunk_keys
-from validation.sched_harness import request, scheduler_side
+from validation.sched_harness import request
 
 C = 256  # the shared server fixture's minimum chunk (conftest.py)
 PROMPT = list(range(16, 1016))  # 1000 tokens: strict prefix 3 chunks (768)
 
-
-@pytest.fixture()
-def sides(server):
-    made = []
-
-    def make(**kw):
-        s = scheduler_side(server.url, block=C, **kw)
-        made.append(s)
-        return s
-
-    yield make
-    for s in made:
-        s.shutdown()
 
 
 def _answer(side, req):

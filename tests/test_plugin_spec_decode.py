@@ -29,7 +29,7 @@ def _layer(seed: int = 0) -> KDAStateLayer:
     cfg = SimpleNamespace(linear_num_heads=H, linear_head_dim=D, hidden_size=32, linear_conv_kernel_dim=W,
                           linear_lower_bound=-5.0, rms_norm_eps=1e-6)
     torch.manual_seed(seed)
-    layer = KDAStateLayer(cfg, None, "probe", tp=TP1).float()
+    layer = KDAStateLayer(cfg, None, "probe", tp=TP1).float().requires_grad_(False)
     with torch.no_grad():
         for p in layer.parameters():
             p.normal_(0.0, 0.3)
