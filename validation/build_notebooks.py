@@ -150,6 +150,81 @@ assert all(c.cached_tokens == 0 for c in cold), "a cold run was served from a ca
 assert all(0 < h <= strict_hit(r.prompt_tokens) for h, r in zip(hits, reloaded)), "hit outside the strict prefix"
 assert exact_tokens == len(cold) and exact_lp == len(cold), "a reloaded output differs from cold"
 '''),
+    ("markdown", """\
+## Drafts on: MTP speculative decoding
+
+The same 16 prompts on a second engine sharing the server, with the checkpoint's MTP layer
+drafting two tokens a step (`--speculative-config` with `disable_padded_drafter_batch`,
+which the connector needs to cache draft rows). Its namespace names the draft, so it shares
+no object with the engine above. Draft rows are cached with the attention; chunk keys cover
+the token after each chunk. Rejection sampling keeps greedy output the target's, so the
+check is the same: cold vs reloaded first-token log-prob and tokens, plus vLLM's acceptance
+counters for both phases (the tiny checkpoint's MTP layer is derived from its last layer,
+so few drafts are accepted; `validation/bench_drafts.py` compares speeds). Hits can be a
+chunk shorter than drafts off: this engine sets no `--prefix-cache-retention-interval`, and
+with drafts vLLM keeps a prompt's KDA snapshots one block earlier (its EAGLE block drop)."""),
+    ("code", '''\
+MTP = {"method": "mtp", "num_speculative_tokens": 2, "disable_padded_drafter_batch": True}
+drafts_engine = VllmServer(CKPT, "--enforce-eager", "--max-num-batched-tokens", "2048",
+                           "--speculative-config", json.dumps(MTP),
+                           kv_transfer_config=connector_config(server.url)).start(progress=False)
+print(next(("GlmCacheConnector: " + l.split("GlmCacheConnector: ", 1)[1] for l in drafts_engine.log().splitlines()
+            if "GlmCacheConnector: " in l and "drafts (k=" in l), "(the connector's drafts line is not in the log)"))
+
+def spec_counters(url):
+    import urllib.request
+    text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
+    value = lambda name: sum(float(v) for v in re.findall(rf"^{name}(?:{{[^}}]*}})? (\\S+)$", text, re.M))
+    return value("vllm:spec_decode_num_drafts_total"), value("vllm:spec_decode_num_accepted_tokens_total")
+
+def acceptance_length(before, after):
+    drafts, accepted = after[0] - before[0], after[1] - before[1]
+    return 1 + accepted / drafts if drafts else float("nan")
+
+c0 = spec_counters(drafts_engine.base_url)
+cold_d = [chat(drafts_engine.base_url, p, max_tokens=16, cache_salt=f"cold-{uuid.uuid4().hex}") for p in prompts]
+c1 = spec_counters(drafts_engine.base_url)
+salt_d = f"qa-drafts-{uuid.uuid4().hex[:8]}"
+for p in prompts:
+    chat(drafts_engine.base_url, p, max_tokens=16, cache_salt=salt_d)  # computed and stored
+reloaded_d = []
+c2 = spec_counters(drafts_engine.base_url)
+for p in prompts:
+    for _ in range(20):
+        if drafts_engine.reset_prefix_cache():
+            break
+        time.sleep(0.2)
+    reloaded_d.append(chat(drafts_engine.base_url, p, max_tokens=16, cache_salt=salt_d))
+c3 = spec_counters(drafts_engine.base_url)
+cold_d_lp = np.array([c.token_logprobs[0] for c in cold_d])
+rel_d_lp = np.array([r.token_logprobs[0] for r in reloaded_d])
+table(["", "drafts off", "MTP drafts"],
+      [("first-token log-prob exactly equal, cold vs reloaded", f"{exact_lp}/{len(cold)}",
+        f"{int(np.sum(cold_d_lp == rel_d_lp))}/{len(cold_d)}"),
+       ("generated tokens exactly equal, cold vs reloaded", f"{exact_tokens}/{len(cold)}",
+        f"{sum(c.text == r.text for c, r in zip(cold_d, reloaded_d))}/{len(cold_d)}"),
+       ("same tokens as drafts off (cold)", "-", f"{sum(c.text == d.text for c, d in zip(cold, cold_d))}/{len(cold)}"),
+       ("reloaded hit tokens (mean)", f"{np.mean(hits):.0f}", f"{np.mean([r.cached_tokens for r in reloaded_d]):.0f}"),
+       ("mean acceptance length, cold / reloaded", "-",
+        f"{acceptance_length(c0, c1):.3f} / {acceptance_length(c2, c3):.3f}")])
+
+fig, ax = plt.subplots(figsize=(7, 3.5))
+ax.scatter(cold_lp, rel_lp, marker="o", label="drafts off")
+ax.scatter(cold_d_lp, rel_d_lp, marker="x", s=60, label="MTP drafts")
+lo, hi = min(cold_lp.min(), cold_d_lp.min()) - 0.05, max(cold_lp.max(), cold_d_lp.max()) + 0.05
+ax.plot([lo, hi], [lo, hi], color="grey", linewidth=0.8)
+ax.set_xlabel("cold first-token log-prob")
+ax.set_ylabel("reloaded first-token log-prob")
+ax.set_title("Cold vs reloaded, drafts off and on (on the diagonal: equal)")
+ax.legend()
+plt.tight_layout()
+plt.show()
+assert all(c.cached_tokens == 0 for c in cold_d), "a cold run was served from a cache"
+assert all(0 < r.cached_tokens <= strict_hit(r.prompt_tokens) for r in reloaded_d), "hit outside the strict prefix"
+assert all(c.text == r.text for c, r in zip(cold_d, reloaded_d)), "a reloaded output with drafts differs from cold"
+assert np.array_equal(cold_d_lp, rel_d_lp), "a reloaded first-token log-prob with drafts differs from cold"
+drafts_engine.stop()
+'''),
     ("code", TEARDOWN),
 ]
 
