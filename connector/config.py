@@ -131,6 +131,11 @@ class Settings:
         "where chunk keys come from: `vllm` (vLLM's own block hashes at chunk ends), `lmcache` (a blake3 "
         "chain over token ids), or `auto` (`vllm` where the engine's block hashes can be shared keys, "
         "else `lmcache`)")
+    trust_media_ids: bool = setting(
+        "trust_media_ids", False, flag,
+        "image requests: `false` names each image by its processed pixels (a client's "
+        "`multi_modal_uuids` entry never reaches another client's KV); `true` keys images by vLLM's "
+        "identifiers as they are (client-supplied ids verbatim), for fleets whose clients are trusted")
     auth_token_file: str | None = setting(
         "auth_token_file", None, _optional_path,
         "file holding the server's `--auth-token-file` token, read once at start-up; an unusable file, "

@@ -20,6 +20,8 @@ recomputed (:func:`extend_chunk_hashes`).
 
 With a drafter whose cache rows depend on the L tokens after their position (EAGLE, MTP:
 L = 1), each key also covers the L tokens after its chunk (:func:`lookahead_keys`).
+Under vLLM's block hashes, image requests are cached too: the keys of the chunks an image
+reaches also name its processed pixels (:mod:`connector.media`).
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from blake3 import blake3
+
+from connector.media import media_keys
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -157,14 +161,16 @@ def parent_of(hashes: list[bytes], k: int) -> bytes | None:
     return hashes[k - 1] if k > 0 else None
 
 
-def uncacheable_reason(request: Any) -> str | None:
+def uncacheable_reason(request: Any, keys_name_media: bool = False) -> str | None:
     """Why a request's KV must not be shared through the cache, or None.
 
-    Images/video (placeholder tokens whose KV depends on the pixels), LoRA adapters
-    (other weights) and prompt embeddings (no token ids at all) are not named by every
-    key scheme, and would let different requests share a key, so such requests are not
-    cached (fail closed) rather than keyed by something partial."""
-    if getattr(request, "mm_features", None):
+    Images/video are placeholder tokens whose KV depends on the pixels: cached only where
+    the keys name them (``keys_name_media``: vLLM's block hashes, which carry each item's
+    identifier and offset, see :mod:`connector.media`), not under the token chain. LoRA
+    adapters (other weights, which vLLM's key names by adapter name and path only) and
+    prompt embeddings (no token ids; the plugin has neither) are not cached: fail closed
+    rather than keyed by something partial."""
+    if getattr(request, "mm_features", None) and not keys_name_media:
         return "multimodal inputs"
     if getattr(request, "lora_request", None) is not None:
         return "a LoRA adapter"
@@ -335,20 +341,23 @@ class ChunkKeys:
         return max(0, (request.num_tokens - self.lookahead) // C)
 
     def extend(self, hashes: list[bytes], request: Request, C: int, n_chunks: int,
-               memo_only: bool = False, plain: list[bytes] | None = None) -> list[bytes]:
+               memo_only: bool = False, plain: list[bytes] | None = None,
+               media: Sequence[tuple[int, bytes]] | None = None) -> list[bytes]:
         """Extend ``hashes`` (the request's keys so far) to ``n_chunks`` keys where the
         request has the tokens; returns it. Token-chain chunks an earlier request already
         hashed (the previous turn of a conversation) come from the memo; ``memo_only``:
         nothing is hashed. With vLLM's block hashes, keys are read off
-        ``request.block_hashes`` as far as vLLM has hashed. With a lookahead, ``plain`` is
-        the request's list of the scheme's own keys, extended here too."""
+        ``request.block_hashes`` as far as vLLM has hashed, with ``media`` (the request's
+        ``(offset, digest)`` items, :func:`connector.media.request_media`) mixed into the
+        chunks they reach. With a lookahead, ``plain`` is the request's list of the
+        scheme's own keys, extended here too."""
         if not self.lookahead:
-            return self._extend_plain(hashes, request, C, n_chunks, memo_only)
+            return self._extend_plain(hashes, request, C, n_chunks, memo_only, media)
         if plain is None:
             raise ValueError("chunk keys with a lookahead need the request's plain key list")
         n = min(n_chunks, self.known_chunks(request, C))
         if len(hashes) < n:
-            self._extend_plain(plain, request, C, n, memo_only)
+            self._extend_plain(plain, request, C, n, memo_only, media)
             end = min(n, len(plain))
             if end > len(hashes):
                 tokens = request_tokens(request, end * C + self.lookahead)
@@ -356,10 +365,11 @@ class ChunkKeys:
         return hashes
 
     def _extend_plain(self, hashes: list[bytes], request: Request, C: int, n_chunks: int,
-                      memo_only: bool) -> list[bytes]:
+                      memo_only: bool, media: Sequence[tuple[int, bytes]] | None = None) -> list[bytes]:
         span = self.scheme.span
         if span is not None:
-            hashes.extend(block_hash_keys(request.block_hashes, C, span, len(hashes), n_chunks))
+            new = block_hash_keys(request.block_hashes, C, span, len(hashes), n_chunks)
+            hashes.extend(media_keys(new, media, C, len(hashes)) if media else new)
             return hashes
         if len(hashes) < n_chunks:
             done = len(hashes)

@@ -57,6 +57,10 @@ class RequestState:
     keys: list[bytes] = field(default_factory=list)
     plain_keys: list[bytes] = field(default_factory=list)
     keys_chunk_size: int = 0
+    # Images: (first placeholder, digest) of each item, mixed into the keys of the chunks
+    # they reach (connector.media); None until named (or for a text request), [] where the
+    # keys are vLLM's block hashes as they are (trust_media_ids).
+    media: list[tuple[int, bytes]] | None = None
     # Saves: from the first allocation on (``scheduled``).
     scheduled: bool = False
     saved_chunks: int = 0  # attention chunks [0, saved_chunks) are saved or on the server

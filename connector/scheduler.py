@@ -62,6 +62,7 @@ from connector.keys import (
     request_tokens,
     uncacheable_reason,
 )
+from connector.media import MediaUnnamed, media_identity, request_media
 from connector.metadata import GlmConnectorMetadata, GlmWorkerMeta, LoadJob, ObjectMove
 from connector.remote import LookupAnswer, RemoteCache
 from connector.requests import Hit, Lookup, Requests, RequestState
@@ -112,6 +113,10 @@ class SchedulerSide:
         except Unnameable as e:  # what identity cannot name is not cached
             logger.error("GlmCacheConnector: %s; serving without the external cache", e)
             drafts, identity = NO_DRAFTS, None
+        self._trust_media_ids = settings.trust_media_ids
+        media = media_identity(vllm_config.model_config, settings.trust_media_ids)
+        if media is not None and identity is not None:  # a multimodal model: the processor's settings too
+            identity["media"] = media
         refuse_decode_saves_with_draft_rows(settings, drafts.method, drafts.lookahead)
         if drafts.method is not None:
             logger.info("GlmCacheConnector: %s drafts (k=%d) %s", drafts.method, drafts.num_speculative_tokens,
@@ -206,22 +211,32 @@ class SchedulerSide:
         (``memo_only``: only what is known or in the memo, nothing hashed)."""
         C = self._geometry.chunk_size
         keys = state.keys_for(C)
-        return self.keys.extend(keys, state.request, C, n_chunks, memo_only, plain=state.plain_keys)
+        return self.keys.extend(keys, state.request, C, n_chunks, memo_only, plain=state.plain_keys,
+                                media=state.media)
 
     def request_keys(self, request: Request, n_chunks: int) -> list[bytes]:
         """``request``'s chunk keys (at least ``n_chunks`` where it has the tokens)."""
         return self._keys_of(self._requests.of(request), n_chunks)
 
-    def _skip_uncacheable(self, request: Request) -> bool:
-        """True for requests whose keys would not capture their inputs (logged once per kind)."""
-        reason = uncacheable_reason(request)
+    def _skip_uncacheable(self, state: RequestState) -> bool:
+        """True for requests whose keys would not capture their inputs (logged once per
+        kind). Names a request's images on first sight (:mod:`connector.media`)."""
+        request = state.request
+        reason = uncacheable_reason(request, keys_name_media=self.keys.scheme.span is not None)
+        if reason is None and state.media is None and getattr(request, "mm_features", None):
+            try:  # trusted ids: vLLM's block hashes name the images as they are
+                state.media = [] if self._trust_media_ids else request_media(request)
+            except MediaUnnamed as e:
+                reason = f"multimodal inputs whose pixels cannot be named ({e})"
         if reason is None:
             return False
         if reason not in self._logged_uncacheable:
             self._logged_uncacheable.add(reason)
             logger.info(
-                "GlmCacheConnector: requests with %s are not looked up or saved (keys hash token ids "
-                "only); first: %s", reason, request.request_id,
+                "GlmCacheConnector: requests with %s are not looked up or saved (%s); first: %s", reason,
+                "chunk_keys lmcache hashes token ids only, which name no image; chunk_keys vllm caches them"
+                if reason == "multimodal inputs" else "their keys would not name everything their KV depends on",
+                request.request_id,
             )
         return True
 
@@ -269,7 +284,7 @@ class SchedulerSide:
         if not ready or not self.remote.usable():
             return self._cold(state)
         self._warn_if_request_asks_for_non_strict(request)
-        if self._skip_uncacheable(request):
+        if self._skip_uncacheable(state):
             return self._cold(state)
         C = self._geometry.chunk_size
         if self._strict_prefix:
@@ -386,7 +401,7 @@ class SchedulerSide:
         state = self._requests.of(request)
         if state.lookup is not None and state.lookup.answered_at is not None:
             state.lookup = None  # used: its lease is the load's (or dropped below)
-        if self._skip_uncacheable(request):
+        if self._skip_uncacheable(state):
             return  # never tracked: nothing of it is saved
         state.scheduled = True
         hit, state.hit = state.hit, None

@@ -9,7 +9,7 @@ from connector.keys import block_hash_keys
 
 
 def vllm_hashed_request(req_id: str, token_ids: Sequence[int], span: int, cache_salt: str | None = None,
-                        algo: str = "sha256", max_tokens: int = 1):
+                        algo: str = "sha256", max_tokens: int = 1, mm_features: list | None = None):
     """A ``vllm.v1.request.Request`` whose ``block_hashes`` vLLM's own block hasher computed
     on construction, every ``span`` tokens with ``algo``, as vLLM's engine does when a
     request arrives (under the same seed: PYTHONHASHSEED, if the engine had one)."""
@@ -21,7 +21,7 @@ def vllm_hashed_request(req_id: str, token_ids: Sequence[int], span: int, cache_
     fn = get_hash_fn_by_name(algo)
     init_none_hash(fn)
     return Request(req_id, list(token_ids), SamplingParams(max_tokens=max_tokens), None, cache_salt=cache_salt,
-                   block_hasher=get_request_block_hasher(span, fn))
+                   block_hasher=get_request_block_hasher(span, fn), mm_features=mm_features)
 
 
 def vllm_chunk_keys(token_ids: Sequence[int], chunk_size: int, span: int,

@@ -1,5 +1,7 @@
-"""Which requests the cache may serve: keys hash token ids (and the salt) only, so requests
-whose KV depends on anything else are neither looked up nor saved (fail closed)."""
+"""Which requests the cache may serve: those whose keys name everything their KV depends on.
+Token-chain keys hash token ids (and the salt) only; vLLM's block hashes also name images
+(tests/test_connector_media.py). LoRA adapters and prompt embeddings are never cached
+(fail closed)."""
 
 from __future__ import annotations
 
@@ -37,7 +39,7 @@ def test_prompt_embeddings_are_not_cached():
     assert uncacheable_reason(req) == "prompt embeddings"
 
 
-def test_multimodal_requests_are_not_cached():
+def test_multimodal_requests_are_cached_only_where_keys_name_media():
     from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
 
     from connector.keys import uncacheable_reason
@@ -45,4 +47,5 @@ def test_multimodal_requests_are_not_cached():
     feature = MultiModalFeatureSpec(data=None, modality="image", identifier="img-0",
                                     mm_position=PlaceholderRange(offset=4, length=16))
     assert uncacheable_reason(_request(mm_features=[feature])) == "multimodal inputs"
+    assert uncacheable_reason(_request(mm_features=[feature]), keys_name_media=True) is None
 

@@ -29,7 +29,8 @@ def weights_dir() -> Path:
 def scheduler_side(url: str, *, block: int = 256, tp: int = 1, timeout_s: float = 1.0,
                    retry_after_s: float = 1.0, hash_algo: str = "sha256", latent_rows: bool = False,
                    chunk_keys: str = "auto", hash_block: int | None = None, speculative: Any = None,
-                   save_decode: bool = False):
+                   save_decode: bool = False, multimodal: dict[str, Any] | None = None,
+                   trust_media_ids: bool = False):
     """A :class:`connector.scheduler.SchedulerSide` for one state group and one attention
     group of ``block`` tokens, TP ``tp``, talking to the server at ``url``; ``hash_algo`` is
     vLLM's ``--prefix-caching-hash-algo``. ``latent_rows``: the attention group has the
@@ -37,7 +38,9 @@ def scheduler_side(url: str, *, block: int = 256, tp: int = 1, timeout_s: float 
     it is stored once for all ranks, as GLM-5.3-Flash's is. ``chunk_keys``: the connector's
     setting of that name; ``hash_block``: the tokens per vLLM block hash (default ``block``);
     ``speculative``: vLLM's ``speculative_config`` (None: drafts off; :func:`drafts` makes
-    one); ``save_decode``: the connector's setting of that name."""
+    one); ``save_decode``, ``trust_media_ids``: the connector's settings of those names;
+    ``multimodal``: the model takes images, with these ``multimodal_config`` fields
+    (``mm_hasher_algorithm``, ``mm_processor_kwargs``)."""
     from vllm.v1 import kv_cache_interface as vkv
 
     from connector.config import Settings
@@ -59,7 +62,10 @@ def scheduler_side(url: str, *, block: int = 256, tp: int = 1, timeout_s: float 
         parallel_config=SimpleNamespace(decode_context_parallel_size=1, tensor_parallel_size=tp,
                                         pipeline_parallel_size=1),
         model_config=SimpleNamespace(model=str(weights_dir()), revision=None, dtype=torch.float32,
-                                     served_model_name="tiny-sched"),
+                                     served_model_name="tiny-sched", is_multimodal_model=multimodal is not None,
+                                     multimodal_config=None if multimodal is None else SimpleNamespace(
+                                         **{"mm_hasher_algorithm": "blake3", "mm_processor_kwargs": None,
+                                            **multimodal})),
         scheduler_config=SimpleNamespace(max_num_batched_tokens=block),
         kv_transfer_config=SimpleNamespace(kv_load_failure_policy="recompute"),
         speculative_config=speculative,
@@ -67,21 +73,46 @@ def scheduler_side(url: str, *, block: int = 256, tp: int = 1, timeout_s: float 
     kv.hash_block_size = hash_block or block  # what vLLM's engine core sets at start-up
     geo = resolve_geometry(vllm, kv)
     settings = Settings(url=url, timeout_s=timeout_s, retry_after_s=retry_after_s, chunk_keys=chunk_keys,
-                        save_decode=save_decode)
+                        save_decode=save_decode, trust_media_ids=trust_media_ids)
     return SchedulerSide(vllm, kv, settings, geo, None)
 
 
-def request(req_id: str, token_ids: list[int], salt: str | None = None, hash_block: int | None = None):
+def request(req_id: str, token_ids: list[int], salt: str | None = None, hash_block: int | None = None,
+            mm_features: list[Any] | None = None):
     """A vLLM request; with ``hash_block``, its ``block_hashes`` computed as vLLM's engine
-    does on arrival (sha256, the default algorithm), at that many tokens per block."""
+    does on arrival (sha256, the default algorithm), at that many tokens per block;
+    ``mm_features``: its images (:func:`image_feature`)."""
     from vllm import SamplingParams
     from vllm.v1.request import Request
 
     from testing.vllm_keys import vllm_hashed_request
 
     if hash_block is not None:
-        return vllm_hashed_request(req_id, token_ids, hash_block, salt)
-    return Request(req_id, token_ids, SamplingParams(max_tokens=1), None, cache_salt=salt)
+        return vllm_hashed_request(req_id, token_ids, hash_block, salt, mm_features=mm_features)
+    return Request(req_id, token_ids, SamplingParams(max_tokens=1), None, cache_salt=salt, mm_features=mm_features)
+
+
+def image_feature(identifier: str, offset: int, length: int, pixels: torch.Tensor | None):
+    """One image of a request as vLLM's engine core holds it: its identifier (vLLM's
+    digest, or a client's media id), its placeholder span and its processed tensors
+    (``pixel_values`` and ``image_grid_thw``; None: not on the scheduler)."""
+    from vllm.multimodal.inputs import (
+        MultiModalBatchedField,
+        MultiModalFeatureSpec,
+        MultiModalFieldElem,
+        MultiModalKwargsItem,
+        PlaceholderRange,
+    )
+
+    data = None
+    if pixels is not None:
+        field = MultiModalBatchedField()
+        data = MultiModalKwargsItem({
+            "pixel_values": MultiModalFieldElem(data=pixels, field=field),
+            "image_grid_thw": MultiModalFieldElem(data=torch.tensor([1, 8, 8]), field=field),
+        })
+    return MultiModalFeatureSpec(data=data, modality="image", identifier=identifier,
+                                 mm_position=PlaceholderRange(offset=offset, length=length), mm_hash=identifier)
 
 
 def drafts(method: str, k: int = 1, draft_model: Path | None = None, **fields: Any) -> SimpleNamespace:

@@ -1,0 +1,136 @@
+"""Images in the chunk keys: what an image request's cached bytes depend on, and how the
+keys name it.
+
+A chunk an image reaches holds KV computed from the image's embeddings, which depend on
+the pixels after processing, the processor's settings and the vision tower's weights (the
+weights are in the namespace already, :mod:`connector.identity`). vLLM's block hashes (the
+``vllm`` key scheme) add ``("mm", identifier, offset)`` to every block an image overlaps,
+and chain it forward, so a key at a chunk's end names every image before it and where it
+sits. The identifier is a digest of the media bytes and the processor's per-request
+options, except that a client-supplied ``multi_modal_uuids`` entry is used verbatim: with
+a cache shared by replicas and tenants, a client that sends another client's media id with
+its own image would resume from the other's KV. So, unless the operator says the fleet's
+clients are trusted (``trust_media_ids``), the connector names each image by what the
+encoder reads, its processed tensors (``pixel_values`` and grid), with its own digest, and
+mixes those digests into the key of every chunk at or after the image's first placeholder
+(:func:`media_keys`). A request whose processed tensors are not on the scheduler (vLLM's
+``shm`` processor cache keeps them on the workers only) is not cached.
+
+The token-chain scheme (``chunk_keys: lmcache``) hashes token ids only, in which every
+image's placeholders are the same tokens: image requests are not cached there.
+
+What else the bytes depend on joins the namespace for a multimodal model
+(:func:`media_identity`): vLLM's multimodal hash algorithm, the engine's
+``--mm-processor-kwargs``, the checkpoint's processor configuration files and the
+transformers version whose processor code ran.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from blake3 import blake3
+
+_MEDIA_TAG = b"glm-cache-media:"
+# Processor configuration a checkpoint ships (transformers' file names).
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json")
+
+
+class MediaUnnamed(Exception):
+    """A request's media cannot be named (its processed tensors are not here)."""
+
+
+def media_identity(model_config: Any, trust_media_ids: bool) -> dict[str, Any] | None:
+    """The namespace's part for images: None for a model without multimodal inputs (its
+    namespace is what it was). Raises nothing: files that are not there count as absent."""
+    mm = getattr(model_config, "multimodal_config", None)
+    if mm is None or not getattr(model_config, "is_multimodal_model", False):
+        return None
+    import transformers
+
+    from connector.identity import UnnamedWeights, model_dir
+
+    files: dict[str, str | None] = {}
+    try:
+        directory = model_dir(model_config)
+    except UnnamedWeights:
+        directory = None
+    for name in PROCESSOR_FILES:
+        path = None if directory is None else directory / name
+        files[name] = hashlib.sha256(path.read_bytes()).hexdigest()[:16] if path and path.is_file() else None
+    return {
+        "hasher": str(getattr(mm, "mm_hasher_algorithm", None)),
+        "mm_processor_kwargs": json.dumps(getattr(mm, "mm_processor_kwargs", None), sort_keys=True, default=str),
+        "processor_files": files,
+        "transformers": transformers.__version__,
+        # keys of trusted and untrusted engines differ anyway; named so an operator sees it
+        "media_ids": "trusted" if trust_media_ids else "content",
+    }
+
+
+def _tensor_bytes(value: Any, h: Any) -> None:
+    """Feed a processed field (a tensor, or nested lists/tuples of them) to ``h`` with its
+    structure, dtype and shape, so distinct values never serialize alike."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        t = value.detach().to("cpu").contiguous()
+        meta = f"T{t.dtype}{tuple(t.shape)}".encode()
+        h.update(len(meta).to_bytes(4, "big") + meta)
+        raw = t.view(torch.uint8).numpy() if t.numel() else b""
+        h.update(len(raw).to_bytes(8, "big"))
+        h.update(raw)
+    elif isinstance(value, (list, tuple)):
+        h.update(b"L" + len(value).to_bytes(4, "big"))
+        for v in value:
+            _tensor_bytes(v, h)
+    else:
+        text = repr(value).encode()
+        h.update(b"V" + len(text).to_bytes(4, "big") + text)
+
+
+def feature_digest(feature: Any) -> bytes:
+    """The digest of one multimodal item as the encoder reads it: its modality and every
+    processed field (name, dtype, shape, bytes). Raises :class:`MediaUnnamed` where the
+    scheduler does not hold the item's data."""
+    item = getattr(feature, "data", None)
+    if item is None:
+        raise MediaUnnamed("its processed tensors are not on the scheduler (mm_processor_cache_type shm?)")
+    h = blake3()
+    modality = str(feature.modality).encode()
+    h.update(len(modality).to_bytes(4, "big") + modality)
+    for key in sorted(item.keys()):
+        data = item[key].data
+        if data is None:
+            raise MediaUnnamed(f"its processed field {key!r} is not on the scheduler")
+        name = key.encode()
+        h.update(len(name).to_bytes(4, "big") + name)
+        _tensor_bytes(data, h)
+    return h.digest()
+
+
+def request_media(request: Any) -> list[tuple[int, bytes]]:
+    """``(first placeholder position, digest)`` of each of the request's media items, in
+    prompt order (empty for a text request); raises :class:`MediaUnnamed`."""
+    items = []
+    for f in getattr(request, "mm_features", None) or ():
+        items.append((int(f.mm_position.offset), feature_digest(f)))
+    return sorted(items, key=lambda x: x[0])
+
+
+def media_keys(keys: Sequence[bytes], media: Sequence[tuple[int, bytes]], chunk_size: int,
+               start: int) -> list[bytes]:
+    """Keys of chunks ``start, start + 1, ...`` (``keys`` are the scheme's keys of those
+    chunks) with the media before each chunk's end mixed in: a chunk ending at or before
+    the first image keeps its key (its bytes are text only, shared with text prompts);
+    every later one becomes ``blake3(b"glm-cache-media:" || key || digest_1 || ...)`` over
+    the items whose first placeholder lies before the chunk's end."""
+    out = []
+    for i, key in enumerate(keys):
+        end = (start + i + 1) * chunk_size
+        before = [d for off, d in media if off < end]
+        out.append(blake3(_MEDIA_TAG + key + b"".join(before)).digest() if before else key)
+    return out
