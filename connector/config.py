@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from vllm.logger import init_logger
 
 from cache_server.auth import TokenFileError, read_token_file
+from connector.lmcache_settings import translate
 
 if TYPE_CHECKING:
     from vllm.config import KVTransferConfig, VllmConfig
@@ -156,10 +157,15 @@ class Settings:
 
     @classmethod
     def from_config(cls, cfg: KVTransferConfig) -> Settings:
+        """Parse ``kv_connector_extra_config``; ``LMCacheMPConnector``'s ``lmcache.*`` keys
+        set ours where they mean the same, and the rest are refused by name
+        (:mod:`connector.lmcache_settings`)."""
         get = cfg.get_from_extra_config
+        lmcache = translate(dict(getattr(cfg, "kv_connector_extra_config", None) or {}))
         values = {}
         for f in _declared():
             raw = get(f.metadata["key"], None)
+            raw = lmcache.get(f.metadata["key"]) if raw is None else raw
             values[f.name] = f.default if raw is None else f.metadata["parse"](raw, f.metadata["key"])
         auth_token, auth_broken = None, False
         try:

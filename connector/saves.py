@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from connector.config import logger
 from connector.keys import parent_of
+from connector.lmcache_settings import request_params
 from connector.metadata import TRANSIENT_SAVE_FAILURES, ObjectMove, SaveFailure
 
 if TYPE_CHECKING:
@@ -52,10 +53,14 @@ class SavePlanner:
 
     def cacheable_chunks(self, state: RequestState, computed: int) -> int:
         """Whole chunks of this request that may be saved once ``computed`` tokens exist
+        (at most the request's ``lmcache.max_offload_tokens``, in ``kv_transfer_params``)
         and have keys (vLLM hashes a block once it is full; with a drafter's lookahead, a
         chunk has its key once the tokens after it are known)."""
         req = state.request
         limit = req.num_tokens if self._save_decode else req.num_prompt_tokens
+        cap = request_params(req.kv_transfer_params)[0]  # LMCache's lmcache.max_offload_tokens
+        if cap is not None:
+            limit = min(limit, cap)
         n = min(computed, limit) // self._geometry().chunk_size
         return min(n, len(self._keys(state, n)))
 

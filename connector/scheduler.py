@@ -62,6 +62,7 @@ from connector.keys import (
     request_tokens,
     uncacheable_reason,
 )
+from connector.lmcache_settings import request_params
 from connector.media import MediaUnnamed, media_identity, request_media
 from connector.metadata import GlmConnectorMetadata, GlmWorkerMeta, LoadJob, ObjectMove
 from connector.remote import LookupAnswer, RemoteCache
@@ -133,7 +134,7 @@ class SchedulerSide:
         self._requests = Requests()
         self._pending_loads: list[LoadJob] = []
         self._pending_saves: list[ObjectMove] = []
-        self._warned_request_switch = False
+        self._warned_params: set[str] = set()  # kv_transfer_params keys said to be ignored
         self._logged_uncacheable: set[str] = set()
         self._saves = SavePlanner(lambda: self._geometry, self._keys_of, lambda: self.kv_cache_manager,
                                   settings.save_decode)
@@ -240,18 +241,28 @@ class SchedulerSide:
             )
         return True
 
-    def _warn_if_request_asks_for_non_strict(self, request: Request) -> None:
-        """Strict prefix is operator policy: an API client must not be able to turn it off
-        (and, with decode saves, store wrong states under shared keys). A request asking
-        for it is ignored; say so once, so a client relying on it learns why."""
+    def _request_params(self, request: Request) -> bool:
+        """Read a request's ``kv_transfer_params``; True if it asks not to load
+        (LMCache's ``lmcache.skip_load``). Strict prefix is operator policy: an API client
+        must not be able to turn it off (and, with decode saves, store wrong states under
+        shared keys). A request asking for it, or for an LMCache per-request setting this
+        connector does not honour, is served without it; each is said once, so a client
+        relying on it learns why."""
         params = request.kv_transfer_params or {}
-        if "glm_strict_prefix" in params and not self._warned_request_switch:
+        _, skip_load, unhonoured = request_params(params)
+        if "glm_strict_prefix" in params:
+            unhonoured.append("glm_strict_prefix")
+        for key in unhonoured:
+            if key in self._warned_params:
+                continue
+            self._warned_params.add(key)
             logger.warning(
-                "GlmCacheConnector: ignoring kv_transfer_params glm_strict_prefix of request %s: "
-                "strict prefix is operator policy (kv_connector_extra_config strict_prefix)",
-                request.request_id,
+                "GlmCacheConnector: ignoring kv_transfer_params %s of request %s: %s", key, request.request_id,
+                "strict prefix is operator policy (kv_connector_extra_config strict_prefix)"
+                if key == "glm_strict_prefix" else "not honoured by this connector (honoured: "
+                "lmcache.max_offload_tokens, lmcache.skip_load)",
             )
-            self._warned_request_switch = True
+        return skip_load
 
     # Admission -----------------------------------------------------------------------------
 
@@ -283,8 +294,8 @@ class SchedulerSide:
             return None, False
         if not ready or not self.remote.usable():
             return self._cold(state)
-        self._warn_if_request_asks_for_non_strict(request)
-        if self._skip_uncacheable(state):
+        skip_load = self._request_params(request)
+        if self._skip_uncacheable(state) or skip_load:
             return self._cold(state)
         C = self._geometry.chunk_size
         if self._strict_prefix:
