@@ -1,7 +1,8 @@
-"""``Glm5NextForConditionalGeneration`` (text path) for vLLM, in plain PyTorch.
+"""``Glm5NextForConditionalGeneration`` for vLLM, in plain PyTorch: text and images.
 
 Module names mirror transformers' model, so checkpoint tensors load by name:
-``model.language_model.layers.{i}.{self_attn,mlp,attn_hc,ffn_hc,...}`` and ``lm_head``.
+``model.language_model.layers.{i}.{self_attn,mlp,attn_hc,ffn_hc,...}``, ``model.visual.*``
+and ``lm_head``.
 Layers follow ``layer_types`` (``linear_attention`` -> KDA state layer,
 ``indexed_attention`` -> sparse MLA) and ``mlp_layer_types`` (``dense`` / ``sparse``).
 
@@ -12,8 +13,17 @@ and ``lm_head`` are replicated. Each decoder block all-reduces its attention out
 MLP output once. Rank shards are cut from the full checkpoint tensors on load, so one
 checkpoint serves every TP size (:mod:`glm5next_plugin.tp`).
 
-Not supported yet, and refused with a message rather than ignored: image/video inputs
-(the vision tower's tensors are skipped; the model registers as text-only),
+Images: the entry class is multimodal to vLLM (``SupportsMultiModal``). The vision tower
+(:mod:`glm5next_plugin.vision`) turns each image's patches into one embedding per
+``<|image|>`` placeholder token, and those embeddings replace the placeholders' token
+embeddings (the text model is NoPE: positions do not change). vLLM's runner hands
+``embed_input_ids`` the embeddings of exactly the scheduled placeholder positions, so an
+image may be split across prefill steps and a prefill may start inside an image (align-mode
+prefix caching requires chunked multimodal input). Prompt processing (the image processor,
+placeholder expansion, profiling inputs) is :mod:`glm5next_plugin.multimodal`. With
+``--limit-mm-per-prompt '{"image": 0}'`` the tower is not built and its tensors are skipped.
+
+Not supported yet, and refused with a message rather than ignored: video inputs,
 FP8/NVFP4 checkpoints, pipeline parallelism, ``"shared"`` indexer layers, TP sizes that do
 not divide the head counts and intermediate sizes. The MTP layer is not part of the target:
 it is the draft model of speculative method ``mtp`` (:mod:`glm5next_plugin.mtp`).
@@ -23,6 +33,7 @@ it is the draft model of speculative method ``mtp`` (:mod:`glm5next_plugin.mtp`)
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections.abc import Iterable
 from typing import ClassVar, Literal
@@ -36,11 +47,12 @@ from .checkpoint_names import canonical_names
 from .kda_layer import KDAProjections, KDAStateLayer, kda_state_dtype, kda_state_shape
 from .mla_layer import CACHE_ROW_FORMAT, SparseMLALayer, SparseMLAProjections
 from .tp import TP1, Shard, TPInfo, shard_tensor, tp_info
+from .vision import VisionTower
 
 logger = logging.getLogger("vllm.glm5next_plugin.model")
 
-# Tensors of parts this plugin does not run; skipped (named in the log), never guessed at.
-_UNSUPPORTED_PREFIXES = ("model.visual.",)
+# The vision tower's tensors: loaded where the module has a tower, else skipped (logged).
+_VISION_PREFIX = "model.visual."
 
 
 def text_config_of(hf_config):
@@ -154,12 +166,15 @@ class TextModel(nn.Module):
 
 
 class Glm5NextModel(nn.Module):
-    """Container matching the checkpoint's ``model.`` prefix (vision tower not built).
+    """Container matching the checkpoint's ``model.`` prefix: ``language_model`` and, given
+    ``vision_config``, the vision tower ``visual`` (replicated under TP).
     ``tp`` builds one rank's shard without vLLM (tests); with ``vllm_config`` the rank
     comes from vLLM's TP group."""
 
-    def __init__(self, config, vllm_config=None, tp: TPInfo | None = None) -> None:
+    def __init__(self, config, vllm_config=None, tp: TPInfo | None = None, vision_config=None) -> None:
         super().__init__()
+        if vision_config is not None:
+            self.visual = VisionTower(vision_config)
         self.language_model = TextModel(config, vllm_config, tp=tp)
 
     @property
@@ -195,7 +210,8 @@ def load_by_name(
     ``num_experts``, the on-disk GLM spellings are converted first, see
     :mod:`glm5next_plugin.checkpoint_names`).
 
-    Vision-tower and MTP tensors are skipped (logged); any other unknown tensor, a shape
+    Vision-tower tensors load into ``model.visual`` where the module has one and are
+    skipped (logged) where it has none; MTP tensors are skipped (logged); any other unknown tensor, a shape
     mismatch, or a parameter left without a tensor raises with the names involved. With
     ``tied_lm_head`` the module's ``lm_head`` is the embedding matrix: an ``lm_head.weight``
     in the checkpoint is ignored, as transformers ignores it for tied models.
@@ -212,10 +228,11 @@ def load_by_name(
     unexpected: list[str] = []
     skipped = {"vision": 0, "mtp": 0}
     prefix = "model.language_model.layers."
+    has_vision = any(p.startswith(_VISION_PREFIX) for p in params)
     for name, tensor in weights:
         if tied_lm_head and name == "lm_head.weight":
             continue
-        if name.startswith(_UNSUPPORTED_PREFIXES):
+        if name.startswith(_VISION_PREFIX) and not has_vision:
             skipped["vision"] += 1
             continue
         if name.startswith(prefix) and int(name[len(prefix) :].split(".", 1)[0]) >= num_layers:
@@ -237,12 +254,13 @@ def load_by_name(
     missing = sorted(set(params) - loaded)
     if missing:
         raise ValueError(f"glm5next plugin: tensors missing from checkpoint: {missing}")
-    if skipped["vision"] or skipped["mtp"]:
+    if skipped["vision"]:
         logger.info(
-            "glm5next plugin: skipped %d vision-tower and %d MTP tensors (text-only; the MTP draft loads its own)",
+            "glm5next plugin: skipped %d vision-tower tensors (no tower: text-only, or an image limit of 0)",
             skipped["vision"],
-            skipped["mtp"],
         )
+    if skipped["mtp"]:
+        logger.info("glm5next plugin: skipped %d MTP tensors (the MTP draft loads its own)", skipped["mtp"])
     return loaded
 
 
@@ -265,8 +283,15 @@ def _vllm_interfaces():
     return HasInnerState, IsHybrid
 
 
-class Glm5NextForConditionalGeneration(nn.Module, *_vllm_interfaces()):
-    """vLLM entry class: text-only GLM-5.3-Flash with KDA state layers and sparse MLA."""
+def _vllm_multimodal():
+    from vllm.model_executor.models.interfaces import SupportsMultiModal
+
+    return SupportsMultiModal
+
+
+class Glm5NextHybridLM(nn.Module, *_vllm_interfaces()):
+    """What both vLLM entry classes share: GLM-5.3-Flash's text model with KDA state layers
+    and sparse MLA (``Glm5NextForConditionalGeneration`` adds the vision tower)."""
 
     has_inner_state: ClassVar[Literal[True]] = True
     is_hybrid: ClassVar[Literal[True]] = True
@@ -297,7 +322,7 @@ class Glm5NextForConditionalGeneration(nn.Module, *_vllm_interfaces()):
         self.vllm_config = vllm_config
         self.tp = tp_info(vllm_config)
         dtype = vllm_config.model_config.dtype
-        self.model = Glm5NextModel(self.config, vllm_config)
+        self.model = Glm5NextModel(self.config, vllm_config, vision_config=self._vision_config(vllm_config))
         self.lm_head = nn.Linear(self.config.hidden_size, self.config.vocab_size, bias=False)
         self.tie_word_embeddings = ties_word_embeddings(hf_config)
         if self.tie_word_embeddings:
@@ -315,6 +340,10 @@ class Glm5NextForConditionalGeneration(nn.Module, *_vllm_interfaces()):
             self.tp.rank,
             self.tp.size,
         )
+
+    def _vision_config(self, vllm_config):
+        """The vision sub-config to build a tower from, or None (text only)."""
+        return None
 
     # --- vLLM model API -----------------------------------------------------------------
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -361,11 +390,119 @@ class Glm5NextForConditionalGeneration(nn.Module, *_vllm_interfaces()):
         return MambaStateCopyFuncCalculator.kda_state_copy_func()
 
 
-class Glm5NextForCausalLM(Glm5NextForConditionalGeneration):
+class Glm5NextForConditionalGeneration(Glm5NextHybridLM, _vllm_multimodal()):
+    """vLLM entry class of GLM-5.3-Flash checkpoints: the hybrid text model and the vision
+    tower. Images arrive as the processor's patches (``pixel_values``, ``image_grid_thw``;
+    :mod:`glm5next_plugin.multimodal` registers the processor for this class); video is
+    refused there. The tower is built unless the engine's image limit is 0."""
+
+    supports_multimodal: ClassVar[Literal[True]] = True
+
+    def __init__(self, *, vllm_config, prefix: str = "") -> None:
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        hf_config = vllm_config.model_config.hf_config
+        self.image_token_id = int(hf_config.image_token_id)
+        # vLLM's draft proposer reads the target's ``config.image_token_index`` on a
+        # multimodal target (MTP drafts run on token ids; the attribute only has to exist):
+        # a copy of the text config, so the engine's own config object is not changed
+        self.config = copy.copy(self.config)
+        self.config.image_token_index = self.image_token_id
+        logger.info(
+            "glm5next plugin: vision tower %s (image limit per prompt %s); video inputs are not supported",
+            "built" if self.visual is not None else "not built, its tensors are skipped",
+            _image_limit(vllm_config),
+        )
+
+    @property
+    def visual(self) -> VisionTower | None:
+        return getattr(self.model, "visual", None)
+
+    def _vision_config(self, vllm_config):
+        vision = getattr(vllm_config.model_config.hf_config, "vision_config", None)
+        if vision is None or _image_limit(vllm_config) == 0:
+            return None
+        return vision
+
+    @classmethod
+    def get_placeholder_str(cls, modality: str, i: int) -> str | None:
+        if modality.startswith("image"):
+            from .multimodal import IMAGE_PLACEHOLDER
+
+            return IMAGE_PLACEHOLDER
+        if modality.startswith("video"):
+            from .multimodal import VIDEO_REFUSAL
+
+            raise ValueError(VIDEO_REFUSAL)
+        raise ValueError(f"glm5next plugin: modality {modality!r} is not supported (images are)")
+
+    def get_language_model(self) -> nn.Module:
+        # the module with ``model.embed_tokens`` and ``lm_head`` (what vLLM's draft
+        # proposer shares with an MTP draft): this one
+        return self
+
+    def embed_multimodal(self, **kwargs: object):
+        """One ``[tokens, hidden]`` tensor per image, in prompt order."""
+        if kwargs.get("pixel_values_videos") is not None:
+            from .multimodal import VIDEO_REFUSAL
+
+            raise ValueError(VIDEO_REFUSAL)
+        pixel_values = kwargs.get("pixel_values")
+        if pixel_values is None:
+            if kwargs.get("image_embeds") is not None:
+                raise ValueError("glm5next plugin: precomputed image embeddings are not supported; send the image")
+            return []
+        if self.visual is None:
+            raise ValueError("glm5next plugin: image input with an image limit of 0 (no vision tower built)")
+        grid = kwargs["image_grid_thw"]
+        grid = grid.tolist() if isinstance(grid, torch.Tensor) else [list(map(int, g)) for g in grid]
+        if isinstance(pixel_values, (list, tuple)):
+            pixel_values = torch.cat(list(pixel_values))
+        embeds = self.visual(pixel_values.reshape(-1, pixel_values.shape[-1]), grid)
+        return embeds.split(self.visual.tokens_per_item(grid))
+
+    def embed_input_ids(
+        self,
+        input_ids: torch.Tensor,
+        multimodal_embeddings=None,
+        *,
+        is_multimodal: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Token embeddings, with the rows ``is_multimodal`` marks replaced, in order, by
+        the rows of ``multimodal_embeddings`` (vLLM passes those of the scheduled positions
+        only, so a prefill that starts or ends inside an image gets its part of it)."""
+        embeds = self.model.language_model.embed_tokens(input_ids)
+        if multimodal_embeddings is None or len(multimodal_embeddings) == 0:
+            return embeds
+        if is_multimodal is None:
+            raise ValueError("glm5next plugin: multimodal embeddings without their positions (is_multimodal)")
+        return merge_image_embeddings(embeds, multimodal_embeddings, is_multimodal)
+
+
+def merge_image_embeddings(embeds: torch.Tensor, image_embeds, mask: torch.Tensor) -> torch.Tensor:
+    """``embeds`` with the rows of ``mask`` replaced by ``image_embeds`` (a tensor or a list
+    of tensors, concatenated) in order; the counts must agree."""
+    rows = torch.cat(list(image_embeds)) if isinstance(image_embeds, (list, tuple)) else image_embeds
+    mask = mask.to(embeds.device)
+    if int(mask.sum()) != rows.shape[0]:
+        raise ValueError(
+            f"glm5next plugin: {int(mask.sum())} image placeholder positions but {rows.shape[0]} image embeddings"
+        )
+    out = embeds.clone()
+    out[mask] = rows.to(device=embeds.device, dtype=embeds.dtype)
+    return out
+
+
+def _image_limit(vllm_config) -> int:
+    mm = getattr(vllm_config.model_config, "multimodal_config", None)
+    return 1 if mm is None else int(mm.get_limit_per_prompt("image"))
+
+
+class Glm5NextForCausalLM(Glm5NextHybridLM):
     """Text-only flat checkpoints (``architectures: ["Glm5NextForCausalLM"]``, model type
     ``glm5_next_text``): tensors named ``model.layers.*``, ``model.embed_tokens.*``,
     ``model.norm.*`` and ``lm_head.*``, as vLLM's native ``Glm5NextForCausalLM`` reads them.
-    Same modules as the multimodal entry class; names are mapped on load."""
+    Same text modules as the multimodal entry class (no vision tower; not multimodal to
+    vLLM); names are mapped on load."""
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         return super().load_weights(nest_flat_names(weights))
@@ -383,3 +520,16 @@ def ties_word_embeddings(hf_config) -> bool:
     """Whether ``lm_head`` shares the embedding matrix. transformers reads the flag on the
     top-level config (the one ``from_pretrained`` gets), so do we."""
     return bool(getattr(hf_config, "tie_word_embeddings", False))
+
+
+def _register_processor() -> None:
+    from vllm.multimodal import MULTIMODAL_REGISTRY
+
+    from .multimodal import Glm5NextDummyInputs, Glm5NextImageProcessing, Glm5NextProcessingInfo
+
+    MULTIMODAL_REGISTRY.register_processor(
+        Glm5NextImageProcessing, info=Glm5NextProcessingInfo, dummy_inputs=Glm5NextDummyInputs
+    )(Glm5NextForConditionalGeneration)
+
+
+_register_processor()

@@ -20,6 +20,11 @@ list names the served checkpoint's layer 45 only). Random MTP weights would prop
 no token the target accepts, so the MTP layer is derived from the target instead
 (:func:`mtp_state`).
 
+The vision tower's tensors are random too (the merger's output scaled so image embeddings
+are about as large as token embeddings), and ``preprocessor_config.json`` configures
+transformers' PIL image processor with small token bounds (:func:`image_processor`); the chat
+template renders an image part as ``<|begin_of_image|><|image|><|end_of_image|>``.
+
 ``qk_rope_head_dim`` above 0 writes a checkpoint whose MLA keys have a rope part
 (transformers' ``k_rot``; GLM-5.3-Flash itself has none). transformers' attention computes
 it, but its ``Glm5NextTextConfig`` validator refuses such a config ("Expecting NoPE"), so
@@ -62,19 +67,33 @@ SPECIAL_TOKENS = [
     "<|pad|>",
 ]
 
+# One image part ({"type": "image"} / {"type": "image_url"}) renders as the image's markers
+# around one <|image|>, which vLLM's processor expands to the image's token count
+# (glm5next_plugin.multimodal); text renders as before (string content or text parts).
+IMAGE_PART = "<|begin_of_image|><|image|><|end_of_image|>"
 CHAT_TEMPLATE = (
     "[gMASK]<sop>"
     "{%- for message in messages -%}"
-    "{%- if message['content'] is string -%}"
-    "{%- set content = message['content'] -%}"
-    "{%- else -%}"
-    "{%- set content = message['content'] | selectattr('type', 'equalto', 'text') "
-    "| map(attribute='text') | join('') -%}"
-    "{%- endif -%}"
-    "<|{{ message['role'] }}|>\n{{ content }}"
+    "<|{{ message['role'] }}|>\n"
+    # no whitespace control from here to the end of the message: the newline above stays
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'text' %}{{ part['text'] }}"
+    "{% elif part['type'] in ('image', 'image_url') %}" + IMAGE_PART + ""
+    "{% endif %}{% endfor %}{% endif %}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}<|assistant|>\n{% endif -%}"
 )
+
+# What the checkpoint's image processor (transformers' Glm5NextImageProcessorPil, read from
+# preprocessor_config.json) is told: GLM's patch geometry and normalisation, with small token
+# bounds so images stay cheap on a CPU: a 112x112 image is 8x8 patches, 16 tokens (the
+# minimum); the largest is 256 tokens (a 448x448 canvas).
+MIN_IMAGE_TOKENS = 16
+MAX_IMAGE_TOKENS = 256
+# Gain on the vision merger's output projection, so image embeddings are about as large as
+# token embeddings (std ~1) instead of ~0.27 at the plain 1/sqrt(fan_in) scale.
+VISION_MERGER_GAIN = 4.0
 
 _WORDS = (
     "the a cache state token prompt model layer block chunk server engine request reply "
@@ -279,6 +298,8 @@ def _random_state(model: torch.nn.Module, seed: int) -> dict[str, torch.Tensor]:
             value = randn(0.5)
         elif leaf in ("gate_up_proj", "down_proj") and tensor.dim() == 3:
             value = randn(1.0 / math.sqrt(shape[-1]))
+        elif name == "model.visual.merger.down_proj.weight":
+            value = randn(VISION_MERGER_GAIN / math.sqrt(shape[-1]))
         elif tensor.dim() >= 2:
             fan_in = math.prod(shape[1:])
             value = randn(1.0 / math.sqrt(fan_in))
@@ -385,6 +406,7 @@ def write_checkpoint(
 
     config.save_pretrained(out)
     tokenizer.save_pretrained(out)
+    image_processor(config).save_pretrained(out)
     eos = config.text_config.eos_token_id
     GenerationConfig(eos_token_id=eos, pad_token_id=config.text_config.pad_token_id).save_pretrained(out)
     # Keep the chat template in tokenizer_config.json too: older loaders read it there.
@@ -393,6 +415,23 @@ def write_checkpoint(
     tok_cfg.setdefault("chat_template", CHAT_TEMPLATE)
     tok_cfg_path.write_text(json.dumps(tok_cfg, indent=2))
     return out
+
+
+def image_processor(config):
+    """The checkpoint's image processor (``preprocessor_config.json``): the vision config's
+    patch, temporal patch and merge sizes, CLIP mean/std, token bounds
+    ``MIN_IMAGE_TOKENS``..``MAX_IMAGE_TOKENS``."""
+    from transformers import Glm5NextImageProcessorPil
+
+    vision = config.vision_config
+    return Glm5NextImageProcessorPil(
+        patch_size=vision.patch_size,
+        temporal_patch_size=vision.temporal_patch_size,
+        merge_size=vision.spatial_merge_size,
+        patch_expand_factor=1,
+        min_image_tokens=MIN_IMAGE_TOKENS,
+        max_image_tokens=MAX_IMAGE_TOKENS,
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
