@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from cache_server.lmcache_compat import LMCacheCollector, LookupTokens
 from cache_server.store import ObjectStore
 
 if TYPE_CHECKING:
@@ -155,6 +156,10 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         self._namespace_key = namespace_key
         self.registry.register(_StoreCollector(store, self.namespace_id))
+        # LMCache's names for what both servers measure (cache_server.lmcache_compat)
+        self.lookup_tokens = LookupTokens()
+        self._l2: L2Tier | None = None
+        self.registry.register(LMCacheCollector(store, self.lookup_tokens, lambda: self._l2))
         self.requests = Histogram(f"{PREFIX}_request_seconds", "Time to answer a request, by op", ["op"],
                                   registry=self.registry,
                                   buckets=(1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0))
@@ -172,6 +177,11 @@ class ServerMetrics:
             "--auth-token-file): token (PLAIN with a wrong token, one a connection attempt), mechanism (no token; "
             "a peer retries, so one or more a client)", ["reason"], registry=self.registry)
 
+    def count_lookup(self, chunk_size: int | None, n_hashes: int, start_chunk: int, answered: int,
+                     l1_depth: int | None = None) -> None:
+        """One answered lookup, in tokens (:meth:`LookupTokens.count`)."""
+        self.lookup_tokens.count(chunk_size, n_hashes, start_chunk, answered, l1_depth)
+
     def namespace_id(self, namespace: str) -> str:
         """The label of ``namespace`` in this server's metrics (:func:`namespace_id`)."""
         return namespace_id(namespace, self._namespace_key)
@@ -185,6 +195,7 @@ class ServerMetrics:
     def watch_l2(self, tier: L2Tier) -> None:
         """Export the tier's figures."""
         self.registry.register(_L2Collector(tier))
+        self._l2 = tier
 
     def render(self) -> bytes:
         """Prometheus text exposition."""

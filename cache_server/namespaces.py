@@ -77,6 +77,12 @@ class NamespaceTable:
             raise p.ProtocolError(p.ErrorCode.CONFLICT,
                                   f"namespace {ns!r} negotiated alignment {known[0]} before, now {alignment}")
 
+    def chunk_size(self, ns: str) -> int | None:
+        """The chunk size ``ns`` negotiated (None: not admitted, or only put to); touches nothing."""
+        with self._lock:
+            negotiation = self._chunks.get(ns)
+        return None if negotiation is None else negotiation[1]
+
     def status(self) -> dict[str, dict[str, Any]]:
         """The ``namespaces`` part of /status."""
         with self._lock:

@@ -279,6 +279,8 @@ class CacheServer:
                                                  replicated_groups=replicated)
             if self.l2 is not None:
                 self.l2.count_answer(l1_depth, chunks, consulted)
+            self.metrics.count_lookup(self.namespaces.chunk_size(ns), len(hashes), start, chunks,
+                                      l1_depth if consulted else None)
             if lease and chunks and lease_id is None:  # its objects alone are over the leased-bytes cap
                 self.metrics.limit_refusals.labels(limit="leased_bytes").inc()
             reply: dict[str, Any] = {"chunks": chunks, "lease_id": lease_id}
