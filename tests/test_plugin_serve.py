@@ -55,7 +55,7 @@ def server(tmp_path_factory):
             "--dtype", "float32", "--gpu-memory-utilization", "0.15", "--max-model-len", "4096",
             "--enable-prefix-caching", "--enable-prompt-tokens-details",
             "--served-model-name", "glm5next-tiny",
-            "--limit-mm-per-prompt", '{"image": 0, "video": 0}',
+            "--limit-mm-per-prompt", '{"image": 2}',
         ],
         stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )
@@ -111,26 +111,68 @@ def test_chat_completion_is_answered(server):
     assert body["usage"]["prompt_tokens"] == len(expected)
 
 
-def test_image_input_is_refused_clearly(server):
+def _png_data_url(seed: int, size: int = 112) -> str:
+    import base64
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    img = Image.fromarray(np.random.RandomState(seed).randint(0, 256, (size, size, 3), dtype=np.uint8))
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def _image_chat(image_part: dict, max_tokens: int = 4) -> dict:
+    return {
+        "model": "glm5next-tiny",
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "what is this"}, image_part]}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+
+
+def test_image_input_is_answered(server):
+    """A chat request with a 112x112 PNG: the template's one <|image|> becomes the image's
+    16 tokens (8x8 patches, 2x2 merge), the answer has tokens, and another image changes the
+    answer's log-probs."""
+    base, ckpt = server
+    status, body = _post(
+        base + "/v1/chat/completions",
+        {**_image_chat({"type": "image_url", "image_url": {"url": _png_data_url(0)}}), "logprobs": True},
+    )
+    assert status == 200, body
+    assert body["usage"]["completion_tokens"] == 4
+    assert isinstance(body["choices"][0]["message"]["content"], str)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(ckpt)
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": [{"type": "text", "text": "what is this"}, {"type": "image"}]}],
+        add_generation_prompt=True, tokenize=False,
+    )
+    assert "<|begin_of_image|><|image|><|end_of_image|>" in text
+    assert body["usage"]["prompt_tokens"] == len(tok(text, add_special_tokens=False)["input_ids"]) - 1 + 16
+    status, other = _post(
+        base + "/v1/chat/completions",
+        {**_image_chat({"type": "image_url", "image_url": {"url": _png_data_url(1)}}), "logprobs": True},
+    )
+    assert status == 200, other
+    first = [t["logprob"] for t in body["choices"][0]["logprobs"]["content"]]
+    second = [t["logprob"] for t in other["choices"][0]["logprobs"]["content"]]
+    assert first != second
+
+
+def test_video_input_is_refused_clearly(server):
     base, _ = server
     status, body = _post(
         base + "/v1/chat/completions",
-        {
-            "model": "glm5next-tiny",
-            "messages": [
-                {
-                    "role": "user",
-                    "content": [
-                        {"type": "text", "text": "what is this"},
-                        {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}},
-                    ],
-                }
-            ],
-            "max_tokens": 4,
-        },
+        _image_chat({"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAAIGZ0eXBpc29t"}}),
     )
-    assert status == 400
-    assert "multimodal" in body["error"]["message"]
+    assert status == 400, body
+    assert "video inputs are not supported" in body["error"]["message"]
 
 
 def test_unified_block_size_grows_to_fit_kda_state_and_prefix_cache_resumes(server):
