@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -199,3 +200,21 @@ def _stream(url: str, body: dict[str, Any], max_tokens: int, cache_salt: str | N
     result.total_s = time.perf_counter() - t0
     result.ttft_s = ttft if ttft is not None else result.total_s
     return result
+
+
+def scrape_metrics(base_url: str, timeout_s: float = 10.0) -> list[tuple[str, dict[str, str], float]]:
+    """Every sample on a Prometheus ``/metrics`` page (``vllm serve``'s or the server's), as
+    ``(name, labels, value)``."""
+    with urllib.request.urlopen(base_url + "/metrics", timeout=timeout_s) as r:
+        text = r.read().decode()
+    samples = []
+    for m in re.finditer(r"^([A-Za-z_:][A-Za-z0-9_:]*)(?:\{([^}]*)\})? ([0-9.eE+-]+|NaN|[+-]Inf)$", text, re.M):
+        labels = dict(re.findall(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"', m.group(2) or ""))
+        samples.append((m.group(1), labels, float(m.group(3))))
+    return samples
+
+
+def metric_sum(samples: list[tuple[str, dict[str, str], float]], name: str, **labels: str) -> float:
+    """Sum of one metric's samples from :func:`scrape_metrics` whose labels include ``labels``
+    (0 if absent): a counter summed over engines."""
+    return sum(v for n, ls, v in samples if n == name and all(ls.get(k) == x for k, x in labels.items()))
