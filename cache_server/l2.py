@@ -110,13 +110,14 @@ class L2Tier:
     """The L2 tier of one server: a reader thread (promotions) and a writer thread
     (write-through and clears), each with its own client, both bounded by timeouts."""
 
-    def __init__(self, config: L2Config, observe: Callable[[str, float], None] | None = None) -> None:
+    def __init__(self, config: L2Config, observe: Callable[[str, float, int], None] | None = None) -> None:
         if config.secret is None:
             raise L2ConfigError("the L2 tier needs the servers' shared secret (--l2-secret-file)")
         self.config = config
         self._mac_key = mac_key(config.secret)
         self.counters = L2Counters()
-        self._observe = observe or (lambda op, seconds: None)
+        # (op, seconds, bytes moved) per round trip: the latency histogram and L2 throughput
+        self._observe = observe or (lambda op, seconds, nbytes: None)
         self._lock = threading.Lock()
         self._down_until = 0.0
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="glm-l2-reader")
@@ -283,7 +284,7 @@ class L2Tier:
             total += len(value)
             pipe.set(self.redis_key(key), value, ex=self.config.ttl_s)
         pipe.execute()
-        self._observe("set", time.perf_counter() - t0)
+        self._observe("set", time.perf_counter() - t0, total)
         with self._lock:
             self.counters.written_objects += len(items)
             self.counters.written_bytes += total
@@ -317,7 +318,7 @@ class L2Tier:
                     batch = []
             if batch:
                 removed += unlink(node, batch)
-        self._observe("clear", time.perf_counter() - t0)
+        self._observe("clear", time.perf_counter() - t0, 0)
         logger.info("L2: cleared %d keys matching %s", removed, pattern)
 
     # --- promotion ---------------------------------------------------------------------------
@@ -426,7 +427,7 @@ class L2Tier:
             for k in absent:
                 pipe.exists(self.redis_key(k))
             in_l2 = {k for k, e in zip(absent, pipe.execute()) if e}
-            self._observe("exists", time.perf_counter() - t0)
+            self._observe("exists", time.perf_counter() - t0, 0)
             depth = resume_depth(start, n, lambda i: all(k in store or k in in_l2 for k in attn[i]),
                                  (lambda i: all(k in store or k in in_l2 for k in state[i])) if with_state else None)
             if depth <= start:
@@ -444,7 +445,7 @@ class L2Tier:
                 for k in batch:
                     pipe.get(self.redis_key(k))
                 values = pipe.execute()
-                self._observe("get", time.perf_counter() - t0)
+                self._observe("get", time.perf_counter() - t0, sum(len(v) for v in values if v is not None))
                 for k, value in zip(batch, values):
                     if value is None:  # evicted from L2 since EXISTS: the resume point is gone
                         return

@@ -52,14 +52,16 @@ SERVED: dict[str, tuple[str, str]] = {
     "lmcache_mp_l2_prefetch_lookup_requests_total": ("glm_cache_l2_lookups_total", "equal (with --l2)"),
     "lmcache_mp_l2_prefetch_load_completed_chunks_total": ("glm_cache_l2_promoted_objects_total",
                                                            "equal (with --l2)"),
+    "lmcache_mp_l2_store_throughput_GB_per_second": (
+        "bytes / seconds of each L2 write batch (one pipelined round trip, glm_cache_l2_request_seconds{op=set})",
+        "histogram (with --l2)"),
+    "lmcache_mp_l2_load_throughput_GB_per_second": (
+        "bytes / seconds of each batch of a promotion's L2 reads (glm_cache_l2_request_seconds{op=get})",
+        "histogram (with --l2)"),
 }
 
 # LMCache names on its dashboard that we do not serve, and why.
 LEFT_OUT: dict[str, str] = {
-    "lmcache_mp_l2_store_throughput_GB_per_second (and _load_)": (
-        "a histogram of per-task GB/s; our L2 writer times each round trip "
-        "(glm_cache_l2_request_seconds{op=set}) but does not record its bytes per round trip, so "
-        "per-task throughput is not known; the dashboard plots rate(glm_cache_l2_written_bytes_total) instead"),
     "lmcache_mp_l0_l1_*_throughput_GB_per_second": ("GPU<->CPU copies happen in the engine's workers, not in "
                                                      "our server (vllm:glm_cache_loaded_bytes_total is the engine's)"),
     "lmcache_mp_num_chunks_loaded_total": "engine-side in LMCache; ours is vllm:glm_cache_loaded_objects_total",

@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from cache_server.lmcache_compat import LMCacheCollector, LookupTokens
+from cache_server.lmcache_compat import LMCacheCollector, LookupTokens, l2_name
 from cache_server.store import ObjectStore
 
 if TYPE_CHECKING:
@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 
 PREFIX = "glm_cache"
 L2_LATENCY_BUCKETS = (1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+L2_THROUGHPUT_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 25.0)  # GB/s
 
 # (status key, metric name, help) for the monotonic store counters.
 _COUNTERS = (
@@ -186,11 +187,26 @@ class ServerMetrics:
         """The label of ``namespace`` in this server's metrics (:func:`namespace_id`)."""
         return namespace_id(namespace, self._namespace_key)
 
-    def observe_l2(self) -> Callable[[str, float], None]:
-        """Register the L2 round-trip histogram; returns what the tier calls per round trip."""
+    def observe_l2(self, cluster: bool) -> Callable[[str, float, int], None]:
+        """Register the L2 round-trip histogram and, under LMCache's names, the L2 store and
+        load throughput (GB/s per round trip: one pipelined batch of writes, or of a
+        promotion's reads, is one of LMCache's L2 tasks); returns what the tier calls per
+        round trip with its op, seconds and bytes moved."""
         latency = Histogram(f"{PREFIX}_l2_request_seconds", "Time of one L2 round trip, by op (exists, get, set, "
                             "clear)", ["op"], registry=self.registry, buckets=L2_LATENCY_BUCKETS)
-        return lambda op, seconds: latency.labels(op=op).observe(seconds)
+        label = l2_name(cluster)
+        rate = {op: Histogram(f"lmcache_mp_l2_{kind}_throughput_GB_per_second",
+                              f"L2 {kind} throughput in GB/s per round trip (bytes / its time), as LMCache's "
+                              f"lmcache_mp.l2_{kind}_throughput", ["l2_name"], registry=self.registry,
+                              buckets=L2_THROUGHPUT_BUCKETS).labels(l2_name=label)
+                for op, kind in (("set", "store"), ("get", "load"))}
+
+        def observe(op: str, seconds: float, nbytes: int) -> None:
+            latency.labels(op=op).observe(seconds)
+            if op in rate and nbytes and seconds > 0:
+                rate[op].observe(nbytes / seconds / 1e9)
+
+        return observe
 
     def watch_l2(self, tier: L2Tier) -> None:
         """Export the tier's figures."""

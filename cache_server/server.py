@@ -477,7 +477,7 @@ def _make_l2(config: ServerConfig, metrics: ServerMetrics) -> Any:
     from cache_server.l2 import L2Config, L2Tier
 
     cfg = L2Config.from_url(config.l2_url, allow_debug=config.debug_fault_hooks, secret=config.l2_secret)
-    tier = L2Tier(cfg, observe=metrics.observe_l2())
+    tier = L2Tier(cfg, observe=metrics.observe_l2(cfg.cluster))
     metrics.watch_l2(tier)
     return tier
 

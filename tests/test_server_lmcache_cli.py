@@ -238,5 +238,12 @@ def test_lookup_hits_split_by_tier_with_l2():
                              ("glm_cache_l2_lookups_total", "lmcache_mp_l2_prefetch_lookup_requests_total"),
                              ("glm_cache_l2_promoted_objects_total", "lmcache_mp_l2_prefetch_load_completed_chunks_total")):
             assert m[f'{theirs}{{l2_name="resp"}}'] == m[ours] > 0, (ours, theirs)
+        # L2 throughput under LMCache's histogram names: one observation per write batch
+        # and per promotion read batch, GB/s = bytes / the round trip's time
+        for kind, op in (("store", "set"), ("load", "get")):
+            name = f"lmcache_mp_l2_{kind}_throughput_GB_per_second"
+            count = m[f'{name}_count{{l2_name="resp"}}']
+            assert count == m[f'glm_cache_l2_request_seconds_count{{op="{op}"}}'] > 0, kind
+            assert m[f'{name}_sum{{l2_name="resp"}}'] > 0
         l2 = http(s.http_url + "/status")[1]["storage_manager"]["l2_adapters"]
         assert l2 == [{"type": "resp", "is_healthy": True}]
