@@ -12,6 +12,11 @@ Which implementation serves the architecture is an explicit setting, ``GLM5NEXT_
 
 The choice is logged once per process at start-up.
 
+What the plugin serves: the text model and image inputs (its own vision tower,
+:mod:`glm5next_plugin.vision`, and an image-only prompt processor built on transformers' PIL
+image processor, :mod:`glm5next_plugin.multimodal`, so nothing needs torchvision); video
+inputs are refused with a message.
+
 What the plugin puts in vLLM's cache (what a KV connector sees):
 
 - one full-attention group for the sparse-MLA layers, one row per token
