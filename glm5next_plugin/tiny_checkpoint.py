@@ -39,6 +39,7 @@ CLI::
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import random
@@ -370,6 +371,29 @@ def mtp_state(state: dict[str, torch.Tensor], text_config) -> dict[str, torch.Te
     for i in range(n_layers, n_layers + n_mtp):
         for name, t in block.items():  # copies keep their dtype (the router bias stays fp32)
             out[f"{layers}{i}.{name}"] = t.clone().contiguous()
+    return out
+
+
+STAMP = ".tiny_checkpoint"  # in the checkpoint: the digest of the code that wrote it
+
+
+def _code_digest() -> str:
+    return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]
+
+
+def ensure_checkpoint(out_dir: str | Path, log=print) -> Path:
+    """The default tiny checkpoint at ``out_dir`` (the demo's, the notebooks', the
+    benchmarks'): written when missing, and written again when this module changed since
+    (a checkpoint from older code lacks what newer tests and demos use, e.g. the image
+    processor's config). Returns the path."""
+    out = Path(out_dir)
+    stamp = out / STAMP
+    if stamp.is_file() and stamp.read_text().strip() == _code_digest():
+        log(f"checkpoint: {out} (already there)")
+        return out
+    log(f"generating the tiny GLM-5.3-Flash checkpoint into {out} ...")
+    write_checkpoint(out)
+    stamp.write_text(_code_digest() + "\n")
     return out
 
 

@@ -47,14 +47,9 @@ def document(n_sentences: int, seed: int) -> str:
 
 
 def ensure_checkpoint(path: Path) -> Path:
-    if (path / "config.json").exists():
-        print(f"[1/5] checkpoint: {path} (already there)")
-        return path
-    print(f"[1/5] generating the tiny GLM-5.3-Flash checkpoint into {path} ...", flush=True)
-    from glm5next_plugin.tiny_checkpoint import write_checkpoint
+    from glm5next_plugin import tiny_checkpoint
 
-    write_checkpoint(path)
-    return path
+    return tiny_checkpoint.ensure_checkpoint(path, log=lambda line: print(f"[1/5] {line}", flush=True))
 
 
 def fmt_ms(seconds: float) -> str:
