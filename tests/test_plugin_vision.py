@@ -15,6 +15,7 @@ import torch
 from PIL import Image
 
 from glm5next_plugin import tiny_checkpoint
+from tests.engines import random_prompt
 
 # float32 on both sides; measured max |logit diff| 6.2e-4 (one position inside the second image;
 # median 3.5e-5) over the 153-token two-image prompt below.
@@ -28,10 +29,6 @@ BEGIN, IMAGE, END = 10, 14, 11  # <|begin_of_image|>, <|image|>, <|end_of_image|
 def _image(seed: int, width: int = 112, height: int = 112) -> Image.Image:
     rs = np.random.RandomState(seed)
     return Image.fromarray(rs.randint(0, 256, (height, width, 3), dtype=np.uint8))
-
-
-def _text(n: int, seed: int) -> list[int]:
-    return torch.randint(16, 512, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 @pytest.fixture(scope="module")
@@ -67,10 +64,10 @@ def _expand(ids: list[int], processor, images) -> tuple[list[int], dict]:
 
 
 def _prompt(prefix: int, seed: int, n_images: int = 1, suffix: int = 20) -> list[int]:
-    ids = _text(prefix, seed)
+    ids = random_prompt(prefix, seed)
     for i in range(n_images):
-        ids += [BEGIN, IMAGE, END] + (_text(5, seed + 100 + i) if i + 1 < n_images else [])
-    return ids + _text(suffix, seed + 1)
+        ids += [BEGIN, IMAGE, END] + (random_prompt(5, seed + 100 + i) if i + 1 < n_images else [])
+    return ids + random_prompt(suffix, seed + 1)
 
 
 # --- without vLLM ------------------------------------------------------------------------
@@ -286,6 +283,6 @@ def test_video_is_refused_clearly(llm):
     from vllm import SamplingParams
 
     video = np.zeros((4, 56, 56, 3), dtype=np.uint8)
-    prompt = {"prompt_token_ids": [12, IMAGE, 13] + _text(5, 9), "multi_modal_data": {"video": [video]}}
+    prompt = {"prompt_token_ids": [12, IMAGE, 13] + random_prompt(5, 9), "multi_modal_data": {"video": [video]}}
     with pytest.raises(Exception, match="video inputs are not supported"):
         llm.generate([prompt], SamplingParams(max_tokens=1), use_tqdm=False)

@@ -36,9 +36,8 @@ from testing.server_process import ServerProcess
 from validation.serving import VllmServer, chat, complete, connector_config
 
 CKPT = ROOT / "artifacts" / "glm5next-tiny"
-if not (CKPT / "config.json").exists():
-    from glm5next_plugin.tiny_checkpoint import write_checkpoint
-    write_checkpoint(CKPT)
+from glm5next_plugin.tiny_checkpoint import ensure_checkpoint
+ensure_checkpoint(CKPT)
 
 # Chunk == vLLM's unified block (128 for this checkpoint), as in production (1152 at TP 4).
 server = ServerProcess("--separate-object-groups", "--l1-size-gb", "2", "--chunk-size", "128").start()
@@ -224,6 +223,74 @@ assert all(0 < r.cached_tokens <= strict_hit(r.prompt_tokens) for r in reloaded_
 assert all(c.text == r.text for c, r in zip(cold_d, reloaded_d)), "a reloaded output with drafts differs from cold"
 assert np.array_equal(cold_d_lp, rel_d_lp), "a reloaded first-token log-prob with drafts differs from cold"
 drafts_engine.stop()
+'''),
+    ("markdown", """\
+## Images in the prompt
+
+The same engine, now with a picture in each prompt: the 16 prompts again, each with a
+random 112x112 picture (16 image tokens, through the plugin's vision tower) at the start of
+the system prompt, before the document. The picture is part of every chunk key from its
+first placeholder on: vLLM's block hashes name it and where it sits, and the connector also
+names its processed pixels, so a client-supplied media id never reaches another client's
+KV. Cold vs reloaded as above; then each question again with another picture under the
+same salt, which may resume only before the picture (here: nothing, it is in the first
+chunk)."""),
+    ("code", '''\
+import base64, io
+from PIL import Image
+
+def picture(seed, size=112):
+    r = random.Random(seed)
+    img = Image.frombytes("RGB", (size, size), bytes(r.randrange(256) for _ in range(size * size * 3)))
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()}}
+
+def with_picture(p, seed):  # the picture first, then the document, then the question
+    return [{"role": "system", "content": [picture(seed), {"type": "text", "text": p[0]["content"]}]}, p[1]]
+
+image_prompts = [with_picture(p, 100 + i) for i, p in enumerate(prompts)]
+cold_i = [chat(engine.base_url, p, max_tokens=16, cache_salt=f"cold-{uuid.uuid4().hex}") for p in image_prompts]
+salt_i = f"qa-images-{uuid.uuid4().hex[:8]}"
+for p in image_prompts:
+    chat(engine.base_url, p, max_tokens=16, cache_salt=salt_i)  # computed and stored
+reloaded_i, swapped_i = [], []
+for i, p in enumerate(image_prompts):
+    reset_local_cache()
+    reloaded_i.append(chat(engine.base_url, p, max_tokens=16, cache_salt=salt_i))
+    reset_local_cache()
+    swapped_i.append(chat(engine.base_url, with_picture(prompts[i], 900 + i), max_tokens=16, cache_salt=salt_i))
+cold_i_lp = np.array([c.token_logprobs[0] for c in cold_i])
+rel_i_lp = np.array([r.token_logprobs[0] for r in reloaded_i])
+table(["", "text", "image in the prompt"],
+      [("prompt tokens", f"{min(c.prompt_tokens for c in cold)}-{max(c.prompt_tokens for c in cold)}",
+        f"{min(c.prompt_tokens for c in cold_i)}-{max(c.prompt_tokens for c in cold_i)}"),
+       ("first-token log-prob exactly equal, cold vs reloaded", f"{exact_lp}/{len(cold)}",
+        f"{int(np.sum(cold_i_lp == rel_i_lp))}/{len(cold_i)}"),
+       ("generated tokens exactly equal, cold vs reloaded", f"{exact_tokens}/{len(cold)}",
+        f"{sum(c.text == r.text for c, r in zip(cold_i, reloaded_i))}/{len(cold_i)}"),
+       ("reloaded hit tokens (mean)", f"{np.mean(hits):.0f}", f"{np.mean([r.cached_tokens for r in reloaded_i]):.0f}"),
+       ("hit tokens with another picture, same salt (mean)", "-",
+        f"{np.mean([s.cached_tokens for s in swapped_i]):.0f}"),
+       ("the picture changes the first log-prob", "-",
+        f"{sum(a != b for a, b in zip(cold_lp, cold_i_lp))}/{len(cold_i)} prompts")])
+
+fig, ax = plt.subplots(figsize=(7, 3.5))
+ax.scatter(cold_lp, rel_lp, marker="o", label="text")
+ax.scatter(cold_i_lp, rel_i_lp, marker="^", s=50, label="image in the prompt")
+lo, hi = min(cold_lp.min(), cold_i_lp.min()) - 0.05, max(cold_lp.max(), cold_i_lp.max()) + 0.05
+ax.plot([lo, hi], [lo, hi], color="grey", linewidth=0.8)
+ax.set_xlabel("cold first-token log-prob")
+ax.set_ylabel("reloaded first-token log-prob")
+ax.set_title("Cold vs reloaded, text and image prompts (on the diagonal: equal)")
+ax.legend()
+plt.tight_layout()
+plt.show()
+assert all(c.cached_tokens == 0 for c in cold_i), "a cold run was served from a cache"
+assert all(0 < r.cached_tokens <= strict_hit(r.prompt_tokens) for r in reloaded_i), "hit outside the strict prefix"
+assert all(c.text == r.text for c, r in zip(cold_i, reloaded_i)), "a reloaded image prompt's output differs from cold"
+assert np.array_equal(cold_i_lp, rel_i_lp), "a reloaded image prompt's first-token log-prob differs from cold"
+assert all(s.cached_tokens < r.cached_tokens for s, r in zip(swapped_i, reloaded_i)), "another picture resumed past it"
 '''),
     ("code", TEARDOWN),
 ]
