@@ -5,8 +5,8 @@ module's real server. Each prompt is computed cold (under a salt of its own), th
 vLLM's local prefix cache is reset, reloaded under the shared salt's saved objects: the
 reload resumes at the strict prefix when the image is the same one at the same place, and
 its greedy tokens equal the cold run's. A resume point before, inside and after the image's
-placeholders is each tested (inside: vLLM runs the encoder again and the model takes the
-embeddings from the resume point on). Another image, or the same image one token later,
+placeholders is each tested (inside: with vLLM's encoder cache reset too, the vision tower
+runs again and the model takes the embeddings from the resume point on). Another image, or the same image one token later,
 resumes only at the chunks before the image."""
 
 from __future__ import annotations
@@ -62,11 +62,19 @@ def _span(prompt: list[int]) -> tuple[int, int]:
     return at[0], at[-1] + 1
 
 
+def _reset_local(llm):
+    """vLLM's local prefix cache and its encoder cache: a reload takes KV only from the
+    server, and image embeddings it needs (a resume point inside an image) only from
+    running the vision tower again."""
+    llm.reset_prefix_cache()
+    llm.llm_engine.engine_core.reset_encoder_cache()
+
+
 def _cold_then_reloaded(llm, ids, image, salt):
     cold = _run(llm, ids, image, f"{salt}-cold")
     saved = _run(llm, ids, image, salt)  # computes it under the shared salt and saves it
     assert saved[0] == cold[0]
-    llm.reset_prefix_cache()
+    _reset_local(llm)
     return cold, _run(llm, ids, image, salt)
 
 
@@ -90,17 +98,17 @@ def test_another_image_or_place_resumes_only_before_the_image(llm):
     ids = _prompt(C + 40, 500, seed=7)
     _, (_, hit, prompt) = _cold_then_reloaded(llm, ids, _image(2), "swap")
     assert hit == C * ((len(prompt) - 1) // C)  # the same image and place: the strict prefix
-    llm.reset_prefix_cache()
+    _reset_local(llm)
     cold_other = _run(llm, ids, _image(3), "swap-other-cold")[0]
-    llm.reset_prefix_cache()
+    _reset_local(llm)
     tokens, hit, _ = _run(llm, ids, _image(3), "swap")
     assert hit == C  # chunk 0 is text only; from the image's chunk on, the keys name the pixels
     assert tokens == cold_other
     moved = _prompt(C + 41, 499, seed=7)  # the same text, the image one token later
     assert moved[:C + 40] == ids[:C + 40] and moved[C + 41] == BOI
-    llm.reset_prefix_cache()
+    _reset_local(llm)
     cold_moved = _run(llm, moved, _image(2), "swap-moved-cold")[0]
-    llm.reset_prefix_cache()
+    _reset_local(llm)
     tokens, hit, _ = _run(llm, moved, _image(2), "swap")
     assert hit == C
     assert tokens == cold_moved
