@@ -9,7 +9,17 @@ evaluates every panel's PromQL over the scraped samples with the small evaluator
 (selectors, rate/increase, sum/max/min by, histogram_quantile, arithmetic: what the
 dashboard uses) and plots them with matplotlib::
 
-    python validation/render_dashboard.py --out docs/dashboards/glm-cache-server.png
+    python validation/render_dashboard.py --with-engine --out docs/dashboards/glm-cache-server.png
+
+``--with-engine`` also starts one ``vllm serve`` of the tiny checkpoint (``artifacts/glm5next-tiny``,
+generated if missing) with GlmCacheConnector on the same server (chunk 128 = its block, a local
+KV pool of ``--num-gpu-blocks-override 40`` blocks, ~1.8 documents, so vLLM's own prefix cache
+cannot keep them) and, once it is ready, sends it long-document prompts for the same
+``--seconds``: ``--docs`` live documents of ``--doc-tokens`` random token ids, asked in turn with
+a fresh 16-token question each, each document retired after ``--asks`` questions and replaced by
+a new one. The first question of a document is computed and saved; the later ones load it back
+from the server (L1, or L2 after the half-way L1 clear). The engine's /metrics is scraped with
+the server's (the ``Engine`` row). About 100 s on 2 cores (30 s of it vllm serve starting).
 
 The picture is of scraped samples, not of Grafana; ``$__rate_interval`` is ``--window-s``.
 """
@@ -297,6 +307,35 @@ def drive(server: ServerProcess, stop: threading.Event, seconds: float, seed: in
     return dict(counts)
 
 
+def drive_engine(base_url: str, stop: threading.Event, seconds: float, doc_tokens: int, live: int, asks: int,
+                 seed: int = 1) -> dict[str, int]:
+    """Long-document questions through ``vllm serve``: ``live`` documents of ``doc_tokens`` random
+    token ids asked round robin, each question a fresh 16-token suffix and 4 generated tokens;
+    a document asked ``asks`` times is replaced by a new one (so saves go on as loads do)."""
+    from validation.serving import complete
+
+    rng = random.Random(seed)
+    counts: dict[str, int] = defaultdict(int)
+    docs = [[[rng.randrange(16, 500) for _ in range(doc_tokens)], 0] for _ in range(live)]
+    t0 = time.monotonic()
+    i = 0
+    while not stop.is_set() and time.monotonic() - t0 < seconds:
+        doc = docs[i % live]
+        if doc[1] >= asks:
+            doc[:] = [[rng.randrange(16, 500) for _ in range(doc_tokens)], 0]
+            counts["documents"] += 1
+        question = [rng.randrange(16, 500) for _ in range(16)]
+        r = complete(base_url, doc[0] + question, max_tokens=4, timeout_s=120)
+        doc[1] += 1
+        counts["requests"] += 1
+        counts["prompt_tokens"] += r.prompt_tokens
+        counts["cached_tokens"] += r.cached_tokens
+        i += 1
+        time.sleep(0.2)
+    counts["documents"] += live
+    return dict(counts)
+
+
 # --- plotting -------------------------------------------------------------------------------
 
 
@@ -314,7 +353,30 @@ def panels() -> list[dict]:
     return out
 
 
-def render(scrapes: list[tuple[float, dict]], out: Path, window_s: float, note: str) -> None:
+def byte_axis(ax, unit: str) -> None:
+    """A byte axis in the binary unit its top calls for (KiB under 2 MiB, ...), ticked at round
+    numbers of that unit, as Grafana's ``bytes`` unit is."""
+    from matplotlib.ticker import FixedLocator, FuncFormatter, MaxNLocator
+
+    lo, hi = ax.get_ylim()
+    top = max(abs(lo), abs(hi))
+    div, name = next(((d, n) for d, n in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")) if top >= 2 * d), (1, "B"))
+    ticks = [t * div for t in MaxNLocator(nbins=6).tick_values(lo / div, hi / div) if lo <= t * div <= hi]
+    ax.yaxis.set_major_locator(FixedLocator(ticks))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v / div:g} {name}" + ("/s" if unit == "Bps" else "")))
+    ax.set_ylim(lo, hi)
+
+
+# what a panel that stays at 0 means (said under its title rather than left to look broken)
+FLAT = {
+    "Engine failures": "0 throughout: no load or save failed in this run (no fault was injected)",
+    "L2 trouble": "0 throughout: no L2 write was dropped and L2 never erred in this run",
+}
+
+
+def render(scrapes: list[tuple[float, dict]], out: Path, window_s: float, note: str,
+           subtitles: dict[str, str] | None = None) -> None:
+    """``subtitles``: a line to print under a panel's title, by title."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -336,7 +398,7 @@ def render(scrapes: list[tuple[float, dict]], out: Path, window_s: float, note: 
     heights = [0.22 if kind == "head" else 1.0 for kind, _ in slots]
     fig = plt.figure(figsize=(15, 3.3 * sum(heights)))
     grid = fig.add_gridspec(len(slots), 2, height_ratios=heights, hspace=0.8, wspace=0.18,
-                            top=1 - 0.9 / (3.3 * sum(heights)), bottom=0.01)
+                            top=1 - (0.45 + 0.2 * (note.count("\n") + 2)) / (3.3 * sum(heights)), bottom=0.01)
     t0 = scrapes[0][0]
     times = [t - t0 for t, _ in scrapes]
     placed = []
@@ -350,6 +412,7 @@ def render(scrapes: list[tuple[float, dict]], out: Path, window_s: float, note: 
     for ax, p in placed:
         unit = p.get("fieldConfig", {}).get("defaults", {}).get("unit", "short")
         drawn = 0
+        peak = 0.0
         for target in p["targets"]:
             q = Query(target["expr"], window_s)
             series: dict[Labels, list[float]] = defaultdict(lambda: [math.nan] * len(scrapes))
@@ -364,19 +427,28 @@ def render(scrapes: list[tuple[float, dict]], out: Path, window_s: float, note: 
                     continue
                 ax.plot(times, ys, label=legend(target.get("legendFormat", ""), labels), linewidth=1.4)
                 drawn += 1
-        ax.set_title(p["title"], fontsize=10)
+                peak = max([peak] + [abs(y) for y in ys if not math.isnan(y)])
+        sub = (subtitles or {}).get(p["title"])
+        if drawn and peak == 0:
+            sub = FLAT.get(p["title"], "0 throughout: the event never happened in this run")
+        if sub:
+            ax.set_title(p["title"] + "\n", fontsize=10)
+            ax.text(0.5, 1.02, sub, ha="center", va="bottom", fontsize=7.5, color="dimgray", style="italic",
+                    transform=ax.transAxes)
+        else:
+            ax.set_title(p["title"], fontsize=10)
         ax.tick_params(labelsize=8)
         ax.set_xlabel("s", fontsize=8)
         if unit == "percentunit":
             ax.yaxis.set_major_formatter(PercentFormatter(1.0))
         elif unit in ("bytes", "Bps"):
-            ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v / 2**20:.0f} MiB" + ("/s" if unit == "Bps" else "")))
+            byte_axis(ax, unit)
         elif unit == "s":
             ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v * 1e3:.2g} ms"))
         if drawn:
             ax.legend(fontsize=7, loc="upper left")
         else:
-            ax.text(0.5, 0.5, "no samples in this run" + (" (needs vllm serve: --engine-metrics)"
+            ax.text(0.5, 0.5, "no samples in this run" + (" (needs vllm serve: --with-engine or --engine-metrics)"
                                                           if any("vllm:" in t["expr"] for t in p["targets"]) else ""),
                     ha="center", va="center", fontsize=9, color="gray", transform=ax.transAxes)
         ax.grid(alpha=0.3)
@@ -395,6 +467,15 @@ def main() -> None:
     ap.add_argument("--l1-size-gb", default="0.03")
     ap.add_argument("--engine-metrics", default=None, help="an engine's /metrics URL to scrape too")
     ap.add_argument("--no-l2", action="store_true")
+    ap.add_argument("--with-engine", action="store_true",
+                    help="also run vllm serve (tiny checkpoint, GlmCacheConnector on this server) and send it traffic")
+    ap.add_argument("--checkpoint", default=str(ROOT / "artifacts" / "glm5next-tiny"))
+    ap.add_argument("--blocks", type=int, default=40, help="the engine's local KV pool (--num-gpu-blocks-override)")
+    ap.add_argument("--doc-tokens", type=int, default=2500, help="the engine's documents' length in tokens")
+    ap.add_argument("--docs", type=int, default=4, help="documents the engine is asked about at a time")
+    ap.add_argument("--asks", type=int, default=3, help="questions per document before a new one replaces it")
+    ap.add_argument("--chunk-size", type=int, default=None,
+                    help="the server's --chunk-size (default 128 with --with-engine, the engine's block; else 256)")
     ap.add_argument("--dump", default=None, help="also write the scraped samples (JSON) here")
     ap.add_argument("--load", default=None, help="render samples written by --dump instead of running")
     args = ap.parse_args()
@@ -402,12 +483,17 @@ def main() -> None:
         saved = json.loads(Path(args.load).read_text())
         scrapes = [(t, {n: {frozenset(map(tuple, labels)): v for labels, v in series} for n, series in sample.items()})
                    for t, sample in saved["scrapes"]]
-        render(scrapes, Path(args.out), args.window_s, saved["note"])
+        render(scrapes, Path(args.out), args.window_s, saved["note"], saved.get("subtitles"))
         print(f"wrote {args.out} from {args.load}")
         return
     redis = None
+    engine = None
     extra = []
     scrapes: list[tuple[float, dict]] = []
+    result: dict[str, int] = {}
+    engine_result: dict[str, int] = {}
+    chunk = args.chunk_size or (128 if args.with_engine else 256)
+    t_start = time.monotonic()
     try:
         if not args.no_l2 and store_binaries() is not None:
             redis = RedisNodes(1, cluster=False, maxmemory_mb=128).start()
@@ -415,12 +501,27 @@ def main() -> None:
             secret.write_text("render-dashboard-l2-secret-0123456789abcdef\n")
             secret.chmod(0o600)
             extra = ["--l2", redis.url, "--l2-secret-file", str(secret)]
-        with ServerProcess("--separate-object-groups", "--chunk-size", "256", "--l1-size-gb", args.l1_size_gb,
+        with ServerProcess("--separate-object-groups", "--chunk-size", str(chunk), "--l1-size-gb", args.l1_size_gb,
                            *extra) as server:
+            if args.with_engine:
+                from glm5next_plugin.tiny_checkpoint import ensure_checkpoint
+                from validation.serving import VllmServer, connector_config
+
+                ckpt = ensure_checkpoint(Path(args.checkpoint))
+                engine = VllmServer(ckpt, "--enforce-eager", "--max-num-batched-tokens", "2048",
+                                    "--num-gpu-blocks-override", str(args.blocks),
+                                    kv_transfer_config=connector_config(server.url), max_model_len=4096,
+                                    env={"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"})
+                engine.start()
+                print(f"  vllm serve log: {engine.log_path}", flush=True)
+                args.engine_metrics = engine.base_url + "/metrics"
             stop = threading.Event()
-            result: dict[str, int] = {}
-            worker = threading.Thread(target=lambda: result.update(drive(server, stop, args.seconds)), daemon=True)
-            worker.start()
+            workers = [threading.Thread(target=lambda: result.update(drive(server, stop, args.seconds)), daemon=True)]
+            if engine is not None:
+                workers.append(threading.Thread(target=lambda: engine_result.update(drive_engine(
+                    engine.base_url, stop, args.seconds, args.doc_tokens, args.docs, args.asks)), daemon=True))
+            for w in workers:
+                w.start()
             t_end = time.monotonic() + args.seconds + args.scrape_s
             while time.monotonic() < t_end:
                 sample = scrape(server.http_url + "/metrics")
@@ -430,19 +531,39 @@ def main() -> None:
                 scrapes.append((time.monotonic(), sample))
                 time.sleep(args.scrape_s)
             stop.set()
-            worker.join(30)
+            for w in workers:
+                w.join(130)
     finally:
+        if engine is not None:
+            engine.stop()
         if redis is not None:
             redis.stop()
-    note = (f"{args.seconds:.0f} s of multi-turn conversations through CacheClient, L1 {args.l1_size_gb} GB"
-            f"{', L2: one Redis node' if extra else ', no L2'}, L1-only clear half-way; scraped every "
-            f"{args.scrape_s:g} s, rate window {args.window_s:g} s; {result.get('lookups', 0)} lookups, "
+    note = (f"{args.seconds:.0f} s scraped every {args.scrape_s:g} s, rate window {args.window_s:g} s; "
+            f"glm-cache-server: L1 {args.l1_size_gb} GB{', L2: one Redis node' if extra else ', no L2'}, "
+            f"L1-only clear half-way\nCacheClient multi-turn conversations: {result.get('lookups', 0)} lookups, "
             f"{result.get('puts', 0)} puts")
+    subtitles = {}
+    if engine is not None:
+        r = engine_result
+        last = scrapes[-1][1] if scrapes else {}
+
+        def total(name: str) -> float:
+            return sum(last.get(name, {}).values())
+        note += (f"\nvllm serve (tiny checkpoint, GlmCacheConnector, local pool {args.blocks} blocks of 128): "
+                 f"{r.get('requests', 0)} questions on {r.get('documents', 0)} documents of {args.doc_tokens} tokens "
+                 f"({args.docs} at a time, {args.asks} each)\nof its {total('vllm:prompt_tokens_total'):.0f} "
+                 f"prompt tokens {total('vllm:external_prefix_cache_hits_total'):.0f} loaded from glm-cache-server, "
+                 f"{total('vllm:prefix_cache_hits_total'):.0f} from its own prefix cache; "
+                 f"{total('vllm:glm_cache_loaded_bytes_total') / 2**20:.1f} MiB loaded, "
+                 f"{total('vllm:glm_cache_saved_bytes_total') / 2**20:.1f} MiB saved")
+        subtitles["Objects: server served vs engine loaded"] = (
+            "server served includes the CacheClient traffic's gets; the engine's loads are its own")
     if args.dump:
-        Path(args.dump).write_text(json.dumps({"note": note, "scrapes": [
+        Path(args.dump).write_text(json.dumps({"note": note, "subtitles": subtitles, "scrapes": [
             (t, {n: [(sorted(labels), v) for labels, v in series.items()] for n, series in sample.items()})
             for t, sample in scrapes]}))
-    render(scrapes, Path(args.out), args.window_s, note)
+    render(scrapes, Path(args.out), args.window_s, note, subtitles)
+    print(f"{time.monotonic() - t_start:.0f} s in all; engine: {engine_result}")
     print(f"wrote {args.out}: {len(scrapes)} scrapes; {note}")
 
 
