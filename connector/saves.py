@@ -58,7 +58,7 @@ class SavePlanner:
         chunk has its key once the tokens after it are known)."""
         req = state.request
         limit = req.num_tokens if self._save_decode else req.num_prompt_tokens
-        cap = request_params(req.kv_transfer_params)[0]  # LMCache's lmcache.max_offload_tokens
+        cap = request_params(getattr(req, "kv_transfer_params", None))[0]  # LMCache's lmcache.max_offload_tokens
         if cap is not None:
             limit = min(limit, cap)
         n = min(computed, limit) // self._geometry().chunk_size
