@@ -137,7 +137,6 @@ def translate(extra: Mapping[str, Any]) -> dict[str, Any]:
 # Per-request keys (kv_transfer_params) of LMCache's connector.
 MAX_OFFLOAD_TOKENS = "lmcache.max_offload_tokens"
 SKIP_LOAD = "lmcache.skip_load"
-_UNHONOURED_PARAMS = ("lmcache.token_drop", "lmcache.hint.engine_computed_tokens")
 
 
 def request_params(params: Mapping[str, Any] | None) -> tuple[int | None, bool, list[str]]:
@@ -145,8 +144,8 @@ def request_params(params: Mapping[str, Any] | None) -> tuple[int | None, bool, 
     ``kv_transfer_params``. A malformed value is not honoured (listed) rather than guessed."""
     if not params:
         return None, False, []
-    unhonoured = [k for k in params if str(k).startswith("lmcache.")
-                  and (k in _UNHONOURED_PARAMS or k not in (MAX_OFFLOAD_TOKENS, SKIP_LOAD))]
+    # every other lmcache.* key (lmcache.token_drop, lmcache.hint.engine_computed_tokens, ...)
+    unhonoured = [k for k in params if str(k).startswith("lmcache.") and k not in (MAX_OFFLOAD_TOKENS, SKIP_LOAD)]
     cap = None
     if MAX_OFFLOAD_TOKENS in params:
         try:
