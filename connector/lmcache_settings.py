@@ -20,6 +20,7 @@ lookup); the others are logged and not honoured (:func:`request_params`).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -139,21 +140,44 @@ MAX_OFFLOAD_TOKENS = "lmcache.max_offload_tokens"
 SKIP_LOAD = "lmcache.skip_load"
 
 
-def request_params(params: Mapping[str, Any] | None) -> tuple[int | None, bool, list[str]]:
+# A cap beyond this many tokens caps nothing (no prompt is longer); bigger values are clamped.
+MAX_TOKENS = 1 << 40
+_MAX_TEXT = 32  # longer strings are not a number or a boolean of ours
+
+
+def token_count(value: Any) -> int | None:
+    """A client's token count as a non-negative int (clamped to :data:`MAX_TOKENS`), or None
+    where it is not one: a bool, an infinity or NaN, a fraction, a negative number, a
+    string that is not a short decimal integer, or any other type. Never raises."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, str) and len(value) <= _MAX_TEXT and value.strip().isdigit():
+        value = int(value.strip())
+    if isinstance(value, float):
+        if not math.isfinite(value) or not value.is_integer():
+            return None
+        value = int(value)
+    if not isinstance(value, int) or value < 0:
+        return None
+    return min(value, MAX_TOKENS)
+
+
+def request_params(params: Any) -> tuple[int | None, bool, list[str]]:
     """``(max_offload_tokens, skip_load, keys not honoured)`` of a request's
-    ``kv_transfer_params``. A malformed value is not honoured (listed) rather than guessed."""
+    ``kv_transfer_params``. A malformed value is not honoured (listed) rather than guessed;
+    nothing here raises on what a client sends (a non-mapping is itself not honoured)."""
     if not params:
         return None, False, []
+    if not isinstance(params, Mapping):
+        return None, False, ["kv_transfer_params"]
     # every other lmcache.* key (lmcache.token_drop, lmcache.hint.engine_computed_tokens, ...)
-    unhonoured = [k for k in params if str(k).startswith("lmcache.") and k not in (MAX_OFFLOAD_TOKENS, SKIP_LOAD)]
+    unhonoured = [k for k in params
+                  if isinstance(k, str) and k.startswith("lmcache.") and k not in (MAX_OFFLOAD_TOKENS, SKIP_LOAD)]
     cap = None
     if MAX_OFFLOAD_TOKENS in params:
-        try:
-            cap = int(params[MAX_OFFLOAD_TOKENS])
-            if cap < 0:
-                raise ValueError
-        except (TypeError, ValueError):
-            cap = None
+        cap = token_count(params[MAX_OFFLOAD_TOKENS])
+        if cap is None:
             unhonoured.append(MAX_OFFLOAD_TOKENS)
-    skip = params.get(SKIP_LOAD) is True or str(params.get(SKIP_LOAD)).lower() == "true"
+    skip = params.get(SKIP_LOAD)
+    skip = skip is True or (isinstance(skip, str) and len(skip) <= _MAX_TEXT and skip.strip().lower() == "true")
     return cap, skip, unhonoured

@@ -29,7 +29,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from blake3 import blake3
@@ -112,13 +114,88 @@ def feature_digest(feature: Any) -> bytes:
     return h.digest()
 
 
+@dataclass(frozen=True)
+class MediaItem:
+    """One multimodal item of a request: where its placeholders lie, vLLM's identifier for
+    it (what vLLM's prefix and encoder caches are keyed by: a client's uuid verbatim, or a
+    digest of the media) and our digest of what the encoder reads."""
+
+    index: int  # in request.mm_features
+    offset: int
+    length: int
+    identifier: str
+    digest: bytes
+
+
+def request_items(request: Any) -> list[MediaItem]:
+    """The request's media items in prompt order (empty for a text request); raises
+    :class:`MediaUnnamed`."""
+    items = []
+    for i, f in enumerate(getattr(request, "mm_features", None) or ()):
+        pos = f.mm_position
+        items.append(MediaItem(i, int(pos.offset), int(pos.length), str(f.identifier), feature_digest(f)))
+    return sorted(items, key=lambda it: it.offset)
+
+
 def request_media(request: Any) -> list[tuple[int, bytes]]:
     """``(first placeholder position, digest)`` of each of the request's media items, in
     prompt order (empty for a text request); raises :class:`MediaUnnamed`."""
-    items = []
-    for f in getattr(request, "mm_features", None) or ():
-        items.append((int(f.mm_position.offset), feature_digest(f)))
-    return sorted(items, key=lambda x: x[0])
+    return [(it.offset, it.digest) for it in request_items(request)]
+
+
+class MediaLedger:
+    """Which content vLLM's own caches may hold under each media identifier, as far as this
+    engine's scheduler has seen.
+
+    vLLM keys its prefix cache (block hashes carry ``("mm", identifier, offset)``) and its
+    encoder cache by the item's identifier, which is a client's ``multi_modal_uuids`` entry
+    verbatim when one is given. A client can therefore send image A under image B's
+    identifier, and a later request for B (no uuid) then computes from A's embeddings or
+    resumes from A's rows on this engine. Rows or embeddings enter those caches under an
+    identifier only by an encoding the scheduler schedules (``scheduled_encoder_inputs``:
+    the worker runs the vision tower on that request's own pixels) or by a load of ours;
+    the ledger records the digest of the pixels behind each. An identifier seen with one
+    digest only vouches for that digest; seen with two, or with pixels the scheduler could
+    not read, it vouches for nothing, for good (a poisoned identifier costs caching on this
+    engine, never correctness). Bounded: the least recently recorded identifiers are
+    forgotten, and a forgotten identifier vouches for nothing."""
+
+    def __init__(self, capacity: int = 1 << 16) -> None:
+        self._capacity = capacity
+        self._seen: OrderedDict[str, bytes | None] = OrderedDict()  # None: poisoned
+
+    def record(self, identifier: str, digest: bytes | None) -> None:
+        if identifier in self._seen:
+            if self._seen[identifier] != digest:
+                self._seen[identifier] = None
+            self._seen.move_to_end(identifier)
+            return
+        self._seen[identifier] = digest
+        while len(self._seen) > self._capacity:
+            self._seen.popitem(last=False)
+
+    def vouches(self, item: MediaItem) -> bool:
+        return self._seen.get(item.identifier) == item.digest
+
+    def __len__(self) -> int:
+        return len(self._seen)
+
+
+def unvouched_from(items: Sequence[MediaItem], ledger: MediaLedger, reached: int, local_tokens: int,
+                   loaded_tokens: int) -> int | None:
+    """The first placeholder position of an item the request has reached (``reached``
+    tokens computed) whose rows or embeddings may come from vLLM's caches under an
+    identifier the ledger does not vouch for, or None. Items whose rows all came from the
+    server (after vLLM's local hit, before the load's resume point) are the server's own,
+    named by content: they need no voucher."""
+    limit = None
+    for it in items:
+        if it.offset >= reached:
+            break
+        from_server = local_tokens <= it.offset and it.offset + it.length <= loaded_tokens
+        if not from_server and not ledger.vouches(it):
+            limit = it.offset if limit is None else min(limit, it.offset)
+    return limit
 
 
 def media_keys(keys: Sequence[bytes], media: Sequence[tuple[int, bytes]], chunk_size: int,

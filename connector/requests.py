@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from vllm.v1.request import Request
 
+    from connector.media import MediaItem
     from connector.remote import LookupAnswer
 
 
@@ -61,6 +62,19 @@ class RequestState:
     # they reach (connector.media); None until named (or for a text request), [] where the
     # keys are vLLM's block hashes as they are (trust_media_ids).
     media: list[tuple[int, bytes]] | None = None
+    media_items: list[MediaItem] = field(default_factory=list)  # the same items, with vLLM's identifiers
+    # Saves stop at this token: before an image whose rows or embeddings vLLM's caches may
+    # hold under another content's identifier (connector.media.MediaLedger); None: no limit.
+    media_limit: int | None = None
+    # vLLM's local prefix hit when it last asked about the request (its admission's).
+    local_tokens: int = 0
+    # The request's kv_transfer_params, read once (connector.lmcache_settings.request_params).
+    params_read: bool = False
+    offload_cap: int | None = None  # lmcache.max_offload_tokens
+    skip_load: bool = False  # lmcache.skip_load
+    # Why this request is served without the external cache after handling its data
+    # raised (None: it is not); it is then never looked up, loaded or saved again.
+    bypass: str | None = None
     # Saves: from the first allocation on (``scheduled``).
     scheduled: bool = False
     saved_chunks: int = 0  # attention chunks [0, saved_chunks) are saved or on the server
@@ -69,6 +83,11 @@ class RequestState:
     save_retries: int = 0  # corrections of failed saves so far
     resave_at: float = 0.0  # when the holes may be saved again (monotonic time)
     saves_given_up: bool = False
+
+    def save_limit(self) -> int | None:
+        """Saves never reach past this token (the client's cap, an image not vouched for)."""
+        limits = [x for x in (self.offload_cap, self.media_limit) if x is not None]
+        return min(limits) if limits else None
 
     def keys_for(self, chunk_size: int) -> list[bytes]:
         """The request's key list for ``chunk_size`` (a new server's chunk size starts a

@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING
 
 from connector.config import logger
 from connector.keys import parent_of
-from connector.lmcache_settings import request_params
 from connector.metadata import TRANSIENT_SAVE_FAILURES, ObjectMove, SaveFailure
 
 if TYPE_CHECKING:
@@ -53,12 +52,13 @@ class SavePlanner:
 
     def cacheable_chunks(self, state: RequestState, computed: int) -> int:
         """Whole chunks of this request that may be saved once ``computed`` tokens exist
-        (at most the request's ``lmcache.max_offload_tokens``, in ``kv_transfer_params``)
-        and have keys (vLLM hashes a block once it is full; with a drafter's lookahead, a
+        (at most the request's ``lmcache.max_offload_tokens``, in ``kv_transfer_params``,
+        and never past an image whose rows vLLM's caches may hold under another content's
+        identifier: :class:`connector.media.MediaLedger`) and have keys (vLLM hashes a block once it is full; with a drafter's lookahead, a
         chunk has its key once the tokens after it are known)."""
         req = state.request
         limit = req.num_tokens if self._save_decode else req.num_prompt_tokens
-        cap = request_params(getattr(req, "kv_transfer_params", None))[0]  # LMCache's lmcache.max_offload_tokens
+        cap = state.save_limit()  # LMCache's lmcache.max_offload_tokens; an image not vouched for
         if cap is not None:
             limit = min(limit, cap)
         n = min(computed, limit) // self._geometry().chunk_size
@@ -121,9 +121,9 @@ class SavePlanner:
         if hit.start_chunk == local // C and hit.start_state:
             return []  # the lookup started there and found the states present: nothing lost
         k = local // C
-        keys = self._keys(state, k)
-        if len(keys) < k:
-            return []  # its key is not known yet (a drafter's lookahead past the prompt)
+        if self.cacheable_chunks(state, local) < k:
+            return []  # past the client's cap or an image not vouched for, or no key yet
+        keys = state.keys
         moves = []
         for g in geo.state_groups:
             blk = blocks.blocks[g.vllm_group][local // g.block_size - 1]

@@ -43,7 +43,8 @@ the server returns is valid for the drafter.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from connector.config import (
     SchedulerBlockAligner,
@@ -63,7 +64,7 @@ from connector.keys import (
     uncacheable_reason,
 )
 from connector.lmcache_settings import request_params
-from connector.media import MediaUnnamed, media_identity, request_media
+from connector.media import MediaLedger, MediaUnnamed, media_identity, request_items, unvouched_from
 from connector.metadata import GlmConnectorMetadata, GlmWorkerMeta, LoadJob, ObjectMove
 from connector.remote import LookupAnswer, RemoteCache
 from connector.requests import Hit, Lookup, Requests, RequestState
@@ -83,6 +84,13 @@ if TYPE_CHECKING:
 # to hash; a probe hashes one chunk on the scheduler thread (microseconds) and costs one
 # small lookup (about 0.4 ms) on the lookup thread.
 PROBE_MIN_CHUNKS = 4
+
+# Distinct unhonoured kv_transfer_params names said in the log (clients choose them).
+MAX_WARNED_PARAMS = 32
+# A request whose data raised in a hook is logged at most once this often (per hook).
+ERROR_LOG_INTERVAL_S = 60.0
+
+_T = TypeVar("_T")
 
 # How long an answer given to vLLM stays good for the same request asking again without
 # having been allocated (its lease keeps the objects meanwhile; the server's TTL is 60 s).
@@ -134,7 +142,10 @@ class SchedulerSide:
         self._requests = Requests()
         self._pending_loads: list[LoadJob] = []
         self._pending_saves: list[ObjectMove] = []
-        self._warned_params: set[str] = set()  # kv_transfer_params keys said to be ignored
+        self._warned_params: set[str] = set()  # kv_transfer_params keys said to be ignored (bounded)
+        self._error_logged_at: dict[str, float] = {}  # where -> when a request error was last logged
+        self._errors_unlogged: dict[str, int] = {}  # where -> errors since that line
+        self._media_ledger = MediaLedger()  # what vLLM's caches hold under each media identifier
         self._logged_uncacheable: set[str] = set()
         self._saves = SavePlanner(lambda: self._geometry, self._keys_of, lambda: self.kv_cache_manager,
                                   settings.save_decode)
@@ -226,7 +237,9 @@ class SchedulerSide:
         reason = uncacheable_reason(request, keys_name_media=self.keys.scheme.span is not None)
         if reason is None and state.media is None and getattr(request, "mm_features", None):
             try:  # trusted ids: vLLM's block hashes name the images as they are
-                state.media = [] if self._trust_media_ids else request_media(request)
+                if not self._trust_media_ids:
+                    state.media_items = request_items(request)
+                state.media = [(it.offset, it.digest) for it in state.media_items]
             except MediaUnnamed as e:
                 reason = f"multimodal inputs whose pixels cannot be named ({e})"
         if reason is None:
@@ -241,28 +254,65 @@ class SchedulerSide:
             )
         return True
 
-    def _request_params(self, request: Request) -> bool:
-        """Read a request's ``kv_transfer_params``; True if it asks not to load
-        (LMCache's ``lmcache.skip_load``). Strict prefix is operator policy: an API client
-        must not be able to turn it off (and, with decode saves, store wrong states under
-        shared keys). A request asking for it, or for an LMCache per-request setting this
-        connector does not honour, is served without it; each is said once, so a client
-        relying on it learns why."""
-        params = request.kv_transfer_params or {}
-        _, skip_load, unhonoured = request_params(params)
-        if "glm_strict_prefix" in params:
+    def _read_params(self, state: RequestState) -> None:
+        """Read a request's ``kv_transfer_params`` once into its record: LMCache's
+        ``lmcache.max_offload_tokens`` (saves stop there) and ``lmcache.skip_load`` (no
+        lookup). Strict prefix is operator policy: an API client must not be able to turn
+        it off (and, with decode saves, store wrong states under shared keys). A request
+        asking for it, or for an LMCache per-request setting this connector does not
+        honour, or sending a malformed value, is served without it; each key is said once
+        (at most :data:`MAX_WARNED_PARAMS` names, cut to 64 characters: clients choose them),
+        so a client relying on it learns why."""
+        if state.params_read:
+            return
+        state.params_read = True
+        params = getattr(state.request, "kv_transfer_params", None)
+        state.offload_cap, state.skip_load, unhonoured = request_params(params)
+        if isinstance(params, dict) and "glm_strict_prefix" in params:
             unhonoured.append("glm_strict_prefix")
+        self._saves.stats["params_ignored"] += len(unhonoured)
         for key in unhonoured:
-            if key in self._warned_params:
+            if key in self._warned_params or len(self._warned_params) >= MAX_WARNED_PARAMS:
                 continue
             self._warned_params.add(key)
             logger.warning(
-                "GlmCacheConnector: ignoring kv_transfer_params %s of request %s: %s", key, request.request_id,
+                "GlmCacheConnector: ignoring kv_transfer_params %.64s of request %.64s: %s", key,
+                state.request.request_id,
                 "strict prefix is operator policy (kv_connector_extra_config strict_prefix)"
                 if key == "glm_strict_prefix" else "not honoured by this connector (honoured: "
-                "lmcache.max_offload_tokens, lmcache.skip_load)",
+                "lmcache.max_offload_tokens as a non-negative integer, lmcache.skip_load)",
             )
-        return skip_load
+
+    # Requests whose data the connector cannot handle ----------------------------------------
+
+    def _uncached(self, state: RequestState, where: str, error: BaseException) -> None:
+        """Handling ``state``'s request raised: serve it without the external cache from now
+        on (never looked up, loaded or saved again), count it, and say so in at most one log
+        line a minute per hook (a client that sends such requests in a loop does not flood
+        the log). Nothing about a request may stop the engine."""
+        state.bypass = f"{where}: {type(error).__name__}"
+        state.scheduled = False
+        self._saves.stats["request_errors"] += 1
+        now = time.monotonic()
+        last = self._error_logged_at.get(where)
+        if last is not None and now - last < ERROR_LOG_INTERVAL_S:
+            self._errors_unlogged[where] = self._errors_unlogged.get(where, 0) + 1
+            return
+        self._error_logged_at[where] = now
+        more = self._errors_unlogged.pop(where, 0)
+        logger.warning(
+            "GlmCacheConnector: %s of request %.64s raised %s: %.200s; serving it without the external "
+            "cache%s", where, state.request.request_id, type(error).__name__, str(error),
+            f" ({more} more since the last such line)" if more else "", exc_info=error,
+        )
+
+    def _guarded(self, state: RequestState, where: str, fn: Callable[[], _T], fallback: _T) -> _T:
+        """``fn()``, or ``fallback`` with the request served uncached if it raises."""
+        try:
+            return fn()
+        except Exception as e:  # noqa: BLE001 - request data must never stop the engine
+            self._uncached(state, where, e)
+            return fallback
 
     # Admission -----------------------------------------------------------------------------
 
@@ -285,7 +335,17 @@ class SchedulerSide:
         wait at all."""
         self._align_block_size()
         state = self._requests.of(request)
+        if state.bypass is None:
+            result = self._guarded(state, "admission", lambda: self._admit(state, num_computed_tokens), None)
+            if state.bypass is None:
+                return result
+        return self._guarded(state, "admission", lambda: self._cold(state), (0, False))
+
+    def _admit(self, state: RequestState, num_computed_tokens: int) -> tuple[int | None, bool]:
+        request = state.request
         state.hit = None
+        state.local_tokens = num_computed_tokens
+        self._read_params(state)
         if state.load_failed:
             return self._cold(state)
         wait_s = self.remote.answer_wait_s()
@@ -294,8 +354,7 @@ class SchedulerSide:
             return None, False
         if not ready or not self.remote.usable():
             return self._cold(state)
-        skip_load = self._request_params(request)
-        if self._skip_uncacheable(state) or skip_load:
+        if self._skip_uncacheable(state) or state.skip_load:
             return self._cold(state)
         C = self._geometry.chunk_size
         if self._strict_prefix:
@@ -410,6 +469,18 @@ class SchedulerSide:
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         state = self._requests.of(request)
+        if state.bypass is None:
+            self._guarded(state, "allocation", lambda: self._after_alloc(state, blocks, num_external_tokens), None)
+        if state.bypass is not None and num_external_tokens > 0 and not state.load_in_flight:
+            # vLLM now waits for a load: hand the worker a refused one, which it reports
+            # failed, and vLLM recomputes the request.
+            state.load_in_flight = True
+            self._pending_loads.append(LoadJob(request.request_id, [], refused=f"not loading ({state.bypass})"))
+        if state.bypass is not None:
+            self._guarded(state, "allocation", lambda: self._drop_lease(state), None)
+
+    def _after_alloc(self, state: RequestState, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        request = state.request
         if state.lookup is not None and state.lookup.answered_at is not None:
             state.lookup = None  # used: its lease is the load's (or dropped below)
         if self._skip_uncacheable(state):
@@ -418,6 +489,7 @@ class SchedulerSide:
         hit, state.hit = state.hit, None
         if hit is None:
             return
+        self._check_media(state, hit.local_tokens)  # rows vLLM's prefix cache gives it
         C = self._geometry.chunk_size
         if hit.local_tokens and hit.local_tokens % C == 0:
             state.state_chunk = max(state.state_chunk, hit.local_tokens // C)  # resumed locally there
@@ -438,6 +510,9 @@ class SchedulerSide:
             self._drop_lease(state)
             return
         state.loaded_tokens = resume
+        for it in state.media_items:  # rows under these identifiers now come from the server's content
+            if it.offset < resume and it.offset + it.length > hit.local_tokens:
+                self._media_ledger.record(it.identifier, it.digest)
         state.saved_chunks = max(state.saved_chunks, hit.end_chunk)
         state.state_chunk = max(state.state_chunk, hit.end_chunk)
 
@@ -492,21 +567,62 @@ class SchedulerSide:
         if not self._strict_prefix:  # a non-strict engine's states may be wrong: never share them
             meta.saves = []
             return meta
+        self._record_encodings(scheduler_output)
         block_state = scheduler_output.kv_connector_block_state
         offloads = block_state.boundary_state_offloads if block_state is not None else {}
         for req_id, end in _tokens_after_step(scheduler_output).items():
             state = self._scheduled(req_id)
             if state is not None:
-                meta.saves.extend(owned(req_id, self._saves.attention_saves(state, end)))
+                meta.saves.extend(self._guarded(state, "save planning",
+                                                lambda: owned(req_id, self._attention_saves(state, end)), []))
         for req_id, entries in offloads.items():
             state = self._scheduled(req_id)
             if state is not None:
-                meta.saves.extend(owned(req_id, self._saves.state_saves(state, entries)))
+                meta.saves.extend(self._guarded(state, "save planning",
+                                                lambda: owned(req_id, self._saves.state_saves(state, entries)), []))
         return meta
+
+    def _record_encodings(self, scheduler_output: SchedulerOutput) -> None:
+        """The images the workers encode this step, each from its own request's pixels:
+        what vLLM's encoder cache (and the rows computed from it) holds under their
+        identifiers from now on (:class:`connector.media.MediaLedger`)."""
+        if self._trust_media_ids:
+            return  # vLLM's identifiers are trusted as they are
+        for req_id, inputs in (getattr(scheduler_output, "scheduled_encoder_inputs", None) or {}).items():
+            state = self._requests.get(req_id)
+            if state is None:
+                continue
+            features = getattr(state.request, "mm_features", None) or ()
+            by_index = {it.index: it for it in state.media_items}
+            for i in inputs:
+                item = by_index.get(i)
+                if item is not None:
+                    self._media_ledger.record(item.identifier, item.digest)
+                elif 0 <= i < len(features):  # pixels not named here: the identifier vouches for nothing
+                    self._media_ledger.record(str(features[i].identifier), None)
+
+    def _attention_saves(self, state: RequestState, end: int) -> list[ObjectMove]:
+        """A request's attention saves once ``end`` tokens are computed, first stopping its
+        saves before any image it has reached whose identifier vouches for other content."""
+        self._check_media(state, end)
+        return self._saves.attention_saves(state, end)
+
+    def _check_media(self, state: RequestState, reached: int) -> None:
+        """Stop ``state``'s saves before the first image among its first ``reached`` tokens
+        whose rows or embeddings vLLM's caches may hold for other pixels (the ledger does
+        not vouch for its identifier with this image's digest). The limit only moves down."""
+        if not state.media_items:
+            return
+        limit = unvouched_from(state.media_items, self._media_ledger, reached, state.local_tokens,
+                               state.loaded_tokens)
+        if limit is not None and (state.media_limit is None or limit < state.media_limit):
+            if state.media_limit is None:
+                self._saves.stats["media_withheld"] += 1
+            state.media_limit = limit
 
     def _scheduled(self, req_id: str) -> RequestState | None:
         state = self._requests.get(req_id)
-        return state if state is not None and state.scheduled else None
+        return state if state is not None and state.scheduled and state.bypass is None else None
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         worker_meta = connector_output.kv_connector_worker_meta
@@ -536,6 +652,10 @@ class SchedulerSide:
         state = self._requests.get(request.request_id)
         if state is None:
             return False, None
+        return self._guarded(state, "finish", lambda: self._finished(state), (state.load_in_flight, None))
+
+    def _finished(self, state: RequestState) -> tuple[bool, dict[str, Any] | None]:
+        request = state.request
         self._discard_lookup(state)  # finished (aborted) while its lookup was out
         if state.load_in_flight:
             # A worker is still writing into these blocks: keep them, and the lease, until

@@ -34,6 +34,10 @@ COUNTERS: dict[str, str] = {
     "saves_corrected": "Times a request's saved depth was moved back to save its holes again",
     "saves_given_up": "Requests whose saves were given up (a permanent refusal or too many retries)",
     "saves_lost": "Saves that did not land after their request had finished (not retried)",
+    "request_errors": "Requests served without the external cache because handling their data raised",
+    "params_ignored": "kv_transfer_params entries not honoured (unknown lmcache.* keys, malformed values)",
+    "media_withheld": "Requests whose saves stop before an image whose identifier vLLM's caches hold for "
+                      "other content (a client's multi_modal_uuids)",
 }
 
 # the scheduler side's Counter keys (connector.scheduler) -> the reported names
@@ -42,6 +46,9 @@ SCHEDULER_KEYS: dict[str, str] = {
     "corrected": "saves_corrected",
     "given_up": "saves_given_up",
     "lost": "saves_lost",
+    "request_errors": "request_errors",
+    "params_ignored": "params_ignored",
+    "media_withheld": "media_withheld",
 }
 
 

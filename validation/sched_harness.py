@@ -163,16 +163,19 @@ class Blocks:
 
 
 def step(side: Any, scheduled: dict[str, tuple[int, int]],
-         offloads: dict[str, list[tuple[int, int, int]]] | None = None) -> Any:
+         offloads: dict[str, list[tuple[int, int, int]]] | None = None,
+         encoder_inputs: dict[str, list[int]] | None = None) -> Any:
     """One scheduler step's plan: ``build_connector_meta`` for requests already scheduled
     (``{req_id: (num_computed_tokens, num_scheduled_tokens)}``) with vLLM's boundary state
-    offloads (``{req_id: [(vllm_group, block_id, boundary_tokens)]}``)."""
+    offloads (``{req_id: [(vllm_group, block_id, boundary_tokens)]}``) and the media items
+    the workers encode this step (``{req_id: [index in mm_features]}``)."""
     ids = list(scheduled)
     so = SimpleNamespace(
         scheduled_new_reqs=[],
         scheduled_cached_reqs=SimpleNamespace(req_ids=ids, num_computed_tokens=[scheduled[r][0] for r in ids]),
         num_scheduled_tokens={r: scheduled[r][1] for r in ids},
         kv_connector_block_state=SimpleNamespace(boundary_state_offloads=offloads or {}),
+        scheduled_encoder_inputs=encoder_inputs or {},
     )
     return side.build_connector_meta(so)
 

@@ -60,11 +60,22 @@ class VllmServer:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self, timeout_s: float = 600.0, progress: bool = True) -> VllmServer:
+        return self.launch().wait_ready(timeout_s, progress)
+
+    def launch(self) -> VllmServer:
+        """Start the process and return at once (start several, then :meth:`wait_ready` for
+        each, so their start-ups overlap). Call from the thread that will stop it: the child
+        is tied to the thread that launched it (testing.children)."""
         cmd = [os.path.join(os.path.dirname(sys.executable), "vllm"), "serve", self.model, *self.args]
         self._log = open(self.log_path, "ab")
         self.proc = popen_tied(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=self.env,
-                                     start_new_session=True)
+                               start_new_session=True)
         atexit.register(self.stop)  # its own session: nothing else would stop it if we die early
+        return self
+
+    def wait_ready(self, timeout_s: float = 600.0, progress: bool = True) -> VllmServer:
+        """Wait until /health answers; raises with the log's tail if it exits or times out."""
+        assert self.proc is not None, "launch() first"
         t0 = time.monotonic()
         while time.monotonic() - t0 < timeout_s:
             if self.proc.poll() is not None:
