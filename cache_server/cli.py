@@ -57,6 +57,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="ZMQ ROUTER port (default %(default)s; 0 picks a free one)")
     ap.add_argument("--http-port", type=_port, default=d.http_port, metavar="N",
                     help="HTTP port for /healthcheck, /status, /metrics (default %(default)s; 0 disables HTTP)")
+    ap.add_argument("--http-timeout-s", type=_positive_float, default=d.http_timeout_s, metavar="SECONDS",
+                    help="seconds an HTTP connection has to send its whole request, however slowly it trickles "
+                         "in, and to take the reply; then it is closed (default %(default)s)")
+    ap.add_argument("--http-max-connections", type=_positive_int, default=d.http_max_connections, metavar="N",
+                    help="HTTP connections open at once, each a thread; one more sheds the one waiting longest "
+                         "for its request, or is answered 503 if all are being answered (default %(default)s)")
     ap.add_argument("--chunk-size", type=_positive_int, default=d.min_chunk_size, metavar="N",
                     help="minimum chunk size in tokens; each engine gets the smallest multiple of its "
                          "alignment at least this large (default %(default)s)")
@@ -142,7 +148,8 @@ def config_from_args(args: argparse.Namespace, auth_token: str | None = None,
         max_header_bytes=args.max_header_kb << 10, max_leases_per_client=args.max_leases_per_client,
         max_leased_fraction=args.max_leased_fraction, max_namespaces=args.max_namespaces, l2_url=args.l2,
         l2_secret=l2_secret,
-        shm=args.shm, workers=args.workers, io_threads=args.io_threads)
+        shm=args.shm, workers=args.workers, io_threads=args.io_threads,
+        http_timeout_s=args.http_timeout_s, http_max_connections=args.http_max_connections)
 
 
 def flags_table(parser: argparse.ArgumentParser | None = None) -> str:
@@ -263,6 +270,9 @@ def main(argv: list[str] | None = None) -> int:
                 server.store.max_leased_bytes, config.max_namespaces)
     logger.info("%d workers, %d ZMQ I/O threads, same-host shared memory %s", config.workers, config.io_threads,
                 "on" if server.segments.snapshot()["enabled"] else "off")
+    if httpd:
+        logger.info("HTTP: at most %d connections, %.0f s for each request", config.http_max_connections,
+                    config.http_timeout_s)
     if server.l2 is not None:
         logger.info("L2 on %s: write-through (asynchronous, %d MiB queue), promotion at lookup within %.1fs",
                     server.l2.config.redacted(), server.l2.config.queue_bytes >> 20, server.l2.config.timeout_s)

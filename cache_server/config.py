@@ -50,6 +50,8 @@ class ServerConfig:
     shm: bool = True  # --no-shm: offer no shared memory to same-host clients
     workers: int = 4  # --workers: threads answering requests
     io_threads: int = 2  # --io-threads: ZMQ I/O threads (socket reads and writes)
+    http_timeout_s: float = 10.0  # --http-timeout-s: an HTTP connection's time to send a whole request
+    http_max_connections: int = 32  # --http-max-connections: HTTP connections (each a thread) open at once
 
     @property
     def message_limit_bytes(self) -> int:

@@ -339,6 +339,20 @@ class ObjectStore:
                 self._eviction.clear()
             return len(keys)
 
+    def clear_unleased(self, namespace: str | None = None) -> tuple[int, int]:
+        """Remove every object (of one namespace, if given) that no live lease holds: an
+        engine that was answered a hit still loads it. LMCache's clear without ``force``.
+        Returns ``(removed, kept)``."""
+        with self._lock:
+            self._leases.expire()
+            keys = [k for k, e in self._objects.items() if (namespace is None or k[0] == namespace) and not e.leases]
+            kept = sum(1 for k in self._objects if namespace is None or k[0] == namespace) - len(keys)
+            for key in keys:
+                self._remove_locked(key)
+            if not self._objects:
+                self._eviction.clear()
+            return len(keys), kept
+
     # --- reads ---------------------------------------------------------------------------
 
     def get(self, key: StoreKey) -> Payload | None:

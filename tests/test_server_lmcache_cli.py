@@ -128,10 +128,11 @@ def test_kvcache_clear_empties_the_store(server, client):
     assert any(ln.split() == ["Status:", "OK"] for ln in out.splitlines()), out
     assert client.stats()["objects"] == 0 and client.stats()["used_bytes"] == 0
     assert cli_json("describe", "kvcache", "--url", server.http_url)["cached_objects"] == 0
-    # LMCache's older path and its body are served too; an unknown tier is refused by name
+    # LMCache's older path and its body are served too, with its defaults (L1, not forced);
+    # an unknown tier is refused by name
     store_prefix(client, 1, MIB, MIB)
     assert http(server.http_url + "/clear-cache", "POST") == (
-        200, {"removed": 2, "status": "ok", "cleared": {"tier": "all"}, "forced": True})
+        200, {"removed": 2, "status": "ok", "cleared": {"tier": "l1"}, "forced": False})
     code, err = http(server.http_url + "/cache/clear", "POST", body={"tier": "gpu"})
     assert code == 400 and "tier must be one of l1, l2, all" in err["error"]
     code, err = http(server.http_url + "/cache/clear", "POST", body={"tier": "l2"})
