@@ -283,7 +283,8 @@ def start_http(server: CacheServer, host: str, port: int) -> BoundedHTTPServer:
         def _not_cross_site(self) -> bool:
             """False, once answered 403 or 415, for a request a browser page of another origin
             could have sent: one carrying a foreign ``Origin`` or ``Sec-Fetch-Site``, or a body
-            that is not JSON (a page may post text/plain or a form anywhere without asking)."""
+            that is not JSON (a page may post text/plain or a form anywhere without asking);
+            a chunked body (no Content-Length: never read, so never JSON here) is answered 411."""
             origin = self.headers.get("Origin")
             site = self.headers.get("Sec-Fetch-Site")
             refusal = None
@@ -299,7 +300,8 @@ def start_http(server: CacheServer, host: str, port: int) -> BoundedHTTPServer:
                                 f"{JSON_TYPE}')")
             if refusal is None:
                 return True
-            server.metrics.errors.labels(code="http_cross_site").inc()
+            if refusal[0] != 411:
+                server.metrics.errors.labels(code="http_cross_site").inc()
             self.close_connection = True  # the body, if any, is left unread
             self._error(*refusal, {"Connection": "close"})
             return False
