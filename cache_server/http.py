@@ -339,14 +339,33 @@ def start_http(server: CacheServer, host: str, port: int) -> BoundedHTTPServer:
             self._send(code, "application/json", json.dumps(doc, indent=1).encode())
 
         def _authorized(self) -> bool:
-            """True if no token is configured or the request bears it; else answers 401."""
+            """True if no token is configured or the request bears it; else answers 401.
+            Without a token (loopback only), a request naming another host is refused with
+            421: a DNS-rebinding page (its own name resolving to 127.0.0.1) could otherwise
+            read /status (namespace names) from a browser on this host."""
             token = server.config.auth_token
+            if token is None and not self._host_is_ours():
+                server.metrics.errors.labels(code="http_cross_site").inc()
+                self._error(421, "this server answers requests for loopback names or its own address only")
+                return False
             if token is None or bearer_matches(self.headers.get("Authorization"), token):
                 return True
             server.metrics.errors.labels(code="unauthorized").inc()
             self._error(401, "this endpoint needs Authorization: Bearer <token> (server started with "
                              "--auth-token-file)", {"WWW-Authenticate": 'Bearer realm="glm-cache-server"'})
             return False
+
+        def _host_is_ours(self) -> bool:
+            if not is_loopback(host):
+                return True  # bound beyond loopback (--insecure-no-auth): any name may reach it
+            given = self.headers.get("Host")
+            if given is None:
+                return True  # HTTP/1.0 clients send none; a browser always does
+            try:
+                name = urlsplit("//" + given.strip()).hostname
+            except ValueError:
+                return False
+            return name is not None and (is_loopback(name) or name == host.strip("[]").lower())
 
         def _error(self, code: int, message: str, headers: dict[str, str] | None = None) -> None:
             self._send(code, "application/json", json.dumps({"error": message}).encode(), headers)
