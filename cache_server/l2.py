@@ -38,6 +38,12 @@ Semantics, and why:
   models and salts without collisions. ``clear`` (of a namespace or all) also deletes the
   keys in L2, in the background, in write order; until that is done, lookups of that
   namespace do not consult L2.
+* **Deletes reach L2.** A client's ``delete`` (a loader found the object's bytes or size
+  wrong) is queued for L2 too, after the writes queued before it, so the next lookup does
+  not promote the deleted object back. Until the writer has made it, promotions treat those
+  keys as absent in L2, and a promotion under way when it arrives does not put them into L1.
+  A delete costs :data:`DELETE_ITEM_BYTES` of the queue per key; one that does not fit, or
+  that the writer cannot make (L2 down, an error), is counted (``dropped_deletes``).
 * Objects over ``max_value_bytes`` (Redis refuses values over 512 MB) are not written to L2
   (counted as dropped ``too_large``); the server's default largest object is 256 MiB.
 
@@ -66,6 +72,7 @@ logger = logging.getLogger("glm_cache_server.l2")
 MAX_VALUE_BYTES = 512 * (1 << 20) - 1024  # Redis' proto-max-bulk-len default is 512 MB
 GET_BATCH = 4  # objects per pipelined GET: a 40 MB state object is one of these
 WRITE_BATCH_BYTES = 64 << 20
+DELETE_ITEM_BYTES = 256  # what one key of a queued delete counts against the queue's bytes
 
 Fetched = tuple[StoreKey, memoryview, bytes, bytes | None, bytes | None]  # key, payload, checksum, prev, parent
 
@@ -89,11 +96,13 @@ class L2Counters:
     promoted_bytes: int = 0
     written_objects: int = 0
     written_bytes: int = 0
+    deleted_objects: int = 0  # values a client's delete removed from L2
+    dropped_deletes: int = 0  # keys of client deletes not made (queue full, L2 down, an error)
     dropped: dict[str, int] = field(default_factory=lambda: collections.defaultdict(int))
     errors: dict[str, int] = field(default_factory=lambda: collections.defaultdict(int))
 
 
-@dataclass
+@dataclass(eq=False)  # hashable by identity: the tier keeps the ones under way in a set
 class Promotion:
     """One lookup's promotion (:meth:`L2Tier.begin_promote`)."""
 
@@ -104,6 +113,7 @@ class Promotion:
     results: list[Fetched] = field(default_factory=list)  # verified objects, appended by the reader
     cancel: threading.Event = field(default_factory=threading.Event)
     keep: list[StoreKey] = field(default_factory=list)  # L1 objects the resume counts on: pinned while it puts
+    deleted: set[StoreKey] = field(default_factory=set)  # keys a client deleted meanwhile: not put into L1
 
 
 class L2Tier:
@@ -127,6 +137,8 @@ class L2Tier:
         self._queue_bytes = 0
         self._queue_cv = threading.Condition(self._lock)
         self._clearing: collections.Counter[str | None] = collections.Counter()  # ns tag (None: all) -> jobs
+        self._deleting: collections.Counter[StoreKey] = collections.Counter()  # key -> queued deletes of it
+        self._promotions: set[Promotion] = set()  # begun, not yet finished
         self._refusal_logged: dict[str, float] = {}
         self._closed = False
         self._writing = False  # the writer holds a batch it has taken off the queue
@@ -219,6 +231,23 @@ class L2Tier:
             self._queue.append(("clear", tag))
             self._queue_cv.notify()
 
+    def delete(self, keys: Sequence[StoreKey]) -> None:
+        """Delete ``keys`` from L2 in the background, after the writes queued before it;
+        until then promotions treat them as absent. Never blocks."""
+        if not keys:
+            return
+        with self._lock:
+            for promotion in self._promotions:  # one under way must not put them back into L1
+                promotion.deleted.update(keys)
+            cost = len(keys) * DELETE_ITEM_BYTES
+            if self._queue_bytes + cost > self.config.queue_bytes:
+                self.counters.dropped_deletes += len(keys)
+                return
+            self._deleting.update(keys)
+            self._queue.append(("delete", list(keys)))
+            self._queue_bytes += cost
+            self._queue_cv.notify()
+
     def flush(self, timeout_s: float = 10.0) -> bool:
         """Wait until the writer has handled everything queued so far (tests, shutdown)."""
         deadline = time.monotonic() + timeout_s
@@ -251,6 +280,13 @@ class L2Tier:
                 if batch[0][0] == "clear":
                     client = client or self._make_client()
                     self._clear_now(client, batch[0][1])
+                elif batch[0][0] == "delete":
+                    if down:
+                        with self._lock:
+                            self.counters.dropped_deletes += len(batch[0][1])
+                    else:
+                        client = client or self._make_client()
+                        self._delete_now(client, batch[0][1])
                 elif down:
                     with self._lock:
                         self.counters.dropped["down"] += len(batch)
@@ -264,10 +300,19 @@ class L2Tier:
                 if batch[0][0] == "set":
                     with self._lock:
                         self.counters.dropped["error"] += len(batch)
+                elif batch[0][0] == "delete":
+                    with self._lock:
+                        self.counters.dropped_deletes += len(batch[0][1])
             finally:
                 with self._lock:
                     if batch[0][0] == "set":
                         self._queue_bytes -= nbytes
+                    elif batch[0][0] == "delete":
+                        self._queue_bytes -= len(batch[0][1]) * DELETE_ITEM_BYTES
+                        self._deleting.subtract(batch[0][1])
+                        for k in batch[0][1]:
+                            if self._deleting[k] <= 0:
+                                del self._deleting[k]
                     else:
                         self._clearing[batch[0][1]] -= 1
                         if not self._clearing[batch[0][1]]:
@@ -288,6 +333,16 @@ class L2Tier:
         with self._lock:
             self.counters.written_objects += len(items)
             self.counters.written_bytes += total
+
+    def _delete_now(self, client: Any, keys: list[StoreKey]) -> None:
+        t0 = time.perf_counter()
+        pipe = client.pipeline(transaction=False)  # one key a command: a cluster refuses cross-slot UNLINK
+        for k in keys:
+            pipe.unlink(self.redis_key(k))
+        removed = sum(pipe.execute())
+        self._observe("delete", time.perf_counter() - t0, 0)
+        with self._lock:
+            self.counters.deleted_objects += removed
 
     def _clear_now(self, client: Any, tag: str | None) -> None:
         pattern = f"{self.config.prefix}:{tag}:*" if tag else f"{self.config.prefix}:*"
@@ -365,10 +420,17 @@ class L2Tier:
                 return Promotion(store, l1_depth)
             self.counters.lookups += 1
         absent, keep = [], []
+        with self._lock:  # a key whose delete is still queued is not asked for: it would come back
+            deleting = set(self._deleting) if self._deleting else frozenset()
         for i in range(start_chunk, n):
             for k in (*attn[i], *state[i]):
-                (keep if k in store else absent).append(k)
+                if k in store:
+                    keep.append(k)
+                elif k not in deleting:
+                    absent.append(k)
         promotion = Promotion(store, l1_depth, deadline=time.monotonic() + self.config.timeout_s, keep=keep)
+        with self._lock:
+            self._promotions.add(promotion)
         promotion.future = self._reader.submit(self._fetch_prefix, absent, attn, state, start_chunk, n,
                                                bool(state_groups), store, promotion.results, promotion.cancel)
         return promotion
@@ -389,7 +451,9 @@ class L2Tier:
         elif not future.cancelled() and future.exception() is not None:  # the job reports store errors itself
             self._error(self._kind(future.exception()), future.exception())
         with self._lock:
-            got = list(promotion.results)  # what was verified before the deadline
+            self._promotions.discard(promotion)
+            # what was verified before the deadline, less what a client deleted meanwhile
+            got = [r for r in promotion.results if r[0] not in promotion.deleted]
             if deadline_hit:
                 self.counters.timeouts += 1
         # The L1 objects the resume goes through stay while the fetched ones make room:
@@ -471,7 +535,8 @@ class L2Tier:
                 "lookups": c.lookups, "hits": c.hits, "misses": c.misses, "skipped": c.skipped,
                 "timeouts": c.timeouts, "promoted_objects": c.promoted_objects,
                 "promoted_bytes": c.promoted_bytes, "written_objects": c.written_objects,
-                "written_bytes": c.written_bytes, "dropped": dict(c.dropped), "errors": dict(c.errors),
+                "written_bytes": c.written_bytes, "deleted_objects": c.deleted_objects,
+                "dropped_deletes": c.dropped_deletes, "dropped": dict(c.dropped), "errors": dict(c.errors),
                 "queue_items": len(self._queue), "queue_bytes": self._queue_bytes,
                 "queue_capacity_bytes": self.config.queue_bytes,
             }

@@ -22,6 +22,12 @@ def group_ranks(groups: Iterable[int], world_size: int, replicated: Collection[i
     return [(g, r) for g in groups for r in range(1 if g in replicated else world_size)]
 
 
+def copy_count(groups: Iterable[int], world_size: int, replicated: Collection[int]) -> int:
+    """How many objects :func:`group_ranks` lists, counted without listing them (what a
+    request claims is checked with this before anything is built from it)."""
+    return sum(1 if g in replicated else world_size for g in groups)
+
+
 def attention_depth(start: int, n: int, has_attn: Callable[[int], bool]) -> int:
     """The first chunk at or after ``start`` (below ``n``) without its attention; ``n`` if none."""
     depth = start
@@ -67,4 +73,4 @@ class Layout:
 
     def copies(self, groups: Iterable[int]) -> int:
         """How many objects ``groups`` make up in one chunk."""
-        return len(self.ranks(groups))
+        return copy_count(groups, self.world_size, self.replicated_groups)

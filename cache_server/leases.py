@@ -10,10 +10,15 @@ finished or leaked. A lookup whose own objects exceed the byte cap gets no lease
 
 Leases are kept in grant order, which with one TTL is expiry order, so expiry looks only at
 the expired ones, and the oldest lease (of anyone, or of one owner) is found in O(1).
+
+A lease is its owner's: its id is a random 64-bit number (not a counter another client
+could count along), and a release by anyone but its owner (another connection) is refused
+(``not_owner``) and changes nothing.
 """
 
 from __future__ import annotations
 
+import secrets
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -37,6 +42,9 @@ class Lease:
     owner: bytes | None
 
 
+ANY_OWNER = object()  # release(owner=ANY_OWNER): whoever asks (in-process callers, not the wire)
+
+
 class LeaseTable:
     """The active leases on the objects of ``objects`` (the store's own table, which it
     keeps current), and the bytes they pin. ``counters`` is the store's
@@ -56,7 +64,6 @@ class LeaseTable:
         self._unpinned = unpinned
         self._leases: OrderedDict[int, Lease] = OrderedDict()  # grant order == expiry order
         self._by_owner: dict[bytes, OrderedDict[int, None]] = {}
-        self._next_id = 1
         self.leased_bytes = 0  # bytes of objects with at least one lease
         self.kind_leased = [0, 0]  # the same, by kind
         self.leased_objects = 0
@@ -82,8 +89,7 @@ class LeaseTable:
             if not obj.leases:
                 self._count_pinned(obj, 1)
             obj.leases += 1
-        lease_id = self._next_id
-        self._next_id += 1
+        lease_id = self._new_id()
         self._leases[lease_id] = Lease(self._clock() + self.ttl_s, keys, owner)
         if owner is not None:
             self._by_owner.setdefault(owner, OrderedDict())[lease_id] = None
@@ -94,13 +100,25 @@ class LeaseTable:
         self._counters.leases_granted += 1
         return lease_id
 
-    def release(self, lease_id: int) -> bool:
-        """Release a lease; False if it was unknown, had expired or was dropped by a cap."""
-        if lease_id not in self._leases:
-            return False
+    def _new_id(self) -> int:
+        while True:
+            lease_id = secrets.randbits(64)
+            if lease_id and lease_id not in self._leases:
+                return lease_id
+
+    def release(self, lease_id: int, owner: Any = ANY_OWNER) -> str:
+        """Release a lease of ``owner``'s: ``released``; ``unknown`` if it never was, had
+        expired, was released or dropped by a cap; ``not_owner`` if another owner holds it
+        (left as it is)."""
+        lease = self._leases.get(lease_id)
+        if lease is None:
+            return "unknown"
+        if owner is not ANY_OWNER and lease.owner != owner:
+            self._counters.lease_releases_refused += 1
+            return "not_owner"
         self.drop(lease_id)
         self._counters.leases_released += 1
-        return True
+        return "released"
 
     def expire(self) -> int:
         """Drop leases past their TTL; returns how many."""

@@ -46,13 +46,18 @@ geometry; objects never cross namespaces):
 ``delete``   ``ns``, ``keys``, optional ``reason`` (``checksum``: the loader found the
              bytes do not match their checksum, or they were stored under another key;
              ``size``: an object whose size is not the one its key's group has)
-             -> ``removed`` (objects)
+             -> ``removed`` (objects, in L1; a server with an L2 tier deletes the keys there
+             too, in the background)
 ``debug_corrupt``  ``ns``, ``keys`` (one key), optional ``offset``: flips that byte of the
              stored object, keeping its checksum (servers started with
              ``--debug-fault-hooks`` only; tests of the checksum path) -> ``corrupted``
 ``debug_die_on``  ``on`` (``get``, ``put`` or ``lookup``): the server SIGKILLs itself when
              the next such request arrives (``--debug-fault-hooks`` only) -> ``armed``
-``release``  ``lease_id`` -> ``released`` (bool)
+``release``  ``lease_id`` -> ``released`` (bool), and when false ``reason``: ``unknown``
+             (never granted, expired, released, or dropped by a cap) or ``not_owner``
+             (another connection's lease: only the connection that took a lease, its ZMQ
+             identity, can release it; it is left as it is). Lease ids are random 64-bit
+             numbers.
 ``clear``    optional ``ns`` -> ``removed`` (objects)
 ``stats``    -> ``stats`` (map)
 ``ping``     -> nothing more
@@ -83,6 +88,17 @@ whose frames add up to more, or whose header is over ``--max-header-kb``, gets a
 ``too_large`` error before its header is parsed. A ``hello`` or ``put`` that would add a
 namespace beyond ``--max-namespaces`` gets ``too_many_namespaces`` when every known one
 still holds objects.
+
+Limits (fixed, far above what a deployment sends; checked before anything is built from
+what a request claims): ``world_size`` at most :data:`MAX_WORLD_SIZE` and a key's rank below
+it; group ids at most :data:`MAX_GROUP_ID`; one chunk's objects (groups x ranks, replicated
+groups once) at most :data:`MAX_COPIES`; a lookup's ``hashes`` at most :data:`MAX_HASHES`
+and hashes x objects per chunk at most :data:`MAX_LOOKUP_OBJECTS`; ``keys`` of a ``get``,
+``put`` or ``delete`` at most :data:`MAX_KEYS`; payload frames at most one per
+:data:`KEY_WIRE_BYTES` header bytes (one per key) and :data:`MAX_KEYS`; a namespace at
+most :data:`MAX_NAMESPACE_CHARS` characters; ``alignment`` at most :data:`MAX_ALIGNMENT`.
+A list over its count or a request over its frames gets ``too_large``, a number or string
+out of range ``bad_request``.
 """
 
 from __future__ import annotations
@@ -104,6 +120,23 @@ DELETE_REASONS = ("checksum", "size", "client")
 
 HEADER_BYTES_PER_CONTAINER = 32  # a request header builds at most one array or map per this many bytes
 DEFAULT_MAX_HEADER_BYTES = 1 << 20  # --max-header-kb default: a lookup of 30k chunks, a get of 28k keys
+
+# Bounds on every count a request declares, checked before the server builds anything from
+# it: a 60-byte lookup claiming 3,000,000 ranks made the server build one (group, rank)
+# entry per rank (200 MiB); 10^9 would be 100 GB. Each bound is far above what a real
+# deployment sends (docs/operating.md, "Limits"), and what it multiplies is bounded too.
+MAX_WORLD_SIZE = 1024  # ranks of one engine (tensor x pipeline parallel): world_size, a key's rank below it
+MAX_GROUP_ID = 255  # object group ids 0..255 (a model's cache groups; at most 256 in a list, no repeats)
+MAX_COPIES = 4096  # objects of one chunk: groups x ranks (replicated groups once)
+MAX_HASHES = 1 << 16  # chunk hashes of one lookup: 16M tokens at chunk 256
+MAX_LOOKUP_OBJECTS = 1 << 20  # chunk hashes x copies of one lookup: what its presence tests and an L2 promotion cover
+MAX_KEYS = 1 << 16  # object keys of one get, put or delete
+MAX_FRAMES = 1 + MAX_KEYS  # frames of one request: the header, and a put's payloads
+KEY_WIRE_BYTES = 37  # the fewest header bytes one key takes: [32-byte bin, group, rank]
+MAX_NAMESPACE_CHARS = 1024  # engine fingerprints are about 100
+MAX_ALIGNMENT = 1 << 20  # tokens a chunk must be a multiple of (a scheduler block)
+MAX_NAME_CHARS = 64  # ``op``, ``reason``, ``on``: names from a fixed list
+MAX_LEASE_ID = (1 << 64) - 1  # lease ids are random 64-bit numbers (cache_server.leases)
 
 OPS = ("hello", "lookup", "get", "put", "delete", "debug_corrupt", "debug_die_on", "release", "clear", "stats",
        "ping", "shm_attach", "shm_detach")
@@ -237,6 +270,13 @@ def unpack_header(frame: bytes | memoryview, max_bytes: int | None = None) -> di
     return header
 
 
+def max_payload_frames(header_bytes: int) -> int:
+    """The most payload frames a request with a header of ``header_bytes`` can carry: one
+    per key (a put), each key taking at least :data:`KEY_WIRE_BYTES` of the header, and at
+    most :data:`MAX_KEYS`. More is refused before a Python object is made for any of them."""
+    return min(MAX_KEYS, header_bytes // KEY_WIRE_BYTES)
+
+
 def peek_request_id(frame: bytes | memoryview) -> int | None:
     """The ``id`` of a header refused unparsed (too large), read without building any other
     value, so the refusal still reaches its client: a client drops replies whose ``id`` is
@@ -280,59 +320,96 @@ def field(header: dict[str, Any], name: str, kind: type | tuple[type, ...], defa
     return value
 
 
-def int_field(header: dict[str, Any], name: str, minimum: int = 0, default: Any = ...) -> int:
-    """An integer field no smaller than ``minimum``."""
+def int_field(header: dict[str, Any], name: str, minimum: int = 0, default: Any = ...,
+              maximum: int | None = None) -> int:
+    """An integer field no smaller than ``minimum`` (and no larger than ``maximum``, if given)."""
     value = field(header, name, int, default)
     if value < minimum:
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"field {name!r} must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"field {name!r} must be <= {maximum}, got {value}")
     return value
 
 
-def hash_list(header: dict[str, Any], name: str) -> list[bytes]:
-    """A list of chunk hashes, each exactly :data:`HASH_BYTES` bytes."""
-    hashes = field(header, name, list)
+def str_field(header: dict[str, Any], name: str, max_chars: int, default: Any = ...) -> str:
+    """A string field of at most ``max_chars`` characters."""
+    value = field(header, name, str, default)
+    if isinstance(value, str) and len(value) > max_chars:
+        raise ProtocolError(ErrorCode.BAD_REQUEST,
+                            f"field {name!r} is {len(value)} characters; the maximum is {max_chars}")
+    return value
+
+
+def namespace_field(header: dict[str, Any], name: str = "ns", default: Any = ...) -> str:
+    """A namespace: a string of at most :data:`MAX_NAMESPACE_CHARS` characters."""
+    return str_field(header, name, MAX_NAMESPACE_CHARS, default)
+
+
+def list_field(header: dict[str, Any], name: str, max_items: int) -> list[Any]:
+    """A list of at most ``max_items`` elements (too many: ``too_large``)."""
+    value = field(header, name, list)
+    if len(value) > max_items:
+        raise ProtocolError(ErrorCode.TOO_LARGE, f"{name} has {len(value)} elements; the maximum is {max_items}")
+    return value
+
+
+def hash_list(header: dict[str, Any], name: str, max_items: int = MAX_HASHES) -> list[bytes]:
+    """A list of at most ``max_items`` chunk hashes, each exactly :data:`HASH_BYTES` bytes."""
+    hashes = list_field(header, name, max_items)
     for i, h in enumerate(hashes):
         if not isinstance(h, bytes) or len(h) != HASH_BYTES:
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"{name}[{i}] must be {HASH_BYTES} bytes")
     return hashes
 
 
+def _is_group(g: Any) -> bool:
+    return isinstance(g, int) and not isinstance(g, bool) and 0 <= g <= MAX_GROUP_ID
+
+
+def _is_rank(r: Any) -> bool:
+    return isinstance(r, int) and not isinstance(r, bool) and 0 <= r < MAX_WORLD_SIZE
+
+
 def group_list(header: dict[str, Any], name: str) -> list[int]:
-    """A list of non-negative group ids without repeats."""
-    groups = field(header, name, list)
-    if not all(isinstance(g, int) and not isinstance(g, bool) and g >= 0 for g in groups):
-        raise ProtocolError(ErrorCode.BAD_REQUEST, f"{name} must be a list of non-negative ints")
+    """A list of group ids (0 to :data:`MAX_GROUP_ID`) without repeats."""
+    groups = list_field(header, name, MAX_GROUP_ID + 1)
+    if not all(_is_group(g) for g in groups):
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"{name} must be a list of group ids from 0 to {MAX_GROUP_ID}")
     if len(set(groups)) != len(groups):
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"{name} has repeated group ids")
     return groups
 
 
 GROUP_NAME = re.compile(r"[a-z][a-z0-9_]{0,31}")
+GROUP_ID_TEXT = re.compile(r"[0-9]{1,3}")
 
 
 def group_names(header: dict[str, Any], name: str = "group_names") -> dict[int, str]:
-    """Object group names by group id: ``{"<id>": "<name>"}``, names in ``[a-z0-9_]``
-    (they become metric label values), at most 32 characters."""
+    """Object group names by group id: ``{"<id>": "<name>"}``, ids written in ASCII digits
+    (0 to :data:`MAX_GROUP_ID`), names in ``[a-z0-9_]`` (they become metric label values),
+    at most 32 characters."""
     raw = field(header, name, dict)
     out: dict[int, str] = {}
     for k, v in raw.items():
-        if not (isinstance(k, str) and k.isdigit() and isinstance(v, str) and GROUP_NAME.fullmatch(v)):
-            raise ProtocolError(ErrorCode.BAD_REQUEST, f"{name} must map group ids to names of [a-z0-9_] "
-                                                       "(at most 32 characters)")
+        if not (isinstance(k, str) and GROUP_ID_TEXT.fullmatch(k) and int(k) <= MAX_GROUP_ID
+                and isinstance(v, str) and GROUP_NAME.fullmatch(v)):
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"{name} must map group ids (0 to {MAX_GROUP_ID}) to names "
+                                                       "of [a-z0-9_] (at most 32 characters)")
         out[int(k)] = v
     return out
 
 
-def key_list(header: dict[str, Any], name: str = "keys") -> list[ObjectKey]:
-    """A list of object keys ``[hash, group, rank]``."""
-    raw = field(header, name, list)
+def key_list(header: dict[str, Any], name: str = "keys", max_items: int = MAX_KEYS) -> list[ObjectKey]:
+    """A list of at most ``max_items`` object keys ``[hash, group, rank]`` (group at most
+    :data:`MAX_GROUP_ID`, rank below :data:`MAX_WORLD_SIZE`)."""
+    raw = list_field(header, name, max_items)
     keys: list[ObjectKey] = []
     for i, k in enumerate(raw):
         if (not isinstance(k, list) or len(k) != 3 or not isinstance(k[0], bytes)
-                or len(k[0]) != HASH_BYTES
-                or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in k[1:])):
+                or len(k[0]) != HASH_BYTES or not _is_group(k[1]) or not _is_rank(k[2])):
             raise ProtocolError(ErrorCode.BAD_REQUEST,
-                                f"{name}[{i}] must be [{HASH_BYTES}-byte hash, group >= 0, rank >= 0]")
+                                f"{name}[{i}] must be [{HASH_BYTES}-byte hash, group 0 to {MAX_GROUP_ID}, "
+                                f"rank 0 to {MAX_WORLD_SIZE - 1}]")
         keys.append((k[0], k[1], k[2]))
     return keys
 

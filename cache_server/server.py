@@ -34,6 +34,7 @@ import zmq
 from cache_server import protocol as p
 from cache_server.config import ServerConfig
 from cache_server.metrics import ServerMetrics
+from cache_server.layout import copy_count
 from cache_server.namespaces import NamespaceTable
 from cache_server.shm import GetRegion, SegmentTable, SizedSpan, owned_copy, put_spans
 from cache_server.store import UNKNOWN_PARENT, Layout, ObjectStore
@@ -208,6 +209,12 @@ class CacheServer:
 
     def _size_refusal(self, frames: list[Any]) -> p.ProtocolError | None:
         """The error for an oversize request, found before parsing anything in it."""
+        # The worker loop keeps at most one frame more than this (cache_server.workers).
+        most = min(p.MAX_FRAMES - 1, p.max_payload_frames(_buffer(frames[0]).nbytes))
+        if len(frames) - 1 > most:
+            return p.ProtocolError(p.ErrorCode.TOO_LARGE,
+                                   f"request has more than {most} payload frames: one per key, at most "
+                                   f"{p.MAX_KEYS}, each key taking {p.KEY_WIRE_BYTES} bytes of the header")
         total = sum(_buffer(f).nbytes for f in frames)
         if total > self.config.message_limit_bytes:
             return self._message_refusal(total)
@@ -230,22 +237,25 @@ class CacheServer:
         if version != p.PROTOCOL_VERSION:
             raise p.ProtocolError(p.ErrorCode.VERSION_MISMATCH,
                                   f"client speaks protocol v{version}, server v{p.PROTOCOL_VERSION}")
-        ns = p.field(h, "ns", str)
-        alignment = p.int_field(h, "alignment", minimum=1)
+        ns = p.namespace_field(h)
+        alignment = p.int_field(h, "alignment", minimum=1, maximum=p.MAX_ALIGNMENT)
         chunk = p.negotiate_chunk_size(self.config.min_chunk_size, alignment)
-        known = self.namespaces.admit(ns)
-        world_size = p.int_field(h, "world_size", minimum=1, default=1)
+        world_size = p.int_field(h, "world_size", minimum=1, default=1, maximum=p.MAX_WORLD_SIZE)
         replicated = p.group_list(h, "replicated_groups") if "replicated_groups" in h else []
-        self.namespaces.record_hello(ns, known, alignment, chunk, self.config.min_chunk_size, world_size, replicated)
-        if "state_groups" in h:  # the engine says which groups are which: track usable prefixes
+        layout = "state_groups" in h  # the engine says which groups are which: track usable prefixes
+        if layout:  # checked whole before the namespace is admitted: a refused hello changes nothing
             attn, state = p.group_list(h, "attn_groups"), p.group_list(h, "state_groups")
             if set(attn) & set(state) or not set(replicated) <= {*attn, *state}:
                 raise p.ProtocolError(p.ErrorCode.BAD_REQUEST, "attn_groups and state_groups must be disjoint "
                                                                "and hold the replicated_groups")
             self._check_groups([*attn, *state])
+            self._check_copies([*attn, *state], world_size, replicated)
             names = p.group_names(h) if "group_names" in h else {}
             if not set(names) <= {*attn, *state}:
                 raise p.ProtocolError(p.ErrorCode.BAD_REQUEST, "group_names must name attn_groups or state_groups")
+        known = self.namespaces.admit(ns)
+        self.namespaces.record_hello(ns, known, alignment, chunk, self.config.min_chunk_size, world_size, replicated)
+        if layout:
             self.store.set_layout(ns, Layout(frozenset(attn), frozenset(state), world_size, frozenset(replicated),
                                              known[1] if known is not None else chunk, tuple(sorted(names.items()))))
         reply = {"v": p.PROTOCOL_VERSION, "chunk_size": chunk, "min_chunk_size": self.config.min_chunk_size,
@@ -256,7 +266,7 @@ class CacheServer:
         return reply, []
 
     def _lookup(self, h: dict[str, Any], _: list[memoryview]) -> Reply:
-        ns = p.field(h, "ns", str)
+        ns = p.namespace_field(h)
         hashes = p.hash_list(h, "hashes")
         attn = p.group_list(h, "attn_groups")
         state = p.group_list(h, "state_groups")
@@ -265,12 +275,17 @@ class CacheServer:
         if set(attn) & set(state):
             raise p.ProtocolError(p.ErrorCode.BAD_REQUEST, "a group cannot be both attention and state")
         self._check_groups([*attn, *state])
-        world_size = p.int_field(h, "world_size", minimum=1)
-        start = p.int_field(h, "start_chunk", minimum=0, default=0)
+        world_size = p.int_field(h, "world_size", minimum=1, maximum=p.MAX_WORLD_SIZE)
+        start = p.int_field(h, "start_chunk", minimum=0, default=0, maximum=p.MAX_HASHES)
         lease = p.field(h, "lease", bool, default=True)
         replicated = p.group_list(h, "replicated_groups") if "replicated_groups" in h else []
         if not set(replicated) <= {*attn, *state}:
             raise p.ProtocolError(p.ErrorCode.BAD_REQUEST, "replicated_groups must be among attn_groups and state_groups")
+        copies = self._check_copies([*attn, *state], world_size, replicated)
+        if len(hashes) * copies > p.MAX_LOOKUP_OBJECTS:
+            raise p.ProtocolError(p.ErrorCode.TOO_LARGE,
+                                  f"a lookup of {len(hashes)} chunks x {copies} objects per chunk asks about "
+                                  f"{len(hashes) * copies} objects; the maximum is {p.MAX_LOOKUP_OBJECTS}")
         held = p.field(h, "held", bool, default=False)
         owner = self._client
 
@@ -301,7 +316,7 @@ class CacheServer:
         return Later(promotion, lambda: answer(*tier.finish_promote(promotion)))
 
     def _get(self, h: dict[str, Any], _: list[memoryview]) -> Reply:
-        ns = p.field(h, "ns", str)
+        ns = p.namespace_field(h)
         keys = p.key_list(h)
         # Copy what fits into the client's region; the rest goes as frames.
         region = GetRegion(self.segments, h["shm"]) if "shm" in h else None
@@ -323,7 +338,7 @@ class CacheServer:
         return reply, payloads
 
     def _put(self, h: dict[str, Any], frames: list[memoryview]) -> Reply:
-        ns = p.field(h, "ns", str)
+        ns = p.namespace_field(h)
         keys = p.key_list(h)
         spans: list[tuple[int, int]] | None = None
         if "shm" in h:  # payloads lie in the client's segment, not in frames
@@ -369,12 +384,14 @@ class CacheServer:
         return {"results": results}, []
 
     def _delete(self, h: dict[str, Any], _: list[memoryview]) -> Reply:
-        ns = p.field(h, "ns", str)
+        ns = p.namespace_field(h)
         keys = p.key_list(h)
         reason = p.field(h, "reason", str, default="client")
         if reason not in p.DELETE_REASONS:
             raise p.ProtocolError(p.ErrorCode.BAD_REQUEST, f"reason must be one of {', '.join(p.DELETE_REASONS)}")
         removed = sum(self.store.delete((ns, *key)) for key in keys)
+        if self.l2 is not None:  # else the next lookup promotes the deleted object back from L2
+            self.l2.delete([(ns, *key) for key in dict.fromkeys(keys)])
         self.metrics.deleted.labels(reason=reason).inc(removed)
         if reason == "checksum" and removed:
             logger.warning("deleted %d object(s) of namespace %r whose bytes failed their checksum at a loader",
@@ -385,11 +402,14 @@ class CacheServer:
         """Flip one byte of a stored object, keeping its checksum: bit rot on demand."""
         if not self.config.debug_fault_hooks:
             raise p.ProtocolError(p.ErrorCode.UNKNOWN_OP, "debug_corrupt needs --debug-fault-hooks")
-        ns = p.field(h, "ns", str)
-        (key,) = p.key_list(h)
+        ns = p.namespace_field(h)
+        keys = p.key_list(h)
+        if len(keys) != 1:
+            raise p.ProtocolError(p.ErrorCode.BAD_REQUEST, "debug_corrupt takes exactly one key")
+        key = keys[0]
         offset = p.int_field(h, "offset", minimum=0, default=0)
         found = self.store.get_with_checksum((ns, *key))
-        if found is None:
+        if found is None or not memoryview(found[0]).nbytes:  # nothing to flip
             return {"corrupted": False}, []
         data = bytearray(found[0])
         data[offset % len(data)] ^= 0xFF
@@ -403,7 +423,7 @@ class CacheServer:
         answered): a crash during a load (``get``) or a save (``put``), on demand."""
         if not self.config.debug_fault_hooks:
             raise p.ProtocolError(p.ErrorCode.UNKNOWN_OP, "debug_die_on needs --debug-fault-hooks")
-        op = p.field(h, "on", str)
+        op = p.str_field(h, "on", p.MAX_NAME_CHARS)
         if op not in ("get", "put", "lookup"):
             raise p.ProtocolError(p.ErrorCode.BAD_REQUEST, "on must be get, put or lookup")
         self._die_on = op
@@ -411,10 +431,16 @@ class CacheServer:
         return {"armed": op}, []
 
     def _release(self, h: dict[str, Any], _: list[memoryview]) -> Reply:
-        return {"released": self.store.release(p.int_field(h, "lease_id", minimum=1))}, []
+        lease_id = p.int_field(h, "lease_id", minimum=1, maximum=p.MAX_LEASE_ID)
+        outcome = self.store.release_from(lease_id, self._client)  # only the connection that took it
+        if outcome == "released":
+            return {"released": True}, []
+        return {"released": False, "reason": outcome}, []
 
     def _clear(self, h: dict[str, Any], _: list[memoryview]) -> Reply:
         ns = p.field(h, "ns", (str, type(None)), default=None)
+        if ns is not None:
+            ns = p.namespace_field(h)
         removed = self.store.clear(ns)
         if self.l2 is not None:
             self.l2.clear(ns)
@@ -432,6 +458,16 @@ class CacheServer:
 
     def _shm_detach(self, h: dict[str, Any], _: list[memoryview]) -> Reply:
         return {"detached": self.segments.detach(p.int_field(h, "seg", minimum=1))}, []
+
+    def _check_copies(self, groups: list[int], world_size: int, replicated: list[int]) -> int:
+        """The objects one chunk of ``groups`` has on ``world_size`` ranks, counted without
+        building them; refused over :data:`~cache_server.protocol.MAX_COPIES`."""
+        copies = copy_count(groups, world_size, set(replicated))
+        if copies > p.MAX_COPIES:
+            raise p.ProtocolError(p.ErrorCode.TOO_LARGE,
+                                  f"{len(groups)} groups on {world_size} ranks make {copies} objects per chunk; "
+                                  f"the maximum is {p.MAX_COPIES}")
+        return copies
 
     def _check_groups(self, groups: list[int]) -> None:
         if not self.config.separate_object_groups and any(g != 0 for g in groups):

@@ -37,7 +37,7 @@ from cache_server.chunk_tree import UNKNOWN_PARENT, ChunkTree
 from cache_server.eviction import (DEFAULT_VALUE_ALPHA, EVICTION_POLICIES, OTHER, PLAIN, STATE, SUPERSEDED,
                                    WORTHLESS, EvictionQueues, HeapItem)
 from cache_server.layout import Layout, StoreKey, attention_depth, group_ranks, resume_depth
-from cache_server.leases import LeaseTable
+from cache_server.leases import ANY_OWNER, LeaseTable
 from cache_server.protocol import PutResult
 
 __all__ = ["DEFAULT_VALUE_ALPHA", "EVICTION_POLICIES", "UNKNOWN_PARENT", "Layout", "ObjectStore", "StoreCounters",
@@ -85,6 +85,7 @@ class StoreCounters:
     leases_dropped_client_cap: int = 0  # oldest lease of an owner dropped for its newest
     leases_dropped_leased_bytes: int = 0  # oldest lease of anyone dropped to keep pinned bytes under the cap
     leases_refused: int = 0  # hits answered without a lease: their own objects exceed the byte cap
+    lease_releases_refused: int = 0  # releases of another connection's lease (left as it was)
     stored_bytes_total: int = 0
     served_bytes_total: int = 0
 
@@ -442,9 +443,16 @@ class ObjectStore:
             return depth, at_start
 
     def release(self, lease_id: int) -> bool:
-        """Release a lease; False if it was unknown, had expired or was dropped by a cap."""
+        """Release a lease, whoever holds it; False if it was unknown, had expired or was
+        dropped by a cap."""
+        return self.release_from(lease_id, ANY_OWNER) == "released"
+
+    def release_from(self, lease_id: int, owner: Any) -> str:
+        """Release a lease of ``owner``'s (the server passes the client's ZMQ identity):
+        ``released``, ``unknown`` (never granted, expired, released, or dropped by a cap) or
+        ``not_owner`` (another owner's lease: left as it is)."""
         with self._lock:
-            return self._leases.release(lease_id)
+            return self._leases.release(lease_id, owner)
 
     def expire_leases(self) -> int:
         """Drop leases past their TTL; returns how many."""

@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
+from cache_server import protocol as p
+
 if TYPE_CHECKING:
     from cache_server.l2 import Promotion
 
@@ -62,11 +64,30 @@ class Waiting:
         return out
 
 
+def receive(sock: zmq.Socket[Any], max_frames: int = p.MAX_FRAMES) -> list[zmq.Frame]:
+    """One message from the proxy: the sender's identity, then the request's frames, of
+    which at most one more than it may have is kept: ``max_frames``, and no more payload
+    frames than its header has room for keys (:func:`~cache_server.protocol.max_payload_frames`).
+    The frames past those are read and dropped as they come, so a message of a million empty
+    frames (2 MB sent) costs no Python object per frame (it was 720 MiB of them); the request,
+    one frame over its bound, is then refused as too large."""
+    frames = [sock.recv(copy=False)]
+    keep = 1 + max_frames
+    while sock.getsockopt(zmq.RCVMORE):
+        frame = sock.recv(copy=False)
+        if len(frames) == 1:  # the header
+            keep = 1 + min(max_frames, 1 + p.max_payload_frames(frame.buffer.nbytes))
+        if len(frames) <= keep:
+            frames.append(frame)
+    return frames
+
+
 def work(ctx: zmq.Context[Any], where: str, stop: threading.Event,
-         handle: Callable[[list[Any], bytes], list[Any] | Waiting]) -> None:
+         handle: Callable[[list[Any], bytes], list[Any] | Waiting], max_frames: int = p.MAX_FRAMES) -> None:
     """One worker: take a request from the proxy at ``where``, answer it with ``handle``
     (request frames and the sender's identity to reply frames, or a :class:`Waiting`),
-    until ``stop``."""
+    until ``stop``. A request of more than ``max_frames`` frames reaches ``handle`` cut to
+    one frame more than that."""
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(where)
@@ -104,7 +125,7 @@ def work(ctx: zmq.Context[Any], where: str, stop: threading.Event,
                     except BlockingIOError:
                         break
             if sock in ready:
-                frames = sock.recv_multipart(copy=False)
+                frames = receive(sock, max_frames)
                 identity, request = frames[0], frames[1:]
                 out = handle(request, identity.bytes)
                 if isinstance(out, Waiting):

@@ -223,14 +223,15 @@ class RemoteCache:
             self.release(lease_id)
 
     def release(self, lease_id: int) -> None:
-        """Release a lease from the releaser thread (its own client: never waits behind a
-        lookup). Safe from any thread."""
+        """Release a lease from the releaser thread (the scheduler thread never waits for it),
+        through the lookup thread's client: the server lets only the connection that took a
+        lease release it. Safe from any thread."""
 
         def release() -> None:
             if not self.link.usable():
                 return  # the lease expires on its own; don't queue timeouts behind a dead server
             try:
-                self.link.release_client.release(lease_id)
+                self.link.lookup_client.release(lease_id)  # the connection the lease is of
             except CLIENT_ERRORS as e:  # the lease expires on its own
                 logger.debug("GlmCacheConnector: release of lease %s failed: %s", lease_id, e)
 

@@ -169,23 +169,24 @@ def test_a_load_that_loses_an_object_part_way_fails_the_whole_request(server):
 
 def _filled_server():
     """A server whose whole budget is pinned by a leased object of another namespace:
-    every put of ours is answered no_space until the lease is released."""
+    every put of ours is answered no_space until the lease is released (through the
+    returned client: a lease is its connection's)."""
     srv = ServerProcess("--separate-object-groups", "--chunk-size", str(C), "--l1-size-gb", "0.0001",
                         "--max-leased-fraction", "1").start()
     cap = int(0.0001 * (1 << 30))
-    with CacheClient(srv.url) as cli:
-        cli.hello("filler", BLOCK, attn_groups=[ATTN], state_groups=[STATE])
-        big = cap - 4096
-        assert cli.put("filler", [(_hash(99), ATTN, 0, bytes(big // 2)),
-                                  (_hash(99), STATE, 0, bytes(big - big // 2))], parent=[None, None]) \
-            == ["stored", "stored"]
-        n, lease = cli.lookup("filler", [_hash(99)], [ATTN], [STATE])
-        assert n == 1 and lease is not None
-    return srv, lease
+    cli = CacheClient(srv.url)
+    cli.hello("filler", BLOCK, attn_groups=[ATTN], state_groups=[STATE])
+    big = cap - 4096
+    assert cli.put("filler", [(_hash(99), ATTN, 0, bytes(big // 2)),
+                              (_hash(99), STATE, 0, bytes(big - big // 2))], parent=[None, None]) \
+        == ["stored", "stored"]
+    n, lease = cli.lookup("filler", [_hash(99)], [ATTN], [STATE])
+    assert n == 1 and lease is not None
+    return srv, cli, lease
 
 
 def test_saves_that_do_not_land_are_reported_per_request_and_chunk():
-    srv, lease = _filled_server()
+    srv, cli, lease = _filled_server()
     try:
         w, buf = _worker(srv.url)
         buf.copy_(torch.randint(-100, 100, buf.shape, dtype=torch.int8))
@@ -200,14 +201,14 @@ def test_saves_that_do_not_land_are_reported_per_request_and_chunk():
              ("r-a", _hash(1), STATE, SAVE_NO_SPACE)])
         assert w.build_connector_worker_meta() is None  # reported once
         # Space again: the same saves land, and nothing is reported.
-        with CacheClient(srv.url) as cli:
-            assert cli.release(lease)
+        assert cli.release(lease)
         w.wait_for_save(GlmConnectorMetadata(namespace=NS, saves=saves))
         assert w.wait_for_pending_saves()
         assert w.build_connector_worker_meta() is None
         assert w.stats["saved_objects"] == 3
         w.shutdown()
     finally:
+        cli.close()
         srv.stop()
 
 

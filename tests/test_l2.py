@@ -340,6 +340,10 @@ def test_promotion_keeps_the_l1_objects_its_resume_goes_through(cluster):
         wait_written(c.stats, len(items))
         assert c.request({"op": "delete", "ns": NS, "keys": [[hashes[-1], STATE, 0]]})[0]["removed"] == 1
         assert c.stats()["namespaces"][NS]["usable_prefixes"]["worthless_objects"] == 4
+        # A delete reaches L2 too: the state is put back there alone, as if L1 had evicted it.
+        assert wait_written(c.stats, len(items))["deleted_objects"] == 1
+        state_key = (NS, hashes[-1], STATE, 0)
+        _redis(cluster).set(_redis_key(cluster, state_key), _value(state_key, items[-1][3], parent=hashes[-2]))
         other = [(h, ATTN, 0, os.urandom(100_000)) for h in _hashes(2, seed=31)]
         assert set(c.put("model-b", other)) == {"stored"}
         assert c.stats()["used_bytes"] == 600_000
@@ -530,3 +534,67 @@ def test_concurrent_promotions_queue_each_within_its_deadline(cluster):
     assert answers[0][0] == answers[1][0] == 3, answers
     assert (l2["lookups"], l2["hits"], l2["skipped"], l2["timeouts"]) == (2, 2, 0, 0), l2
     assert 1.0 <= answers[0][1] < 2.0 and 2.0 <= answers[1][1] < 3.0, answers  # one after the other
+
+
+def test_an_object_a_loader_deletes_is_deleted_from_l2_and_not_promoted_back(cluster):
+    """A loader that finds an object's bytes do not match their checksum deletes it (the
+    client's get does); the delete reaches L2, so neither this host's next lookup nor
+    another host's promotes it back: it used to come back from L2 on every lookup."""
+    hashes = _hashes(3, seed=40)
+    items = _objects(hashes)
+    state = (hashes[-1], STATE, 0)
+    with _server(cluster, "--debug-fault-hooks") as a, _server(cluster) as b:
+        _store_through(a, items)
+        c = _client(a)
+        assert c.request({"op": "debug_corrupt", "ns": NS, "keys": [list(state)]})[0]["corrupted"] is True
+        assert c.get(NS, [state]) == [None] and c.corrupt_objects == 1  # found corrupt: deleted by the client
+        assert c.lookup(NS, hashes, [ATTN], [STATE])[0] == 0  # at once: before the L2 delete is made, too
+        l2 = wait_written(c.stats, len(items))
+        assert l2["deleted_objects"] == 1 and l2["dropped_deletes"] == 0 and l2["promoted_objects"] == 0
+        assert _redis(cluster).exists(_redis_key(cluster, (NS, *state))) == 0
+        assert _redis(cluster).exists(_redis_key(cluster, (NS, hashes[0], ATTN, 0))) == 1  # only that one
+        cb = _client(b)
+        assert cb.lookup(NS, hashes, [ATTN], [STATE])[0] == 0
+        assert cb.lookup(NS, hashes[:2], [ATTN], [])[0] == 2  # the rest still resumes through L2
+        assert c.lookup(NS, hashes, [ATTN], [STATE])[0] == 0
+        cb.close()
+        c.close()
+
+
+def test_a_delete_still_queued_or_made_during_a_promotion_is_not_promoted(cluster):
+    """In process, on the real store: a delete the writer has not made yet (held back here)
+    keeps promotions from asking L2 for the key, and a promotion already fetching the key
+    when the delete arrives does not put it into L1."""
+    from cache_server.store import ObjectStore
+
+    key = (NS, _hashes(1, seed=41)[0], ATTN, 0)
+    payload = os.urandom(1000)
+    config = L2Config.from_url(cluster.url + "?debug_promote_delay_s=0.5", allow_debug=True,
+                               secret=L2_SECRET.encode())
+    tier = L2Tier(config)
+    try:
+        tier.write(key, payload, p.checksum(payload, NS, key[1:]), None)
+        assert tier.flush()
+        release_writer = threading.Event()
+        make_delete = tier._delete_now
+        tier._delete_now = lambda client, keys: (release_writer.wait(10), make_delete(client, keys))
+
+        # a promotion under way (between its EXISTS and GET) when the delete arrives
+        store = ObjectStore(1 << 20, 1 << 20)
+        promotion = tier.begin_promote(store, NS, [key[1]], [ATTN], [], 1, 0, [])
+        assert promotion.future is not None
+        time.sleep(0.2)
+        tier.delete([key])
+        promotion.future.result(timeout=5)
+        assert len(promotion.results) == 1  # it fetched the value: the delete is not made yet
+        assert tier.finish_promote(promotion) == (0, True) and key not in store
+
+        # a lookup while the delete is still queued: L2 is not asked for it
+        assert tier.promote(store, NS, [key[1]], [ATTN], [], 1, 0, []) == (0, True)
+        assert key not in store
+        release_writer.set()
+        assert tier.flush()
+        assert tier.snapshot()["deleted_objects"] == 1
+        assert _redis(cluster).exists(redis_key(config.prefix, key)) == 0
+    finally:
+        tier.close()
