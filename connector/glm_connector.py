@@ -45,7 +45,7 @@ from connector.geometry import (
     model_row_parts,
     resolve_geometry,
 )
-from connector.keys import model_cache_row_format
+from connector.keys import model_cache_row_format, model_numerics_version
 from connector.scheduler import SchedulerSide
 from connector.stats import SCHEDULER_KEYS, DeltaReporter, GlmCachePromMetrics, GlmCacheStats
 from connector.worker import WorkerSide
@@ -95,9 +95,11 @@ class GlmCacheConnector(KVConnectorBase_V1, SupportsHMA):
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            # the model's cache-row format joins the namespace (rows of another format never load)
+            # the model's cache-row format and numerics version join the namespace (rows of
+            # another format, or computed by other code, never load)
             self._scheduler = SchedulerSide(vllm_config, kv_cache_config, settings, geometry, refused,
-                                            row_format=model_cache_row_format(vllm_config))
+                                            row_format=model_cache_row_format(vllm_config),
+                                            numerics=model_numerics_version(vllm_config))
         else:
             self._worker = WorkerSide(vllm_config, kv_cache_config, settings, geometry, refused)
         # increments of our counters, reported to vLLM's metrics (connector.stats)

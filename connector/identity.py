@@ -15,6 +15,16 @@ is seen. What it misses: an edit confined to elements between the samples of a t
 formats are sampled per file (:data:`FILE_SAMPLES` windows). A hub snapshot's commit is
 added where the path names one.
 
+Only weights that are those files are named so: a ``--load-format`` whose weights come
+from elsewhere (``dummy``'s random ones, a tensorizer URI, object storage, a peer) is
+refused (:func:`check_weights_source`), and the engine serves without the external cache.
+
+In-place changes at run time (vLLM's weight transfer API, ``reload_weights``, sleep level 2)
+move the namespace: the workers name the weights they compute with by their content
+(:class:`LiveWeights`), the scheduler side follows (:class:`WeightsView`). What vLLM 0.32
+lets a connector see of each path, and what it does not, is in ``docs/design.md`` ("Keys
+and namespaces").
+
 Speculative decoding: a drafter whose layers write cache rows (EAGLE, MTP, a draft model)
 joins the identity with its method, draft length, lookahead and weights (the target's, for
 MTP layers shipped in its checkpoint; otherwise the draft's own, named the same way), and
@@ -24,11 +34,14 @@ namespace as it is without drafts; the rest is refused (:func:`check_nameable`).
 
 from __future__ import annotations
 
+import functools
+import gc
 import hashlib
 import json
 import os
 import re
 import struct
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -240,9 +253,10 @@ def weights_digest(model_dir: Path) -> str:
     return h.hexdigest()[:32]
 
 
-def model_dir(model_config: ModelConfig) -> Path:
+def model_dir(model_config: ModelConfig, download_dir: str | None = None) -> Path:
     """The local directory holding the model's weights: the path given, or the hub cache's
-    snapshot of a model named by id (never downloaded here)."""
+    snapshot of a model named by id (never downloaded here; ``download_dir``: vLLM's
+    ``--download-dir``, where it put them instead of the default hub cache)."""
     path = Path(str(model_config.model))
     if path.is_dir():
         return path.resolve()
@@ -250,7 +264,7 @@ def model_dir(model_config: ModelConfig) -> Path:
         from huggingface_hub import snapshot_download
 
         return Path(snapshot_download(str(model_config.model), revision=model_config.revision,
-                                      local_files_only=True))
+                                      cache_dir=download_dir or None, local_files_only=True))
     except Exception as e:  # noqa: BLE001 (any failure means: not found locally)
         raise UnnamedWeights(f"cannot find the weights of {model_config.model!r} locally: {e}") from None
 
@@ -270,14 +284,59 @@ def _overrides(overrides: Any) -> str:
     return json.dumps(overrides, sort_keys=True, default=str)
 
 
-def engine_identity(model_config: ModelConfig, drafts: Drafts = NO_DRAFTS) -> dict[str, Any]:
+# vLLM 0.32's --load-format values (vllm/model_executor/model_loader/__init__.py) whose
+# weights are the files under the model directory, which weights_digest reads: the default
+# loader's formats (auto, hf, safetensors and its fastsafetensors / instanttensor readers,
+# mistral's consolidated files, pt, npcache's numpy copies of the .bin files) and
+# sharded_state (pre-sharded files saved there by save_sharded_state).
+FILE_LOAD_FORMATS = frozenset({"auto", "hf", "safetensors", "fastsafetensors", "instanttensor", "mistral",
+                               "pt", "npcache", "sharded_state"})
+# The others, and where their weights come from. Any format not in FILE_LOAD_FORMATS (these,
+# a loader registered by a plugin, one vLLM adds later) is refused.
+_OTHER_SOURCES = {
+    "dummy": "random weights, not the files on disk",
+    "tensorizer": "tensors deserialized from the tensorizer URI, not the model directory's files",
+    "runai_streamer": "weights streamed from object storage",
+    "runai_streamer_sharded": "pre-sharded weights streamed from object storage",
+    "modelexpress": "weights received from a ModelExpress peer",
+    "ipc_cache": "weights received over IPC from another process",
+}
+
+
+def load_format(load_config: Any) -> str:
+    """vLLM's ``--load-format`` as a string (``auto`` when there is no load config)."""
+    fmt = getattr(load_config, "load_format", None) if load_config is not None else None
+    fmt = getattr(fmt, "value", fmt)  # an enum member in some vLLM versions
+    return str(fmt or "auto")
+
+
+def check_weights_source(model_config: Any, load_config: Any) -> None:
+    """Raise :class:`UnnamedWeights` unless the engine computes with the files under the
+    model directory, the only weights :func:`weights_digest` names: a ``--load-format``
+    outside :data:`FILE_LOAD_FORMATS` (``dummy``: a benchmark engine with random weights
+    pointed at a production server would save random-weight KV under the production
+    namespace), or weights pulled from object storage (``model_weights``)."""
+    fmt = load_format(load_config)
+    if fmt not in FILE_LOAD_FORMATS:
+        why = _OTHER_SOURCES.get(fmt, "a loader whose weights the connector cannot tell from the files on disk")
+        raise UnnamedWeights(f"--load-format {fmt}: {why}; its weights cannot be named by the model's files "
+                             f"(named: {', '.join(sorted(FILE_LOAD_FORMATS))})")
+    source = getattr(model_config, "model_weights", "") or ""
+    if source:
+        raise UnnamedWeights(f"weights loaded from {source!r}, not from the files under {model_config.model!r}")
+
+
+def engine_identity(model_config: ModelConfig, drafts: Drafts = NO_DRAFTS,
+                    load_config: Any = None) -> dict[str, Any]:
     """Everything besides the geometry that the cached bytes depend on, for the namespace:
     with ``drafts`` that write cache rows, the draft too (:func:`draft_identity`). Raises
-    :class:`UnnamedWeights` where the weights cannot be named."""
+    :class:`UnnamedWeights` where the weights cannot be named, among them weights that are
+    not the model's files (``load_config``: vLLM's, :func:`check_weights_source`)."""
     import vllm
     from vllm.platforms import current_platform
 
-    directory = model_dir(model_config)
+    check_weights_source(model_config, load_config)
+    directory = model_dir(model_config, getattr(load_config, "download_dir", None))
     snapshot = _SNAPSHOT.search(str(directory))
     capability = current_platform.get_device_capability()
     identity = {
@@ -296,3 +355,298 @@ def engine_identity(model_config: ModelConfig, drafts: Drafts = NO_DRAFTS) -> di
     if draft is not None:  # absent otherwise: drafts-off namespaces stay what they were
         identity["draft"] = draft
     return identity
+
+
+# Weights at run time ------------------------------------------------------------------------
+#
+# vLLM 0.32 changes weights in place by three paths, and tells a KV connector of none of them
+# directly (docs/design.md, "Keys and namespaces", has the table): the weight transfer API
+# (start_weight_update / update_weights / finish_weight_update, collective RPCs to the
+# workers), reload_weights (a collective RPC), and sleep level 2 (weights dropped, then
+# reloaded by one of the other two). The scheduler side hears only reset_cache, when a pause
+# or a sleep clears vLLM's caches; the worker side, nothing. So the workers watch the
+# weights themselves: each names the weights it computes with by their content
+# (live_digest), computes that once at start-up, again whenever the model's load_weights
+# was called since the last step (every path above that goes through vLLM's loaders:
+# reload_weights, the NCCL / IPC / sparse-patch engines, the layerwise reload after level
+# 2) and whenever the scheduler asks after a reset (which also covers what writes weight
+# storage directly, as long as a pause or sleep with cleared caches surrounds it). Each
+# step's plan names the weights it was made for; a worker whose weights are other loads
+# and saves nothing of it, and the scheduler moves to the namespace of the weights the
+# workers report.
+
+UNNAMED = "unnamed"  # a worker that cannot read its weights' content
+UNVERIFIED = "unverified"  # the scheduler does not know the weights (after a reset)
+
+# Words (16 bits) summed per checksum row: each row's sum is exact in int64 (|word| < 2^15,
+# multipliers < 2^31, 2^16 of them), so the sum is the same on every device and in any
+# reduction order, and a change of any single word always changes it.
+_ROW_WORDS = 1 << 16
+_ROWS_PER_PASS = 256  # rows converted to int64 at once (128 MiB of temporaries)
+_MIXERS: dict[Any, Any] = {}
+
+
+def _mixers(device: Any) -> Any:
+    import torch
+
+    mix = _MIXERS.get(device)
+    if mix is None:
+        i = torch.arange(_ROW_WORDS, dtype=torch.int64, device=device)
+        mix = _MIXERS[device] = ((i * 2654435761) % 2147483647) | 1  # odd, below 2^31
+    return mix
+
+
+def tensor_checksum(t: Any) -> Any:
+    """An int64 vector naming every byte of tensor ``t`` (on its device): the tensor read
+    as 16-bit words, in rows of :data:`_ROW_WORDS`, each row's sum of word times an odd
+    position multiplier, then the tail's sum and the byte count. One read of the tensor;
+    nothing leaves the device."""
+    import torch
+
+    flat = t.detach().reshape(-1)
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
+    raw = flat.view(torch.uint8) if flat.dtype != torch.uint8 else flat
+    n = raw.numel()
+    even = raw[: n - n % 2]
+    words = even.view(torch.int16) if even.numel() else even.to(torch.int16)
+    mix = _mixers(raw.device)
+    rows = words.numel() // _ROW_WORDS
+    parts = []
+    body = words[: rows * _ROW_WORDS].view(rows, _ROW_WORDS)
+    for r in range(0, rows, _ROWS_PER_PASS):
+        block = body[r : r + _ROWS_PER_PASS].to(torch.int64)
+        parts.append((block * mix).sum(dim=1))
+    tail = words[rows * _ROW_WORDS :].to(torch.int64)
+    last = raw[n - n % 2 :].to(torch.int64)
+    parts.append(torch.stack([(tail * mix[: tail.numel()]).sum(), last.sum(), torch.tensor(n, device=raw.device)]))
+    return torch.cat(parts)
+
+
+def live_digest(modules: list[Any]) -> str:
+    """The content digest of every parameter of ``modules`` (the model and its drafter, as
+    they are in memory now): names, dtypes, shapes and :func:`tensor_checksum` of each,
+    hashed on the host. Parameters only: buffers hold derived values (rope caches) and, in
+    some models, statistics that change as the model runs."""
+    import torch
+
+    h = blake3()
+    sums: dict[Any, list[Any]] = {}  # per device, in parameter order
+    order: list[Any] = []
+    seen: set[int] = set()
+    for m, module in enumerate(modules):
+        for name, p in module.named_parameters():
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            h.update(f"{m}:{name}:{p.dtype}:{tuple(p.shape)}:{p.device.type}\0".encode())
+            if p.device not in sums:
+                sums[p.device] = []
+                order.append(p.device)
+            sums[p.device].append(tensor_checksum(p))
+    for device in order:  # one transfer per device
+        h.update(torch.cat(sums[device]).cpu().numpy().tobytes())
+    return h.hexdigest()[:32]
+
+
+def _engine_model_classes(vllm_config: Any) -> tuple[type, ...]:
+    """The classes vLLM instantiates for the model and, where one caches rows, its drafter."""
+    from vllm.model_executor.model_loader.utils import get_model_cls
+
+    classes = [get_model_cls(vllm_config.model_config)]
+    draft = getattr(getattr(vllm_config, "speculative_config", None), "draft_model_config", None)
+    if draft is not None:
+        try:
+            classes.append(get_model_cls(draft))
+        except Exception:  # noqa: BLE001 (a drafter vLLM builds without a registered class: not watched)
+            pass
+    return tuple(dict.fromkeys(classes))
+
+
+def _candidates() -> Any:
+    """Modules that may be a model: those vLLM recorded for in-place reloading (every module
+    of every model its loader built in this process: ``initialize_model`` calls
+    ``record_metadata_for_reloading``), else every object the garbage collector tracks."""
+    try:
+        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
+        modules = list(LAYERWISE_INFO.keys())
+        if modules:
+            return modules
+    except ImportError:
+        pass
+    return gc.get_objects()
+
+
+def find_engine_models(classes: tuple[type, ...]) -> list[Any] | None:
+    """The model (and drafter) objects of this worker process: the live instances of
+    ``classes``, one each. vLLM 0.32 hands a KV connector no reference to the model (its
+    worker hooks get the KV cache tensors and the step's plan), so they are found once, at
+    start-up (:func:`_candidates`). None where the target is not exactly one object."""
+    found: dict[type, list[Any]] = {c: [] for c in classes}
+    for obj in _candidates():
+        for c in classes:
+            if isinstance(obj, c):
+                found[c].append(obj)
+                break
+    target = found[classes[0]]
+    if len(target) != 1:
+        return None
+    return [target[0], *(objs[0] for c, objs in found.items() if c is not classes[0] and len(objs) == 1)]
+
+
+class LiveWeights:
+    """The weights one worker computes with, named by their content.
+
+    ``token`` is None while the weights are those loaded at start-up (their digest equals
+    the one taken then: the namespace is the one the files name), else the digest of what
+    is in memory now, or :data:`UNNAMED` where the weights cannot be read (no model found).
+    Each ``modules`` object's ``load_weights`` is wrapped (on the object, not its class) to
+    count calls: every in-place load vLLM runs goes through it (``reload_weights``, the
+    weight transfer engines, sparse patches), so a step that starts after one names the
+    weights again."""
+
+    def __init__(self, modules: list[Any] | None, rank: int = 0) -> None:
+        self._modules = list(modules or [])
+        self._rank = rank
+        self.loads = 0  # load_weights calls (entries and exits) since start-up
+        self._seen_loads = 0
+        for module in self._modules:
+            self._watch(module)
+        t0 = time.perf_counter()
+        self.baseline = live_digest(self._modules) if self._modules else None
+        self.baseline_s = time.perf_counter() - t0
+        self.token: str | None = None
+        self.answered = 0  # the last weights_seq answered
+
+    @classmethod
+    def of_engine(cls, vllm_config: Any, rank: int, log: Any) -> LiveWeights | None:
+        """This worker's watcher; None off a real engine (configs vLLM did not build)."""
+        try:
+            classes = _engine_model_classes(vllm_config)
+        except Exception:  # noqa: BLE001 (not an engine's config: tests, benchmarks)
+            return None
+        t0 = time.perf_counter()
+        modules = find_engine_models(classes)
+        found_s = time.perf_counter() - t0
+        if modules is None:
+            log.error("GlmCacheConnector worker rank %d: cannot find the model (%s) in this process: in-place "
+                      "weight changes are not seen, and after a reset the external cache is not used",
+                      rank, classes[0].__name__)
+        live = cls(modules, rank)
+        if live.baseline is not None:
+            log.info("GlmCacheConnector worker rank %d: weights content digest %s (%d tensors; found in %.2f s, "
+                     "read in %.2f s); in-place changes move the namespace", rank, live.baseline,
+                     sum(1 for m in live._modules for _ in m.parameters()), found_s, live.baseline_s)
+        return live
+
+    def _watch(self, module: Any) -> None:
+        original = module.load_weights
+        if getattr(original, "_glm_live_weights", None) is self:
+            return
+
+        @functools.wraps(original)
+        def load_weights(*args: Any, **kwargs: Any) -> Any:
+            self.loads += 1
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.loads += 1
+
+        load_weights._glm_live_weights = self  # type: ignore[attr-defined]
+        module.load_weights = load_weights
+
+    def current(self) -> str | None:
+        """The token of the weights in memory now (reads them all)."""
+        if not self._modules:
+            return UNNAMED
+        digest = live_digest(self._modules)
+        return None if digest == self.baseline else digest
+
+    def check(self, seq: int, expected: str | None) -> tuple[int, str | None] | None:
+        """At the start of a step whose plan was made for weights ``expected`` (this rank's
+        token in it) and reset count ``seq``: name the weights again if ``load_weights`` ran
+        since the last step or the scheduler asks (a new ``seq``), and return the report for
+        the scheduler, ``(seq, token)``: sent when the token changed, to answer a new
+        ``seq``, and while the plan names other weights than these (until the scheduler
+        has it)."""
+        asked = seq != self.answered
+        if self.loads != self._seen_loads or asked:
+            self._seen_loads = self.loads
+            self.token = self.current()
+            self.answered = seq
+            return seq, self.token
+        if expected != self.token and expected != UNVERIFIED:
+            return self.answered, self.token
+        return None
+
+
+def expected_token(weights: tuple[str | None, ...] | str | None, rank: int) -> str | None:
+    """What a step's plan (``GlmConnectorMetadata.weights``) says rank ``rank``'s weights
+    are: None (as loaded at start-up), a digest, or :data:`UNVERIFIED` (not known)."""
+    if weights is None:
+        return None
+    if isinstance(weights, str) or rank >= len(weights):
+        return UNVERIFIED
+    return weights[rank]
+
+
+class WeightsView:
+    """What the scheduler side knows of its workers' weights: one token per rank (None:
+    as loaded at start-up), and whether it knows them at all (``verified``: False from a
+    reset until every rank answered it)."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self.tokens: tuple[str | None, ...] = (None,) * world_size
+        self.seq = 0
+        self.verified = True
+        self._answers: dict[int, tuple[int, str | None]] = {}
+
+    def expected(self) -> tuple[str | None, ...] | str | None:
+        """The plan's ``weights``: None while every rank has its start-up weights."""
+        if not self.verified:
+            return UNVERIFIED
+        return None if all(t is None for t in self.tokens) else self.tokens
+
+    def reset(self) -> None:
+        """vLLM cleared its caches (a sleep, a pause before a weight update): the weights
+        may change before the next step; ask every rank."""
+        self.seq += 1
+        self.verified = False
+
+    def report(self, reports: dict[int, tuple[int, str | None]]) -> tuple[tuple, tuple, bool] | None:
+        """Take the workers' reports; ``(old tokens, new tokens, answered a reset)`` when
+        the scheduler learned something (the weights changed, or every rank answered the
+        outstanding reset), else None."""
+        for rank, (seq, token) in reports.items():
+            if 0 <= rank < self.world_size:
+                self._answers[rank] = (seq, token)
+        latest = tuple(self._answers.get(r, (0, self.tokens[r]))[1] for r in range(self.world_size))
+        if not self.verified:
+            if any(self._answers.get(r, (-1, None))[0] != self.seq for r in range(self.world_size)):
+                return None
+            self.verified = True
+            old, self.tokens = self.tokens, latest
+            return old, latest, True
+        if latest == self.tokens:
+            return None
+        old, self.tokens = self.tokens, latest
+        return old, latest, False
+
+
+def runtime_identity(identity: dict[str, Any] | None, tokens: tuple[str | None, ...]) -> dict[str, Any] | None:
+    """The identity for weights ``tokens``: the start-up one while every rank has its
+    start-up weights; else the same with the weights named by every rank's content digest
+    (replicas updated in place to the same weights, on the same layout, share this
+    namespace); None where a rank cannot name its weights."""
+    if identity is None or any(t == UNNAMED for t in tokens):
+        return None
+    if all(t is None for t in tokens):
+        return identity
+    startup = f"files:{identity.get('weights')}"  # a rank still on its start-up weights: the files' digest
+    live = blake3("|".join(startup if t is None else t for t in tokens).encode()).hexdigest()[:32]
+    changed = {**identity, "weights": f"live:{live}", "snapshot": None}
+    if isinstance(changed.get("draft"), dict):  # the live digest covers the drafter's parameters too
+        changed["draft"] = {**changed["draft"], "weights": "live"}
+    return changed

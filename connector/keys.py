@@ -461,3 +461,24 @@ def model_cache_row_format(vllm_config: VllmConfig) -> str | None:
 
     fmt = getattr(get_model_cls(vllm_config.model_config), "kv_cache_row_format", None)
     return None if fmt is None else str(fmt)
+
+
+def numerics_version_of(model_cls: type) -> str | None:
+    """``"<package>/<NUMERICS_VERSION>"`` for a model class whose top-level package
+    declares ``NUMERICS_VERSION`` (glm5next_plugin does: :mod:`glm5next_plugin.version`);
+    None for the rest (vLLM's own models: vLLM's version names their code)."""
+    package = str(getattr(model_cls, "__module__", "") or "").split(".")[0]
+    version = getattr(sys.modules.get(package), "NUMERICS_VERSION", None) if package else None
+    return None if version is None else f"{package}/{version}"
+
+
+def model_numerics_version(vllm_config: VllmConfig) -> str | None:
+    """The numerics version of the code that computes this engine's cache bytes: the
+    package of the model class vLLM resolves for the model config (the GLM plugin's
+    ``NUMERICS_VERSION``, bumped whenever its outputs change), or None for models whose
+    package declares none. It joins the namespace, so a rolling upgrade to plugin code that
+    computes other KV never shares objects with the old code (the row format alone, which
+    :func:`model_cache_row_format` reads, changes only when the rows' layout does)."""
+    from vllm.model_executor.model_loader.utils import get_model_cls
+
+    return numerics_version_of(get_model_cls(vllm_config.model_config))

@@ -47,6 +47,14 @@ class GlmConnectorMetadata(KVConnectorMetadata):
     namespace: str = ""
     loads: list[LoadJob] = field(default_factory=list)
     saves: list[ObjectMove] = field(default_factory=list)
+    # The weights this step's loads and saves were planned for (connector.identity
+    # WeightsView.expected): None, every rank's weights as loaded at start-up; a tuple, each
+    # rank's content digest after an in-place change; a string, not known (plan nothing).
+    # A worker whose weights are other moves nothing of this step.
+    weights: tuple[str | None, ...] | str | None = None
+    # Bumped by every reset of the connector (sleep, a pause that clears caches): the
+    # workers name their weights again and answer with it.
+    weights_seq: int = 0
 
 
 # Why a save did not land on the server. Transient ones are retried by the scheduler
@@ -72,8 +80,11 @@ class GlmWorkerMeta(KVConnectorWorkerMetadata):
     """Saves that did not land since the last step, from every worker rank."""
 
     failed_saves: list[SaveFailure] = field(default_factory=list)
+    # Each rank's weights, when they changed or the scheduler asked: rank -> (the
+    # weights_seq answered, the rank's token: connector.identity.LiveWeights).
+    weights: dict[int, tuple[int, str | None]] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if isinstance(other, GlmWorkerMeta):
-            return GlmWorkerMeta(self.failed_saves + other.failed_saves)
+            return GlmWorkerMeta(self.failed_saves + other.failed_saves, {**self.weights, **other.weights})
         return self

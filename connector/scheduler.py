@@ -54,7 +54,14 @@ from connector.config import (
     require_recompute_on_load_failure,
 )
 from connector.geometry import Geometry, strict_prefix_chunks
-from connector.identity import NO_DRAFTS, Unnameable, check_nameable, engine_identity
+from connector.identity import (
+    NO_DRAFTS,
+    Unnameable,
+    WeightsView,
+    check_nameable,
+    engine_identity,
+    runtime_identity,
+)
 from connector.keys import (
     ChunkKeys,
     choose_key_scheme,
@@ -102,7 +109,7 @@ class SchedulerSide:
 
     def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
                  settings: Settings, geometry: Geometry, refused_layout: str | None,
-                 row_format: str | None = None) -> None:
+                 row_format: str | None = None, numerics: str | None = None) -> None:
         require_recompute_on_load_failure(vllm_config)
         self._vllm_config = vllm_config
         self._kv_cache_config = kv_cache_config
@@ -118,7 +125,7 @@ class SchedulerSide:
                                    geometry.scheduler_block_size, logger)
         try:
             drafts = check_nameable(vllm_config)
-            identity = engine_identity(vllm_config.model_config, drafts)
+            identity = engine_identity(vllm_config.model_config, drafts, getattr(vllm_config, "load_config", None))
         except Unnameable as e:  # what identity cannot name is not cached
             logger.error("GlmCacheConnector: %s; serving without the external cache", e)
             drafts, identity = NO_DRAFTS, None
@@ -134,9 +141,18 @@ class SchedulerSide:
                         "as without drafts")
         # a drafter's lookahead joins every chunk key (connector.keys.lookahead_keys)
         self.keys = ChunkKeys(scheme, span, drafts.lookahead)
-        # the model's cache-row format, the key scheme, the weights and the engine join the namespace
-        self._fingerprint = engine_fingerprint(vllm_config, kv_cache_config, geometry, row_format,
-                                               chunk_keys=scheme.identity, identity=identity)
+        if numerics is not None and identity is not None:  # the model code's numerics version
+            identity["numerics"] = numerics
+        # the model's cache-row format, the key scheme, the weights and the engine join the
+        # namespace; the weights as the workers report them at run time (_weights_report)
+        self._identity = identity
+        self._fingerprint_of = lambda ident: engine_fingerprint(vllm_config, kv_cache_config, geometry, row_format,
+                                                                chunk_keys=scheme.identity, identity=ident)
+        self._weights = WeightsView(world_size)
+        self._stale_map: Any = None  # vLLM's prefix-cache map holding blocks of replaced weights
+        self._last_map: Any = None  # that map at the last step
+        self._reset_fresh = False  # the last reset replaced it
+        self._fingerprint = self._namespace_of(self._weights.tokens)
         self.namespace = ""  # set by each handshake; "" while none succeeded
         self._logged_geometry: Geometry | None = None
         self._requests = Requests()
@@ -335,6 +351,7 @@ class SchedulerSide:
         wait at all."""
         self._align_block_size()
         state = self._requests.of(request)
+        self._weights_admission(state, num_computed_tokens)
         if state.bypass is None:
             result = self._guarded(state, "admission", lambda: self._admit(state, num_computed_tokens), None)
             if state.bypass is None:
@@ -349,7 +366,7 @@ class SchedulerSide:
         if state.load_failed:
             return self._cold(state)
         wait_s = self.remote.answer_wait_s()
-        ready = self.remote.ready()
+        ready = self._server_ready()
         if ready is None and state.within_wait(wait_s):
             return None, False
         if not ready or not self.remote.usable():
@@ -562,7 +579,7 @@ class SchedulerSide:
             namespace=self.namespace, loads=self._pending_loads, saves=self._pending_saves
         )
         self._pending_loads, self._pending_saves = [], []
-        if self.remote.link.hello is None:
+        if not self._weights_meta(meta) or self.remote.link.hello is None:
             return meta
         if not self._strict_prefix:  # a non-strict engine's states may be wrong: never share them
             meta.saves = []
@@ -626,6 +643,7 @@ class SchedulerSide:
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         worker_meta = connector_output.kv_connector_worker_meta
+        self._weights_report(worker_meta)
         if isinstance(worker_meta, GlmWorkerMeta) and worker_meta.failed_saves:
             self._saves.failed(worker_meta.failed_saves, self._scheduled)
         for req_id in set(connector_output.finished_recving or ()):
@@ -666,8 +684,120 @@ class SchedulerSide:
         self._drop_lease(state)
         return False, None
 
+    # Weights at run time ---------------------------------------------------------------
+    #
+    # The namespace names the weights the workers compute with (connector.identity: the
+    # workers name them by content and report changes with each step's output). After an
+    # in-place change the engine moves to the new weights' namespace: requests under way
+    # are not cached further (their KV mixes both weights), loads planned for the old
+    # weights fail (vLLM recomputes), saves planned for them are dropped, and until vLLM's
+    # prefix cache is reset, requests resuming from it are not cached (it holds blocks of
+    # the old weights). Each step's plan names the weights it was made for, so a worker
+    # whose weights changed before the scheduler heard of it moves nothing of it.
+
     def reset_cache(self) -> bool | None:
-        return self.remote.clear(self.namespace)
+        """vLLM reset its caches and the connector's: a sleep (any level: 0.32 does not tell
+        which), a pause that clears caches (``/pause``, ``pause_generation``: how an RL
+        weight update starts), ``reset_prefix_cache(reset_connector=True)``. Nothing is
+        cleared on the server: its objects belong to every replica on these weights, and an
+        engine whose weights change moves to another namespace instead. The weights may
+        change before the next step, so lookups and saves wait until every worker has named
+        its weights again (the next step's output; :class:`~connector.identity.WeightsView`).
+        Clearing the server is the server's: ``POST /cache/clear``."""
+        self._reset_fresh = self._block_map() is not self._last_map  # vLLM replaced its prefix cache
+        self._weights.reset()
+        self._pending_saves = []
+        logger.info("GlmCacheConnector: vLLM reset its caches (sleep, pause or reset_prefix_cache): glm-cache-server "
+                    "keeps its objects; lookups and saves wait until the workers have named their weights again")
+        return True
+
+    def _namespace_of(self, tokens: tuple[str | None, ...]) -> str | None:
+        """The namespace for the workers' weights ``tokens`` (None: the weights cannot be named)."""
+        identity = runtime_identity(self._identity, tokens)
+        return None if identity is None else self._fingerprint_of(identity)
+
+    def _block_map(self) -> Any:
+        """vLLM's prefix-cache map (a new object after each reset of its prefix cache)."""
+        return getattr(getattr(self.kv_cache_manager, "block_pool", None), "cached_block_hash_to_block", None)
+
+    def _server_ready(self) -> bool | None:
+        """:meth:`RemoteCache.ready`, or None (not yet) while the weights are not known."""
+        return self.remote.ready() if self._weights.verified else None
+
+    def _weights_meta(self, meta: GlmConnectorMetadata) -> bool:
+        """Name in the plan the weights it is made for; False (nothing saved this step)
+        while they are not known."""
+        meta.weights, meta.weights_seq = self._weights.expected(), self._weights.seq
+        self._last_map = self._block_map()
+        if self._weights.verified and self._fingerprint is not None:
+            return True
+        meta.saves = []
+        return False
+
+    def _weights_admission(self, state: RequestState, num_computed_tokens: int) -> None:
+        """After an in-place change without a reset, vLLM's prefix cache holds blocks the
+        old weights computed: a request resuming from it is served without the external
+        cache (its saves would carry those blocks into the new weights' namespace), until
+        vLLM's prefix cache is reset."""
+        if self._stale_map is None or state.bypass is not None:
+            return
+        current = self._block_map()
+        if current is not None and current is not self._stale_map:
+            self._stale_map = None
+            logger.info("GlmCacheConnector: vLLM's prefix cache was reset since the weights changed; requests "
+                        "resuming from it are cached again")
+            return
+        if num_computed_tokens > 0:
+            state.bypass = "resumes from vLLM's prefix cache, which holds blocks of replaced weights"
+            state.scheduled = False
+            self._saves.stats["weights_stale_local"] += 1
+
+    def _weights_report(self, worker_meta: Any) -> None:
+        """The workers' weights, reported with a step's output."""
+        reports = worker_meta.weights if isinstance(worker_meta, GlmWorkerMeta) else None
+        if not reports:
+            return
+        outcome = self._weights.report(reports)
+        if outcome is None:
+            return
+        old, new, answered_reset = outcome
+        if new == old:
+            logger.info("GlmCacheConnector: the workers named their weights again: unchanged (namespace %s)",
+                        self._fingerprint)
+            return
+        self._weights_changed(new, answered_reset)
+
+    def _weights_changed(self, tokens: tuple[str | None, ...], answered_reset: bool) -> None:
+        before, self._fingerprint = self._fingerprint, self._namespace_of(tokens)
+        under_way = 0
+        for state in self._requests.values():
+            if state.bypass is None and (state.scheduled or state.load_in_flight):
+                # it holds KV computed (or being loaded) for the old weights: what it computes
+                # next mixes both; a request not yet allocated is admitted afresh
+                state.bypass, state.scheduled = "under way while the weights changed", False
+                under_way += 1
+        for job in self._pending_loads:
+            job.objects, job.refused = [], job.refused or "the weights changed in place"
+        self._pending_saves = []
+        # After a reset that replaced vLLM's prefix cache, what it holds was computed by the
+        # weights the workers just named; otherwise it still holds the old weights' blocks.
+        self._stale_map = None if answered_reset and self._reset_fresh else self._block_map()
+        self._saves.stats["weights_changes"] += 1
+        self.namespace = ""  # a handshake under the new namespace sets it
+        self.remote.link.hello = None
+        self.remote._handshake = None  # one under way names the old namespace
+        if self._fingerprint is None:
+            self.remote.link.disabled = True
+            logger.error("GlmCacheConnector: the weights changed and a worker cannot name them (%s); serving "
+                         "without the external cache", tokens)
+            return
+        logger.warning(
+            "GlmCacheConnector: the weights changed in place (%s, content digests %s): namespace %s -> %s; "
+            "%d request(s) under way are not cached further%s", "seen after a reset" if answered_reset
+            else "seen after load_weights", [t or "start-up" for t in tokens], before, self._fingerprint, under_way,
+            "" if self._stale_map is None else "; vLLM's prefix cache still holds blocks of the old weights: "
+            "requests resuming from it are not cached until it is reset",
+        )
 
     def shutdown(self) -> None:
         self.remote.shutdown()

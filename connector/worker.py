@@ -5,6 +5,12 @@ pre-copy cannot race the load), streaming in bounded batches whose fetches overl
 page writes, and reports each request's load as finished or failed; it copies save pages
 out after the forward in batches, sends them from a background thread, and reports every
 save that did not land back to the scheduler (``build_connector_worker_meta``).
+
+It also names the weights it computes with (:class:`connector.identity.LiveWeights`): at
+start-up, after any in-place load, and when the scheduler asks after a reset. A step's plan
+made for other weights than these moves nothing (its loads fail, so vLLM recomputes them;
+its saves are dropped), and the new weights' name goes back to the scheduler with the
+step's output, which moves the namespace.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransfe
 
 from cache_server.client import CLIENT_ERRORS, CacheClient, CacheServerUnavailable, unauthorized
 from connector.config import Settings, logger
+from connector.identity import LiveWeights, expected_token
 from connector.metadata import (
     SAVE_DROPPED,
     SAVE_NO_SPACE,
@@ -167,6 +174,12 @@ class WorkerSide:
         self._loads_failed: set[str] = set()
         self._pending_save_bytes = 0
         self._failed_saves: list[SaveFailure] = []
+        # The weights this worker computes with (set once the KV caches are registered: the
+        # model is loaded by then), the token each load was started under, and the report
+        # for the scheduler (connector.identity.LiveWeights.check).
+        self._live: LiveWeights | None = None
+        self._load_tokens: dict[str, str | None] = {}
+        self._weights_report: tuple[int, str | None] | None = None
         self.stats: collections.Counter[str] = collections.Counter(
             loaded_objects=0, saved_objects=0, load_failures=0)
 
@@ -175,6 +188,8 @@ class WorkerSide:
 
         self._kv_caches = kv_caches  # for restore_kv_caches
         self._pages = PagedKVCache(kv_caches, self._kv_cache_config, self._geometry.groups)
+        if self._live is None:  # once (restore_kv_caches registers again)
+            self._live = LiveWeights.of_engine(self._vllm_config, self._rank, logger)
         logger.info(
             "GlmCacheConnector worker rank %d: bytes per block per group %s",
             self._rank,
@@ -209,10 +224,38 @@ class WorkerSide:
             self.register_kv_caches(self._kv_caches)
 
     def start_load_kv(self, meta: Any) -> None:
-        if not isinstance(meta, GlmConnectorMetadata) or not meta.loads:
+        if not isinstance(meta, GlmConnectorMetadata):
             return
+        self._check_weights(meta)  # the step's first connector call: before any load or save
+        if not meta.loads:
+            return
+        other = self._other_weights(meta)
+        token = self._token()
         for job in meta.loads:
+            if other is not None:  # planned for other weights: reported failed, vLLM recomputes
+                job = LoadJob(job.req_id, [], refused=other)
+            self._load_tokens[job.req_id] = token
             self._loader.submit(self._run_load, meta.namespace, job)
+
+    # Weights -----------------------------------------------------------------------------
+
+    def _token(self) -> str | None:
+        return self._live.token if self._live is not None else None
+
+    def _check_weights(self, meta: GlmConnectorMetadata) -> None:
+        """Name the weights again where they may have changed (connector.identity.LiveWeights.check)."""
+        if self._live is None:
+            return
+        report = self._live.check(meta.weights_seq, expected_token(meta.weights, self._rank))
+        if report is not None:
+            self._weights_report = report
+
+    def _other_weights(self, meta: GlmConnectorMetadata) -> str | None:
+        """Why this step's plan must not move bytes here (None: it was made for these weights)."""
+        expected = expected_token(meta.weights, self._rank)
+        if expected == self._token():
+            return None
+        return f"planned for other weights ({expected}) than this worker's ({self._token()})"
 
     # Loads ------------------------------------------------------------------------------
     #
@@ -336,6 +379,8 @@ class WorkerSide:
             return
         if self._auth_broken or self._refused_layout is not None:
             return
+        if self._other_weights(meta) is not None:
+            return  # computed by other weights than the plan's namespace names: never sent
         moves: list[ObjectMove] = []
         for move in meta.saves:
             if any(b is None for b in move.block_ids):
@@ -414,10 +459,14 @@ class WorkerSide:
                     self._record_failures([m], reason if known else SAVE_SERVER_ERROR)
 
     def build_connector_worker_meta(self) -> GlmWorkerMeta | None:
-        """Saves that did not land since the last call (None: all did)."""
+        """Saves that did not land since the last call, and this rank's weights when they
+        changed or the scheduler asked (None: nothing to say)."""
         with self._lock:
             failed, self._failed_saves = self._failed_saves, []
-        return GlmWorkerMeta(failed) if failed else None
+        report, self._weights_report = self._weights_report, None
+        if not failed and report is None:
+            return None
+        return GlmWorkerMeta(failed, {} if report is None else {self._rank: report})
 
     def wait_for_pending_saves(self, timeout_s: float = 30.0) -> bool:
         """Block until every queued save was sent (benchmarks, tests); False on timeout."""
@@ -433,6 +482,14 @@ class WorkerSide:
         with self._lock:
             done, failed = self._loads_done, self._loads_failed
             self._loads_done, self._loads_failed = set(), set()
+        token = self._token()
+        for req_id in done:
+            # Loaded while the weights changed (a load spans steps): the bytes came from
+            # the old weights' namespace, so vLLM recomputes the request instead.
+            if self._load_tokens.pop(req_id, token) != token and req_id not in failed:
+                logger.warning("GlmCacheConnector: load for %s finished after the weights changed; recomputing",
+                               req_id)
+                failed.add(req_id)
         return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
 
     def shutdown(self) -> None:

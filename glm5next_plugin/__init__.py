@@ -50,6 +50,8 @@ from __future__ import annotations
 import logging
 import os
 
+from .version import NUMERICS_VERSION  # noqa: F401 (the connector reads it here: connector.keys)
+
 # Under "vllm." so vLLM's log handler prints it in every process it starts.
 logger = logging.getLogger("vllm.glm5next_plugin")
 
