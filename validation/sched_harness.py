@@ -30,7 +30,7 @@ def scheduler_side(url: str, *, block: int = 256, tp: int = 1, timeout_s: float 
                    retry_after_s: float = 1.0, hash_algo: str = "sha256", latent_rows: bool = False,
                    chunk_keys: str = "auto", hash_block: int | None = None, speculative: Any = None,
                    save_decode: bool = False, multimodal: dict[str, Any] | None = None,
-                   trust_media_ids: bool = False):
+                   trust_media_ids: bool = False, load_format: str = "auto", numerics: str | None = None):
     """A :class:`connector.scheduler.SchedulerSide` for one state group and one attention
     group of ``block`` tokens, TP ``tp``, talking to the server at ``url``; ``hash_algo`` is
     vLLM's ``--prefix-caching-hash-algo``. ``latent_rows``: the attention group has the
@@ -40,7 +40,9 @@ def scheduler_side(url: str, *, block: int = 256, tp: int = 1, timeout_s: float 
     ``speculative``: vLLM's ``speculative_config`` (None: drafts off; :func:`drafts` makes
     one); ``save_decode``, ``trust_media_ids``: the connector's settings of those names;
     ``multimodal``: the model takes images, with these ``multimodal_config`` fields
-    (``mm_hasher_algorithm``, ``mm_processor_kwargs``)."""
+    (``mm_hasher_algorithm``, ``mm_processor_kwargs``); ``load_format``: vLLM's
+    ``--load-format``; ``numerics``: the model code's numerics version
+    (``connector.keys.model_numerics_version``)."""
     from vllm.v1 import kv_cache_interface as vkv
 
     from connector.config import Settings
@@ -69,12 +71,13 @@ def scheduler_side(url: str, *, block: int = 256, tp: int = 1, timeout_s: float 
         scheduler_config=SimpleNamespace(max_num_batched_tokens=block),
         kv_transfer_config=SimpleNamespace(kv_load_failure_policy="recompute"),
         speculative_config=speculative,
+        load_config=SimpleNamespace(load_format=load_format, download_dir=None),
     )
     kv.hash_block_size = hash_block or block  # what vLLM's engine core sets at start-up
     geo = resolve_geometry(vllm, kv)
     settings = Settings(url=url, timeout_s=timeout_s, retry_after_s=retry_after_s, chunk_keys=chunk_keys,
                         save_decode=save_decode, trust_media_ids=trust_media_ids)
-    return SchedulerSide(vllm, kv, settings, geo, None)
+    return SchedulerSide(vllm, kv, settings, geo, None, numerics=numerics)
 
 
 def request(req_id: str, token_ids: list[int], salt: str | None = None, hash_block: int | None = None,
