@@ -50,12 +50,14 @@ class CacheClient:
 
     ``shm`` (default on) offers the server shared memory at :meth:`hello` (or at the first
     ``get`` or ``put`` of a client that never says hello): segments of at
-    least ``shm_bytes``, together at most ``shm_max_bytes``, created in /dev/shm and
-    unlinked as soon as the server has mapped them. :attr:`transport` says what was agreed
+    least ``shm_bytes``, together at most ``shm_max_bytes``: sealed memfds, which the
+    server maps (no one can shrink them under it). :attr:`transport` says what was agreed
     (``"shm"`` or ``"tcp"``), :attr:`shm_refusal` why not. A payload ``get`` returns from
     shared memory is a view of a segment that no later request writes into while any view
     of that get is alive (the client uses another segment, or frames); checksums are
-    verified exactly as over TCP. The segments are :mod:`cache_server.client_shm`'s.
+    verified exactly as over TCP. The segments are :mod:`cache_server.client_shm`'s. A
+    client that moves no payload (lookups only) should say ``shm=False``: its hello would
+    offer a segment it never uses.
     """
 
     def __init__(self, url: str = "tcp://127.0.0.1:5555", timeout_s: float = 5.0,
@@ -187,7 +189,8 @@ class CacheClient:
         if self._monitor is not None:
             self._monitor.close(linger=0)
             self._monitor = None
-        # After a timeout the server may still be writing into our segments: never reuse them.
+        # After a timeout the server may still be writing into our segments: never reuse them
+        # (they are detached at the next request that reaches the server).
         self._shm.drop()
 
     def __enter__(self) -> CacheClient:
@@ -264,14 +267,19 @@ class CacheClient:
             if group_names:
                 header["group_names"] = {str(g): n for g, n in group_names.items()}
         with self._lock:
+            self._shm.flush(self._send_header_locked, None)
             offer = self._shm.offer_at_hello()
             if offer is not None:
                 header["shm"] = self._shm.describe(offer)
             try:
                 reply, _ = self._request_locked(header, (), None)
-            except BaseException:
+            except CacheServerError:  # answered: nothing was attached
                 if offer is not None:
                     offer.close()
+                raise
+            except BaseException:  # no answer in time: the server may have attached it
+                if offer is not None:
+                    self._shm.abandon(offer)
                 raise
             if offer is not None:
                 self._shm.settle(offer, reply.get("shm"))

@@ -4,14 +4,20 @@ it picks for each ``get`` or ``put``, and the checks of where the server placed 
 payloads before any of them is read.
 
 Segments are created on demand, at least ``first_bytes`` each and at most ``max_bytes``
-together; a segment is busy while a request uses it or any view of a get answered through
-it is alive, so no later request writes into bytes a caller still holds.
+(and :data:`~cache_server.shm.MAX_SEGMENTS_PER_CLIENT` segments) together; a segment is
+busy while a request uses it or any view of a get answered through it is alive, so no
+later request writes into bytes a caller still holds.
+
+A segment is abandoned when a request through it (or its offer) times out: the server may
+still be copying into it, so it is never used again, and it is detached at the next
+``get``, ``put`` or ``hello`` that reaches the server (its id is known even when the offer's
+answer was lost: :func:`~cache_server.shm.segment_id`). So timeouts never leave the server
+mapping segments this client no longer uses.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -20,9 +26,11 @@ import numpy as np
 
 from cache_server import protocol as p
 from cache_server.client_errors import CacheServerError, CacheServerUnavailable
-from cache_server.shm import DATA_OFFSET, SHM_DIR, ClientSegment, align_up, boot_id
+from cache_server.shm import (DATA_OFFSET, MAX_SEGMENTS_PER_CLIENT, ClientSegment, align_up, boot_id,
+                              memfd_supported, segment_id)
 
 MIB = 1 << 20
+MAX_ABANDONED = 256  # ids kept for detaching; older ones the server drops when idle
 
 logger = logging.getLogger("vllm.glm_cache_client")
 
@@ -41,14 +49,15 @@ class ClientShm:
         if first_bytes <= DATA_OFFSET or max_bytes < first_bytes:
             raise ValueError(f"need {DATA_OFFSET} < shm_bytes <= shm_max_bytes, got {first_bytes}, {max_bytes}")
         self._url = url
-        self.host = boot_id() if enabled and os.path.isdir(SHM_DIR) else None
+        self.host = boot_id() if enabled and memfd_supported() else None
         self.refusal: str | None = None if self.host else ("off in this client" if not enabled
-                                                           else "no boot id or /dev/shm here")
+                                                           else "no boot id or memfd here")
         self.agreed = False
         self.offered = False  # offered once (at hello, or at the first get/put without one)
         self._next = first_bytes  # size of the next segment (grows to what a get needed)
         self._max = max_bytes
         self.segments: list[ClientSegment] = []
+        self._abandoned: list[int] = []  # ids of segments the server may still map, to detach
 
     def offer_at_hello(self) -> ClientSegment | None:
         """The segment a hello offers (None: none to offer, or one is attached already)."""
@@ -69,8 +78,9 @@ class ClientShm:
             return None
 
     def settle(self, seg: ClientSegment, answer: Any) -> bool:
-        """Keep ``seg`` if the server's answer agrees, else drop it and say why."""
-        seg.unlink()  # mapped on both sides now, or never will be: nothing stays in /dev/shm
+        """Keep ``seg`` if the server's answer agrees, else drop it and say why (a refused
+        further segment leaves those attached in use)."""
+        seg.close_fd()  # mapped on both sides now, or never will be
         if isinstance(answer, dict) and isinstance(answer.get("seg"), int) and answer["seg"] > 0:
             seg.seg_id = answer["seg"]
             self.segments.append(seg)
@@ -80,6 +90,9 @@ class ClientShm:
             return True
         seg.close()
         reason = answer.get("reason") if isinstance(answer, dict) else "the server offers no shared memory"
+        if self.agreed and self.segments:
+            logger.info("glm-cache-server at %s: refused another shared-memory segment (%s)", self._url, reason)
+            return False
         if self.agreed or self.refusal != reason:
             logger.info("glm-cache-server at %s: no shared memory (%s); payloads over TCP", self._url, reason)
         self.agreed, self.refusal = False, str(reason)
@@ -94,15 +107,35 @@ class ClientShm:
         except CacheServerError as e:  # a server without the op: frames it is
             self.settle(seg, {"reason": f"{e.code}: {e.message}"})
             return None
-        except BaseException:
-            seg.close()
+        except BaseException:  # no answer in time: the server may have mapped it all the same
+            self.abandon(seg)
+            if not self.agreed:
+                self.offered = False  # not a refusal: offer again at the next transfer
             raise
         return seg if self.settle(seg, reply.get("shm")) else None
+
+    def abandon(self, seg: ClientSegment) -> None:
+        """Never use ``seg`` again, and detach it from the server at the next chance (the
+        server may still be writing into it: its request, or its offer, timed out)."""
+        seg.close()
+        self._abandoned.append(seg.seg_id if seg.seg_id is not None else segment_id(seg.nonce))
+        del self._abandoned[:-MAX_ABANDONED]
+
+    def flush(self, request: Request, timeout_s: float | None) -> None:
+        """Detach the abandoned segments (raises as the client does when the server does
+        not answer: they stay to be detached next time)."""
+        while self._abandoned:
+            try:
+                request({"op": "shm_detach", "seg": self._abandoned[0]}, timeout_s)
+            except CacheServerError:
+                pass  # a server without the op, or one that forgot it: nothing mapped there
+            self._abandoned.pop(0)
 
     def segment(self, need: int, request: Request, timeout_s: float | None) -> ClientSegment | None:
         """A free attached segment with ``need`` bytes of room (``need`` 0: a get, which
         prefers one of the size gets have needed), attaching a new one within
-        ``max_bytes``; None: use frames."""
+        ``max_bytes``; None: use frames. Detaches what was abandoned first."""
+        self.flush(request, timeout_s)
         if not self.agreed:
             if self.host is None or self.offered:
                 return None
@@ -116,40 +149,43 @@ class ClientShm:
         if fits:
             return min(fits, key=lambda s: s.capacity)
         size = max(self._next, -(-(want + DATA_OFFSET) // MIB) * MIB)
+
+        def room() -> bool:  # within our bytes, and within the segments the server maps for one client
+            return sum(s.size for s in self.segments) + size <= self._max \
+                and len(self.segments) < MAX_SEGMENTS_PER_CLIENT
+
         for small in sorted(free, key=lambda s: s.capacity):  # retire free ones too small to make room
-            if sum(s.size for s in self.segments) + size <= self._max:
+            if room():
                 break
-            self._detach(small, request)
-        if sum(s.size for s in self.segments) + size <= self._max:
+            self._detach(small, request, timeout_s)
+        if room():
             seg = self._attach(size, request, timeout_s)
             if seg is not None:
                 return seg
         free = [s for s in self.segments if not s.busy and s.capacity >= need]
         return max(free, key=lambda s: s.capacity) if free else None
 
-    def _detach(self, seg: ClientSegment, request: Request) -> None:
+    def _detach(self, seg: ClientSegment, request: Request, timeout_s: float | None) -> None:
         self.segments.remove(seg)
-        seg.close()
-        try:
-            request({"op": "shm_detach", "seg": seg.seg_id}, None)
-        except CacheServerError:
-            pass
+        self.abandon(seg)  # detached now, or at the next chance if this times out
+        self.flush(request, timeout_s)
 
     def detach_all(self, request: Request, timeout_s: float) -> None:
-        """Let the server unmap every segment now rather than when idle (a client closing);
-        stops at the first failure."""
+        """Let the server unmap every segment now rather than when idle (a client closing),
+        the abandoned ones included; stops at the first failure."""
         for seg in list(self.segments):
-            if seg.seg_id is not None:
-                try:
-                    request({"op": "shm_detach", "seg": seg.seg_id}, timeout_s)
-                except (CacheServerError, CacheServerUnavailable):
-                    break
+            self.segments.remove(seg)
+            self.abandon(seg)
+        try:
+            self.flush(request, timeout_s)
+        except CacheServerUnavailable:
+            pass
 
     def drop(self) -> None:
-        """Forget every segment without telling the server (it may still be writing into
-        them after a timeout, or has dropped them)."""
+        """Stop using every segment (after a timeout the server may still be writing into
+        them, or it has dropped them); they are detached at the next chance."""
         for seg in self.segments:
-            seg.close()
+            self.abandon(seg)
         self.segments = []
 
     def retry(self, e: CacheServerError) -> bool:
@@ -173,7 +209,7 @@ class ClientShm:
             raise CacheServerError("bad_reply", "get through shared memory placed an object outside the region")
         # Every view this get returns hangs off this one array (made from the mapping itself, so
         # numpy does not collapse their base past it): the segment is busy while any lives.
-        holder = np.frombuffer(seg.mm, dtype=np.uint8, count=end)
+        holder = seg.mapping.array()
         out, it = [], iter(frames)
         for x in places:
             out.append(next(it) if x is None else memoryview(holder[x[0]:x[0] + x[1]]))

@@ -262,7 +262,7 @@ class CacheServer:
                  "separate_object_groups": self.config.separate_object_groups,
                  "max_object_bytes": self.config.max_object_bytes}
         if "shm" in h:  # a same-host offer: agree or say why not (the client then uses frames)
-            reply["shm"] = self.segments.attach(h["shm"])
+            reply["shm"] = self.segments.attach(h["shm"], self._client)
         return reply, []
 
     def _lookup(self, h: dict[str, Any], _: list[memoryview]) -> Reply:
@@ -454,7 +454,7 @@ class CacheServer:
         return {}, []
 
     def _shm_attach(self, h: dict[str, Any], _: list[memoryview]) -> Reply:
-        return {"shm": self.segments.attach(p.field(h, "shm", dict))}, []
+        return {"shm": self.segments.attach(p.field(h, "shm", dict), self._client)}, []
 
     def _shm_detach(self, h: dict[str, Any], _: list[memoryview]) -> Reply:
         return {"detached": self.segments.detach(p.int_field(h, "seg", minimum=1))}, []

@@ -56,10 +56,11 @@ class ServerLink:
         # One client (socket and lock) per thread, so a slow lookup never holds a lock the
         # scheduler thread or a release waits on: ``client`` for the start-up handshake and
         # clear (scheduler thread), ``lookup_client`` for the lookup thread,
-        # ``release_client`` for the releaser.
-        self.client = CacheClient(url, timeout_s=timeout_s, auth_token=auth_token)
-        self.lookup_client = CacheClient(url, timeout_s=timeout_s, auth_token=auth_token)
-        self.release_client = CacheClient(url, timeout_s=timeout_s, auth_token=auth_token)
+        # ``release_client`` for the releaser. They move no payload (the workers do): no
+        # shared-memory segment (``shm=False``), which their hello would offer otherwise.
+        self.client = CacheClient(url, timeout_s=timeout_s, auth_token=auth_token, shm=False)
+        self.lookup_client = CacheClient(url, timeout_s=timeout_s, auth_token=auth_token, shm=False)
+        self.release_client = CacheClient(url, timeout_s=timeout_s, auth_token=auth_token, shm=False)
         self.timeout_s = timeout_s
         self.retry_after_s = retry_after_s
         self.disabled = disabled
