@@ -119,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "the same one, no client ever does (required with --l2)")
     ap.add_argument("--no-shm", action="store_false", dest="shm", default=d.shm,
                     help="offer no shared memory to clients on this host: every payload travels over the "
-                         "socket (default: same-host clients that offer a /dev/shm segment at hello move "
+                         "socket (default: same-host clients that offer a sealed memfd segment at hello move "
                          "payloads through it)")
     ap.add_argument("--workers", type=_positive_int, default=d.workers, metavar="N",
                     help="threads answering requests, so one engine's large transfer does not hold the others "

@@ -66,8 +66,9 @@ geometry; objects never cross namespaces):
 ``shm_detach``  ``seg`` -> ``detached`` (bool)
 
 Same-host shared memory (:mod:`cache_server.shm`): ``hello`` may carry ``shm``, a map
-{``boot``: the client host's boot id, ``path``: a ``/dev/shm/glmcache-*`` file the client
-created, ``size``, ``nonce``: 16 bytes written at its offset 0}; the reply then carries
+{``boot``: the client host's boot id, ``pid`` and ``fd``: a sealed ``glmcache-*`` memfd of
+the client's (the server opens ``/proc/<pid>/fd/<fd>``), ``size``, ``nonce``: 16 bytes
+written at its offset 0; a segment's id is a hash of its nonce}; the reply then carries
 ``shm`` as ``shm_attach`` answers it. With an agreed segment, ``get`` may carry ``shm``
 {``seg``, ``off``, ``len``} (a region of it): the reply's ``shm`` lists, per found object,
 [offset, length] of the object copied into that region, or nil for one sent as a frame
