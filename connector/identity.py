@@ -128,6 +128,16 @@ def _is_target(draft: Any, target: Any) -> bool:
         return False
 
 
+def _padded_rows_exact(vllm_config: Any) -> bool:
+    """Whether vLLM's padded drafter batch writes the draft row at a partial prefill's end
+    from the next prompt token here (GLM-5.3-Flash with the plugin's fix installed)."""
+    try:
+        from glm5next_plugin.draft_rows import exact_rows
+    except ImportError:
+        return False
+    return exact_rows(vllm_config)
+
+
 def check_nameable(vllm_config: Any) -> Drafts:
     """What speculative decoding puts into the cached bytes (:class:`Drafts`); raises
     :class:`Unnameable` for what the namespace cannot name: the methods listed above as
@@ -144,7 +154,9 @@ def check_nameable(vllm_config: Any) -> Drafts:
     (up to 2.8 apart), and a prompt resumed from the other's chunk drafted differently from
     its cold run at step 54 of 64. ``disable_padded_drafter_batch`` takes vLLM's other path
     (``prepare_next_token_ids_cpu``: the next prompt token), whose rows the lookahead key
-    names; SGLang fixed the same defect in its EAGLE worker (sgl-project/sglang#26329)."""
+    names; SGLang fixed the same defect in its EAGLE worker (sgl-project/sglang#26329). For
+    GLM-5.3-Flash the plugin gives the padded path that token too
+    (:mod:`glm5next_plugin.draft_rows`), so there vLLM's default batch is cached as well."""
     spec = getattr(vllm_config, "speculative_config", None)
     if spec is None:
         return NO_DRAFTS
@@ -159,7 +171,7 @@ def check_nameable(vllm_config: Any) -> Drafts:
     if method != "draft_model" and getattr(spec, "disable_eagle_block_drop", False):
         raise Unnameable(f"speculative decoding ({method}) with disable_eagle_block_drop: vLLM's local prefix "
                          "hits keep draft rows computed from another continuation")
-    if not getattr(spec, "disable_padded_drafter_batch", False):
+    if not getattr(spec, "disable_padded_drafter_batch", False) and not _padded_rows_exact(vllm_config):
         raise Unnameable(
             f"speculative decoding ({method}) with vLLM's padded drafter batch: the draft row at the end of "
             "each partial prefill step is computed from the prompt's last token, not the next one "

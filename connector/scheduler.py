@@ -141,6 +141,7 @@ class SchedulerSide:
                         "as without drafts")
         # a drafter's lookahead joins every chunk key (connector.keys.lookahead_keys)
         self.keys = ChunkKeys(scheme, span, drafts.lookahead)
+        self._drafts = drafts
         if numerics is not None and identity is not None:  # the model code's numerics version
             identity["numerics"] = numerics
         # the model's cache-row format, the key scheme, the weights and the engine join the
@@ -186,6 +187,7 @@ class SchedulerSide:
         if self._geometry != previous:  # once, unless a new server differs
             logger.info("%s", self._geometry.log_line())
             self._warn_if_chunk_exceeds_block()
+            self._warn_if_drafts_resume_a_chunk_early()
             self._logged_geometry = self._geometry
             if previous is not None and previous.chunk_size != self._geometry.chunk_size:
                 self._change_grid(previous.chunk_size)
@@ -211,6 +213,28 @@ class SchedulerSide:
             state.saved_chunks = state.state_chunk = state.save_retries = 0
             state.resave_at, state.saves_given_up = 0.0, False  # a new server, a new count
         self._pending_saves = []
+
+    def _warn_if_drafts_resume_a_chunk_early(self) -> None:
+        """With a drafter that writes rows (MTP, EAGLE), vLLM keeps a prompt's recurrent
+        state one block before its replay boundary (``drop_eagle_checkpoint_block``: the
+        block its own local hits drop), so the state at the strict prefix exists only for
+        the step that computed it, in a slot the next step overwrites, and vLLM offers a
+        connector only the states it retains. A resend of an unaligned prompt then resumes
+        one chunk before the strict prefix (255 tokens: 0 instead of 128). Only vLLM's
+        retention can keep it: say which flag, once."""
+        geo = self._geometry
+        if not self._drafts.lookahead or not geo.state_groups:
+            return
+        retention = self._kv_cache_config.prefix_cache_retention_interval
+        if retention is None or (retention > 0 and geo.chunk_size % retention == 0):
+            return  # dense, or a state kept at every chunk end
+        logger.warning(
+            "GlmCacheConnector: with %s drafts vLLM keeps each prompt's recurrent state one block before "
+            "its replay boundary, so a resend resumes one chunk before the strict prefix; start vLLM with "
+            "--prefix-cache-retention-interval %d for hits at the strict prefix (vLLM then keeps a state "
+            "snapshot every chunk of a prompt in its pool, evicted as its prefix cache is)",
+            self._drafts.method, geo.chunk_size,
+        )
 
     def _warn_if_chunk_exceeds_block(self) -> None:
         """A chunk longer than vLLM's block needs state snapshots vLLM does not keep by

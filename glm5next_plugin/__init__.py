@@ -111,6 +111,11 @@ def register() -> None:
     if _registered_impl is not None:
         return
     register_connector_name()
+    from .draft_rows import install as exact_draft_rows
+
+    # MTP rows at partial prefill ends from the next prompt token on vLLM's default drafter
+    # batch too (both implementations: the defect is in vLLM's drafter, not the model)
+    exact_drafts = exact_draft_rows()
     impl = choose_impl(_platform_is_cuda())
     if impl == "plugin":
         from vllm import ModelRegistry
@@ -140,6 +145,9 @@ def register() -> None:
         if impl == "plugin"
         else "",
     )
+    if exact_drafts:
+        logger.info("glm5next plugin: MTP/EAGLE draft rows at partial prefill ends use the next prompt token on "
+                    "vLLM's padded drafter batch too (glm5next_plugin.draft_rows; GLM-5.3-Flash only)")
 
 
 def _platform_name() -> str:

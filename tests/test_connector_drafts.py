@@ -216,6 +216,48 @@ def test_drafters_identity_cannot_name_serve_without_the_cache(sides, spec):
     assert not side.remote.usable() and side.namespace == ""
 
 
+def test_glm_on_the_padded_drafter_batch_is_cached_when_its_rows_are_exact(sides):
+    """GLM-5.3-Flash's padded-batch draft rows come from the next prompt token once the
+    plugin's fix is installed (glm5next_plugin.draft_rows, installed by the plugin in every
+    vLLM process; tests/test_connector_drafts_e2e.py shows the rows): the default batch is
+    cached there, under the same namespace as vLLM's other (non-padded) path, whose rows
+    are the same. Another model on the padded batch still serves without the cache."""
+    from glm5next_plugin.draft_rows import install
+
+    assert install()
+    glm = ("Glm5NextForConditionalGeneration",)
+    padded = sides(speculative=drafts("mtp", 2, disable_padded_drafter_batch=False), architectures=glm)
+    unpadded = sides(speculative=drafts("mtp", 2), architectures=glm)
+    assert padded.remote.usable() and padded.keys.lookahead == 1
+    assert padded._fingerprint == unpadded._fingerprint
+    other = sides(speculative=drafts("mtp", 2, disable_padded_drafter_batch=False), architectures=("Qwen3NextForCausalLM",))
+    assert not other.remote.usable()
+
+
+def test_with_drafts_the_start_up_line_names_the_retention_flag(sides, caplog):
+    """vLLM keeps a drafter's prompt states one block early; only its retention keeps one at
+    every chunk: without it, the start-up line says which flag gives hits at the strict prefix."""
+    import logging
+    import time
+
+    def handshake(side):
+        deadline = time.monotonic() + 10
+        while side.remote.ready() is not True:
+            assert time.monotonic() < deadline, "no handshake"
+            time.sleep(0.01)
+
+    with caplog.at_level(logging.WARNING, logger="vllm.glm_cache_connector"):
+        for retention, warned in ((0, True), (2 * C, True), (None, False), (C, False)):
+            caplog.clear()
+            side = sides(speculative=drafts("mtp", 1), retention=retention)
+            handshake(side)
+            said = any("--prefix-cache-retention-interval" in r.getMessage() for r in caplog.records)
+            assert said == warned, retention
+        caplog.clear()
+        handshake(sides(retention=0))  # drafts off: the states are where the strict prefix needs them
+        assert not any("--prefix-cache-retention-interval" in r.getMessage() for r in caplog.records)
+
+
 def test_save_decode_with_mtp_is_refused_at_start_up(sides):
     """Decode-time draft rows are written from draft tokens (and overwritten later): a
     decode chunk's bytes match no key, so the combination stops the engine at start-up

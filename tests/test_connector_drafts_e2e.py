@@ -1,8 +1,9 @@
 """Resumed == fresh with MTP drafts on, through a real glm-cache-server.
 
 One engine for the module: the tiny GLM-5.3-Flash (float32, a 128-token block and chunk)
-with MTP drafts (``num_speculative_tokens`` 2, ``disable_padded_drafter_batch``) and the
-connector. vLLM's own scheduler,
+with MTP drafts on vLLM's defaults (``num_speculative_tokens`` 2, the padded drafter batch)
+and the connector; every prefill step ends on a chunk end, so every chunk's last draft row
+was a step's last row. vLLM's own scheduler,
 extended only to write down the drafts it schedules (``testing.draft_recorder``), shows
 each step's draft token ids; the accepted count of a step is how far the request's
 computed tokens advance past the one token every step verifies.
@@ -22,6 +23,8 @@ computed tokens advance past the one token every step verifies.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from tests.engines import connector_engine, random_prompt
@@ -32,10 +35,9 @@ pytestmark = pytest.mark.engine
 
 C = 128
 K = 2  # draft tokens per step
-# vLLM's non-padded drafter batch: the one under which the connector caches MTP rows (with
-# the padded default, a partial prefill's last draft row comes from the prompt's last token;
-# connector.identity.check_nameable)
-MTP = {"method": "mtp", "num_speculative_tokens": K, "disable_padded_drafter_batch": True}
+# vLLM's defaults (its padded drafter batch): the plugin gives a partial prefill's last
+# draft row the next prompt token there too (glm5next_plugin.draft_rows), so it is cached
+MTP = {"method": "mtp", "num_speculative_tokens": K}
 MAX_TOKENS = 24
 
 
@@ -98,6 +100,45 @@ def test_reloaded_with_drafts_equals_cold_at_boundary_lengths(llm, draft_log, n)
     assert reloaded["drafts"] == cold["drafts"]
     assert reloaded["accepted"] == cold["accepted"]
     assert sum(cold["accepted"]) > 0, "the MTP layer agrees with the model often enough to see a difference"
+
+
+def test_stored_draft_rows_depend_on_the_prefix_and_next_token_only(llm, draft_log, server):
+    """X and Y are equal for two chunks and the token after them, then differ (other tails,
+    other last tokens); each is computed under a salt of its own, in steps of one chunk, so
+    rows 127 and 255 are the ends of partial prefill steps. Their attention objects (the
+    latent and indexer rows of every layer, the MTP layer's among them) must be
+    byte-identical, as rows a one-shot prefill computes are: each row from its prefix and
+    the next token. On vLLM's padded batch without glm5next_plugin.draft_rows, rows 127 and
+    255 came from each prompt's last token. (KDA state objects are checked by the reloads
+    above: with drafts on, vLLM pads each state page, and the padding between the conv and
+    recurrent parts holds whatever the pool held.)"""
+    from cache_server.client import CacheClient
+    from connector.keys import lookahead_keys
+    from testing.vllm_keys import vllm_chunk_keys
+
+    shared = random_prompt(2 * C + 1, seed=77)
+    x = shared + random_prompt(40, seed=78)
+    y = shared + random_prompt(71, seed=79)
+    assert x[-1] != y[-1]
+    objects = []
+    for ids, salt in ((x, "rows-x"), (y, "rows-y")):
+        run(llm, draft_log, ids, salt, max_tokens=2)
+        keys = lookahead_keys(vllm_chunk_keys(ids, C, C, salt), ids, C, 1, 0, 2)
+        index = {key: k for k, key in enumerate(keys)}
+        with CacheClient(server.url) as c:
+            ((namespace, status),) = c.stats()["namespaces"].items()
+            groups = [int(g) for g, name in status["object_groups"].items() if name != "kda_state"]
+            wanted = [(key, g, 0) for key in keys for g in groups]
+            for _ in range(50):  # saves land from the worker's background thread
+                found = {(index[w[0]], w[1]): bytes(o) for w, o in zip(wanted, c.get(namespace, wanted))
+                         if o is not None}
+                if len(found) == len(wanted):
+                    break
+                time.sleep(0.1)
+        objects.append(found)
+    assert len(objects[0]) == len(objects[1]) == 2 * len(groups) >= 4  # latent and indexer, both chunks
+    differing = [key for key in objects[0] if objects[0][key] != objects[1][key]]
+    assert differing == [], f"(chunk, group) objects whose bytes depend on the prompt's tail: {differing}"
 
 
 FORK_SEEDS = (2, 3)  # two forks; each changes drafts when served the other prompt's rows (control)

@@ -30,7 +30,8 @@ def scheduler_side(url: str, *, block: int = 256, tp: int = 1, timeout_s: float 
                    retry_after_s: float = 1.0, hash_algo: str = "sha256", latent_rows: bool = False,
                    chunk_keys: str = "auto", hash_block: int | None = None, speculative: Any = None,
                    save_decode: bool = False, multimodal: dict[str, Any] | None = None,
-                   trust_media_ids: bool = False, load_format: str = "auto", numerics: str | None = None):
+                   trust_media_ids: bool = False, load_format: str = "auto", numerics: str | None = None,
+                   retention: int | None = None, architectures: tuple[str, ...] | None = None):
     """A :class:`connector.scheduler.SchedulerSide` for one state group and one attention
     group of ``block`` tokens, TP ``tp``, talking to the server at ``url``; ``hash_algo`` is
     vLLM's ``--prefix-caching-hash-algo``. ``latent_rows``: the attention group has the
@@ -42,7 +43,9 @@ def scheduler_side(url: str, *, block: int = 256, tp: int = 1, timeout_s: float 
     ``multimodal``: the model takes images, with these ``multimodal_config`` fields
     (``mm_hasher_algorithm``, ``mm_processor_kwargs``); ``load_format``: vLLM's
     ``--load-format``; ``numerics``: the model code's numerics version
-    (``connector.keys.model_numerics_version``)."""
+    (``connector.keys.model_numerics_version``); ``retention``: vLLM's
+    ``--prefix-cache-retention-interval`` (None: dense); ``architectures``: the model
+    config's (None: no ``hf_config``)."""
     from vllm.v1 import kv_cache_interface as vkv
 
     from connector.config import Settings
@@ -56,6 +59,7 @@ def scheduler_side(url: str, *, block: int = 256, tp: int = 1, timeout_s: float 
     kv = vkv.KVCacheConfig(
         num_blocks=64, kv_cache_tensors=[],
         kv_cache_groups=[vkv.KVCacheGroupSpec(["layers.0"], state), vkv.KVCacheGroupSpec(["layers.1"], attn)],
+        prefix_cache_retention_interval=retention,
     )
     vllm = SimpleNamespace(
         cache_config=SimpleNamespace(enable_prefix_caching=True, cache_dtype="auto", mamba_cache_dtype="auto",
@@ -67,7 +71,9 @@ def scheduler_side(url: str, *, block: int = 256, tp: int = 1, timeout_s: float 
                                      served_model_name="tiny-sched", is_multimodal_model=multimodal is not None,
                                      multimodal_config=None if multimodal is None else SimpleNamespace(
                                          **{"mm_hasher_algorithm": "blake3", "mm_processor_kwargs": None,
-                                            **multimodal})),
+                                            **multimodal}),
+                                     **({} if architectures is None else
+                                        {"hf_config": SimpleNamespace(architectures=list(architectures))})),
         scheduler_config=SimpleNamespace(max_num_batched_tokens=block),
         kv_transfer_config=SimpleNamespace(kv_load_failure_policy="recompute"),
         speculative_config=speculative,
