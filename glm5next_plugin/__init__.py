@@ -32,6 +32,10 @@ What the plugin puts in vLLM's cache (what a KV connector sees):
   ``(heads, head_dim, head_dim)`` ``[H, V, K]`` (fp32 unless ``mamba_ssm_cache_dtype``);
   with ``--enable-prefix-caching`` vLLM keeps align-mode snapshots on the unified block grid.
 
+How the plugin computes them has a version, ``NUMERICS_VERSION`` (:mod:`.version`), which
+GlmCacheConnector joins into the namespace: bump it with any change that moves the plugin's
+outputs (``tests/test_identity_runtime.py`` fails until it is bumped and re-recorded).
+
 Not MLA to vLLM (plugin only): vLLM's model-type list marks ``glm5_next`` as a DeepSeek-MLA
 model, and vLLM 0.32's CPU platform then forces a 16-token block and turns prefix caching
 and chunked prefill off on every CPU without AMX (``vllm/platforms/cpu.py``, "MLA is enabled
