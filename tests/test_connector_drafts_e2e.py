@@ -141,6 +141,39 @@ def test_stored_draft_rows_depend_on_the_prefix_and_next_token_only(llm, draft_l
     assert differing == [], f"(chunk, group) objects whose bytes depend on the prompt's tail: {differing}"
 
 
+def test_an_image_prompt_with_drafts_reloads_as_cold(llm, draft_log):
+    """MTP with an image: the drafter reads the target's hidden states (which carry the
+    image) and the placeholder token's embedding, so its rows at image positions are named
+    by the keys that name the image's pixels. A prompt with the image in chunk 1, cold, then
+    reloaded from the server at the strict prefix (past the image): the same tokens, drafts
+    and acceptance."""
+    import random
+
+    from PIL import Image
+    from vllm import SamplingParams
+
+    rng = random.Random(5)
+    image = Image.frombytes("RGB", (112, 112), bytes(rng.randrange(256) for _ in range(112 * 112 * 3)))
+    text = random_prompt(2 * C + 60, seed=55)
+    ids = text[:C + 20] + [10, 14, 11] + text[C + 20:]  # <|begin_of_image|> <|image|> <|end_of_image|>
+
+    def go(salt):
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        before = log_lines(draft_log)
+        (o,) = llm.generate([{"prompt_token_ids": ids, "multi_modal_data": {"image": image}, "cache_salt": salt}],
+                            params, use_tqdm=False)
+        steps = read_drafts(draft_log, salt, after=before)
+        return list(o.outputs[0].token_ids), o.num_cached_tokens or 0, len(o.prompt_token_ids), steps
+
+    cold = go("image-drafts")
+    llm.reset_prefix_cache()
+    llm.llm_engine.engine_core.reset_encoder_cache()
+    reloaded = go("image-drafts")
+    assert cold[1] == 0 and reloaded[1] == C * ((reloaded[2] - 1) // C) > C + 20
+    assert reloaded[0] == cold[0]
+    assert [d for _, d in reloaded[3]][1:] == [d for _, d in cold[3]][1:]  # after the step finishing the prompt
+
+
 FORK_SEEDS = (2, 3)  # two forks; each changes drafts when served the other prompt's rows (control)
 FORK_TOKENS = 64  # generated per fork request: one draft row among 2C shows in a few steps only
 
