@@ -225,6 +225,16 @@ class SchedulerSide:
         geo = self._geometry
         if not self._drafts.lookahead or not geo.state_groups:
             return
+        if geo.chunk_size != geo.scheduler_block_size:
+            # measured on the tiny checkpoint (chunk 256, block 128, retention 256, MTP k=2):
+            # prompts of 612 and 814 tokens resumed one chunk short; with chunk == block they
+            # resume at the strict prefix
+            logger.warning(
+                "GlmCacheConnector: with %s drafts and a chunk (%d) larger than vLLM's block (%d), resends "
+                "resume up to one chunk before the strict prefix; start glm-cache-server with --chunk-size %d",
+                self._drafts.method, geo.chunk_size, geo.scheduler_block_size, geo.scheduler_block_size,
+            )
+            return
         retention = self._kv_cache_config.prefix_cache_retention_interval
         if retention is None or (retention > 0 and geo.chunk_size % retention == 0):
             return  # dense, or a state kept at every chunk end
