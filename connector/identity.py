@@ -491,20 +491,15 @@ def _candidates() -> Any:
 
 
 def find_engine_models(classes: tuple[type, ...]) -> list[Any] | None:
-    """The model (and drafter) objects of this worker process: the live instances of
-    ``classes``, one each. vLLM 0.32 hands a KV connector no reference to the model (its
+    """The model (and drafter) objects of this worker process: every live instance of
+    ``classes``, in the order vLLM built them (a draft model of the target's own class is
+    one more instance). vLLM 0.32 hands a KV connector no reference to the model (its
     worker hooks get the KV cache tensors and the step's plan), so they are found once, at
-    start-up (:func:`_candidates`). None where the target is not exactly one object."""
-    found: dict[type, list[Any]] = {c: [] for c in classes}
-    for obj in _candidates():
-        for c in classes:
-            if isinstance(obj, c):
-                found[c].append(obj)
-                break
-    target = found[classes[0]]
-    if len(target) != 1:
+    start-up (:func:`_candidates`). None where there is no instance of the target's class."""
+    found = [obj for obj in _candidates() if isinstance(obj, classes)]
+    if not any(isinstance(obj, classes[0]) for obj in found):
         return None
-    return [target[0], *(objs[0] for c, objs in found.items() if c is not classes[0] and len(objs) == 1)]
+    return found
 
 
 class LiveWeights:

@@ -152,6 +152,7 @@ class SchedulerSide:
         self._weights = WeightsView(world_size)
         self._stale_map: Any = None  # vLLM's prefix-cache map holding blocks of replaced weights
         self._last_map: Any = None  # that map at the last step
+        self._prev_map: Any = None  # and at the step before
         self._reset_fresh = False  # the last reset replaced it
         self._fingerprint = self._namespace_of(self._weights.tokens)
         self.namespace = ""  # set by each handshake; "" while none succeeded
@@ -762,7 +763,7 @@ class SchedulerSide:
         """Name in the plan the weights it is made for; False (nothing saved this step)
         while they are not known."""
         meta.weights, meta.weights_seq = self._weights.expected(), self._weights.seq
-        self._last_map = self._block_map()
+        self._prev_map, self._last_map = self._last_map, self._block_map()
         if self._weights.verified and self._fingerprint is not None:
             return True
         meta.saves = []
@@ -813,9 +814,13 @@ class SchedulerSide:
         for job in self._pending_loads:
             job.objects, job.refused = [], job.refused or "the weights changed in place"
         self._pending_saves = []
-        # After a reset that replaced vLLM's prefix cache, what it holds was computed by the
-        # weights the workers just named; otherwise it still holds the old weights' blocks.
-        self._stale_map = None if answered_reset and self._reset_fresh else self._block_map()
+        # What vLLM's prefix cache holds was computed by the weights the workers just named
+        # after a reset that replaced it, or when it was replaced between the last two steps
+        # (LLM.reset_prefix_cache() after reload_weights: no step ran in between); otherwise
+        # it still holds the old weights' blocks.
+        current = self._block_map()
+        replaced = current is not None and current is self._last_map and self._last_map is not self._prev_map
+        self._stale_map = None if (answered_reset and self._reset_fresh) or replaced else current
         self._saves.stats["weights_changes"] += 1
         self.namespace = ""  # a handshake under the new namespace sets it
         self.remote.link.hello = None

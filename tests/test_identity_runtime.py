@@ -396,10 +396,34 @@ def test_a_reset_keeps_the_servers_objects_and_waits_for_the_workers(sides, serv
     assert _handshake(side) not in ("", start)
 
 
+def test_tp_ranks_name_their_own_shards():
+    """With TP every rank names its own shard: one rank's change moves the namespace at
+    once, a reset is answered only when every rank has answered it, and each rank reads its
+    own token in the plan."""
+    from connector.identity import WeightsView, expected_token, runtime_identity
+
+    view = WeightsView(2)
+    assert view.expected() is None and expected_token(None, 1) is None
+    assert view.report({0: (0, "r0")}) == ((None, None), ("r0", None), False)
+    assert view.expected() == ("r0", None) and expected_token(view.expected(), 0) == "r0"
+    assert expected_token(view.expected(), 1) is None and expected_token(view.expected(), 2) == UNVERIFIED
+    view.reset()
+    assert view.expected() == UNVERIFIED and expected_token(UNVERIFIED, 0) == UNVERIFIED
+    assert view.report({0: (1, "r0")}) is None  # rank 1 has not answered
+    assert view.report({1: (1, "r1")}) == (("r0", None), ("r0", "r1"), True)
+    base = {"weights": "files-digest", "snapshot": None}
+    assert runtime_identity(base, (None, None)) is base
+    moved = runtime_identity(base, ("r0", None))
+    assert moved["weights"].startswith("live:") and moved != runtime_identity(base, ("r0", "r1"))
+    assert runtime_identity({"weights": "other-files", "snapshot": None}, ("r0", None)) != moved  # rank 1's files
+    assert runtime_identity(base, ("r0", "unnamed")) is None
+
+
 def test_after_a_change_requests_resuming_from_vllms_stale_prefix_cache_are_not_cached(sides):
     """Weights changed without a reset: vLLM's prefix cache still holds blocks of the old
     weights, so a request it resumes is served without the external cache (its saves would
-    carry them into the new namespace) until vLLM resets its prefix cache."""
+    carry them into the new namespace) until vLLM resets its prefix cache; a reset between
+    the change and the next step leaves nothing stale."""
     from vllm.v1.core.block_pool import BlockPool
 
     side = sides(chunk_keys="lmcache")
@@ -418,6 +442,17 @@ def test_after_a_change_requests_resuming_from_vllms_stale_prefix_cache_are_not_
     later = request("after-local-reset", tokens, "stale")
     _admit(side, later, computed=C)
     assert side._requests["after-local-reset"].bypass is None
+
+    # reload_weights, then LLM.reset_prefix_cache() before the next step: nothing it holds
+    # was computed by the old weights
+    _step(side)
+    assert blocks.block_pool.reset_prefix_cache()
+    _step(side)
+    _report(side, {0: (0, "reloaded-again")})
+    _handshake(side)
+    resumed = request("reset-before-the-step", tokens, "stale")
+    _admit(side, resumed, computed=C)
+    assert side._requests["reset-before-the-step"].bypass is None
 
 
 # Weights at run time: a real engine -----------------------------------------------------------
