@@ -394,7 +394,7 @@ UNVERIFIED = "unverified"  # the scheduler does not know the weights (after a re
 # multipliers < 2^31, 2^16 of them), so the sum is the same on every device and in any
 # reduction order, and a change of any single word always changes it.
 _ROW_WORDS = 1 << 16
-_ROWS_PER_PASS = 256  # rows converted to int64 at once (128 MiB of temporaries)
+_ROWS_PER_PASS = 64  # rows converted to int64 at once (64 MiB of temporaries: fits beside the KV cache)
 _MIXERS: dict[Any, Any] = {}
 
 
@@ -435,6 +435,18 @@ def tensor_checksum(t: Any) -> Any:
     return torch.cat(parts)
 
 
+def _parameters(module: Any) -> Any:
+    """``(name, tensor)`` for every tensor holding a parameter's bytes: vLLM's own walk for
+    its weight checksums where it has one (it opens shared-weight parameters and tensor
+    subclasses such as TorchAO's into their inner tensors), else ``named_parameters``."""
+    try:
+        from vllm.model_executor.model_loader.weight_checksum import _weights
+
+        return _weights(module)
+    except ImportError:
+        return module.named_parameters()
+
+
 def live_digest(modules: list[Any]) -> str:
     """The content digest of every parameter of ``modules`` (the model and its drafter, as
     they are in memory now): names, dtypes, shapes and :func:`tensor_checksum` of each,
@@ -447,7 +459,7 @@ def live_digest(modules: list[Any]) -> str:
     order: list[Any] = []
     seen: set[int] = set()
     for m, module in enumerate(modules):
-        for name, p in module.named_parameters():
+        for name, p in _parameters(module):
             if id(p) in seen:
                 continue
             seen.add(id(p))
@@ -521,7 +533,7 @@ class LiveWeights:
         for module in self._modules:
             self._watch(module)
         t0 = time.perf_counter()
-        self.baseline = live_digest(self._modules) if self._modules else None
+        self.baseline = self._digest()
         self.baseline_s = time.perf_counter() - t0
         self.token: str | None = None
         self.answered = 0  # the last weights_seq answered
@@ -548,9 +560,9 @@ class LiveWeights:
         return live
 
     def _watch(self, module: Any) -> None:
-        original = module.load_weights
-        if getattr(original, "_glm_live_weights", None) is self:
-            return
+        original = getattr(module, "load_weights", None)
+        if original is None or getattr(original, "_glm_live_weights", None) is self:
+            return  # no loader (a drafter built from the target's modules), or watched already
 
         @functools.wraps(original)
         def load_weights(*args: Any, **kwargs: Any) -> Any:
@@ -563,11 +575,27 @@ class LiveWeights:
         load_weights._glm_live_weights = self  # type: ignore[attr-defined]
         module.load_weights = load_weights
 
+    def _digest(self) -> str | None:
+        """:func:`live_digest` of the modules; None where they cannot be read (no model
+        found, a tensor that cannot be viewed as bytes)."""
+        if not self._modules:
+            return None
+        try:
+            return live_digest(self._modules)
+        except Exception as e:  # noqa: BLE001 (any failure: the weights are not named, never a crash)
+            from connector.config import logger
+
+            logger.error("GlmCacheConnector worker rank %d: cannot read the weights' content (%s: %s); after "
+                         "an in-place change or a reset the engine serves without the external cache",
+                         self._rank, type(e).__name__, e)
+            self._modules = []
+            return None
+
     def current(self) -> str | None:
         """The token of the weights in memory now (reads them all)."""
-        if not self._modules:
+        digest = self._digest()
+        if digest is None or self.baseline is None:
             return UNNAMED
-        digest = live_digest(self._modules)
         return None if digest == self.baseline else digest
 
     def check(self, seq: int, expected: str | None) -> tuple[int, str | None] | None:

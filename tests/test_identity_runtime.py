@@ -227,6 +227,8 @@ def test_live_weights_name_what_is_in_memory():
     seq, token = live.check(1, None)  # asked after a reset
     assert seq == 1 and token not in (None, live.baseline)
     assert LiveWeights([]).check(1, None) == (1, "unnamed")  # no model to read: cannot name them
+    unreadable = LiveWeights([_Model().to("meta")])  # weights with no bytes to read
+    assert unreadable.baseline is None and unreadable.check(1, None) == (1, "unnamed")
 
 
 NB, PAGE, BLOCK = 8, 1024, 16
