@@ -300,9 +300,11 @@ def _overrides(overrides: Any) -> str:
 # weights are the files under the model directory, which weights_digest reads: the default
 # loader's formats (auto, hf, safetensors and its fastsafetensors / instanttensor readers,
 # mistral's consolidated files, pt, npcache's numpy copies of the .bin files) and
-# sharded_state (pre-sharded files saved there by save_sharded_state).
+# sharded_state (pre-sharded files saved there by save_sharded_state); and, in vLLM versions
+# that register them, bitsandbytes (the directory's files, quantized as they load: the
+# quantization is in the identity) and gguf (the directory's .gguf file).
 FILE_LOAD_FORMATS = frozenset({"auto", "hf", "safetensors", "fastsafetensors", "instanttensor", "mistral",
-                               "pt", "npcache", "sharded_state"})
+                               "pt", "npcache", "sharded_state", "bitsandbytes", "gguf"})
 # The others, and where their weights come from. Any format not in FILE_LOAD_FORMATS (these,
 # a loader registered by a plugin, one vLLM adds later) is refused.
 _OTHER_SOURCES = {
