@@ -593,6 +593,11 @@ class LiveWeights:
             self._modules = []
             return None
 
+    def recheck(self) -> None:
+        """Name the weights again at the next step even if ``load_weights`` did not run (the
+        worker woke from a sleep: vLLM 0.33's ``restore_kv_caches``)."""
+        self._seen_loads = -1
+
     def current(self) -> str | None:
         """The token of the weights in memory now (reads them all)."""
         digest = self._digest()

@@ -222,6 +222,8 @@ class WorkerSide:
     def restore_kv_caches(self) -> None:
         if self._pages is None and self._kv_caches is not None:
             self.register_kv_caches(self._kv_caches)
+        if self._live is not None:  # awake again: a level-2 sleep drops the weights too
+            self._live.recheck()
 
     def start_load_kv(self, meta: Any) -> None:
         if not isinstance(meta, GlmConnectorMetadata):

@@ -304,6 +304,17 @@ def test_a_worker_moves_nothing_planned_for_other_weights(server):
         unknown = GlmConnectorMetadata(NS, loads=[load("unknown")], weights=UNVERIFIED)  # after a reset
         w.start_load_kv(unknown)
         assert not wait_load(w, "unknown")
+
+        # vLLM 0.33's sleep hooks: woken (restore_kv_caches), the worker names its weights
+        # again by itself, even where they were written without load_weights
+        w.build_connector_worker_meta()
+        w.unregister_kv_caches()
+        with torch.no_grad():
+            model.embed.weight.data[1, 2] = 5.0
+        w.restore_kv_caches()
+        w.start_load_kv(GlmConnectorMetadata(NS, weights=(token2,)))
+        _, token3 = w.build_connector_worker_meta().weights[0]
+        assert token3 not in (None, token, token2)
     finally:
         w.shutdown()
 
