@@ -84,7 +84,8 @@ def test_the_plugins_outputs_are_those_recorded_for_its_numerics_version(numeric
     from glm5next_plugin.standalone import load_standalone
 
     where = f"RECORDED in {__file__}"
-    assert NUMERICS_VERSION in RECORDED, f"no outputs recorded for NUMERICS_VERSION {NUMERICS_VERSION}: record them ({where})"
+    assert NUMERICS_VERSION in RECORDED, (
+        f"no outputs recorded for NUMERICS_VERSION {NUMERICS_VERSION}: record them ({where})")
     recorded = RECORDED[NUMERICS_VERSION]
     assert weights_digest(numerics_checkpoint) == recorded["checkpoint"], (
         f"the tiny checkpoint changed (glm5next_plugin/tiny_checkpoint.py writes other weights): re-record the "
