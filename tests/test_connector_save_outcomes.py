@@ -53,33 +53,33 @@ def llm(tmp_path_factory, server):
     del engine
 
 
-def _fill_and_pin(url: str, tag: int) -> int:
+def _fill_and_pin(url: str, tag: int) -> tuple[CacheClient, int]:
     """Empty the server, fill its whole budget with a leased object of another
-    namespace, and return the lease: until it is released every put is no_space."""
-    with CacheClient(url) as cli:
-        cli.clear()
-        cap = cli.stats()["capacity_bytes"]
-        cli.hello("filler", C, attn_groups=[FILLER_GROUPS[0]], state_groups=[FILLER_GROUPS[1]])
-        big = cap - 1024
-        res = cli.put("filler", [(_hash(tag), FILLER_GROUPS[0], 0, bytes(big // 2)),
-                                 (_hash(tag), FILLER_GROUPS[1], 0, bytes(big - big // 2))], parent=[None, None])
-        assert res == ["stored", "stored"]
-        n, lease = cli.lookup("filler", [_hash(tag)], [FILLER_GROUPS[0]], [FILLER_GROUPS[1]])
-        assert n == 1 and lease is not None
-        return lease
+    namespace, and return the client that holds the lease (only its connection may
+    release it) and the lease: until it is released every put is no_space."""
+    cli = CacheClient(url)
+    cli.clear()
+    cap = cli.stats()["capacity_bytes"]
+    cli.hello("filler", C, attn_groups=[FILLER_GROUPS[0]], state_groups=[FILLER_GROUPS[1]])
+    big = cap - 1024
+    res = cli.put("filler", [(_hash(tag), FILLER_GROUPS[0], 0, bytes(big // 2)),
+                             (_hash(tag), FILLER_GROUPS[1], 0, bytes(big - big // 2))], parent=[None, None])
+    assert res == ["stored", "stored"]
+    n, lease = cli.lookup("filler", [_hash(tag)], [FILLER_GROUPS[0]], [FILLER_GROUPS[1]])
+    assert n == 1 and lease is not None
+    return cli, lease
 
 
-def _release_on_first_no_space(url: str, lease: int, stop: threading.Event) -> threading.Thread:
-    """Release the pin as soon as the server has refused a put: the saves of the first
-    step(s) fail, the later ones find space."""
+def _release_on_first_no_space(cli: CacheClient, lease: int, stop: threading.Event) -> threading.Thread:
+    """Release the pin (through the connection that took it) as soon as the server has
+    refused a put: the saves of the first step(s) fail, the later ones find space."""
 
     def watch() -> None:
-        with CacheClient(url) as cli:
-            while not stop.is_set():
-                if cli.stats()["puts_no_space"] > 0:
-                    cli.release(lease)
-                    return
-                time.sleep(0.005)
+        while not stop.is_set():
+            if cli.stats()["puts_no_space"] > 0:
+                assert cli.release(lease)
+                return
+            time.sleep(0.005)
 
     t = threading.Thread(target=watch, daemon=True)
     t.start()
@@ -120,16 +120,17 @@ def test_a_save_that_found_no_space_is_reported_and_saved_again(llm, server):
     engine counts as saved is one the server stored, the refusals were reported and
     corrected, and the reload loaded without failures."""
     prompt = _prompt(5 * C + 10, seed=501)
-    lease = _fill_and_pin(server.url, 1)
+    pin, lease = _fill_and_pin(server.url, 1)
     counted = _counters(llm)
     stop = threading.Event()
-    watcher = _release_on_first_no_space(server.url, lease, stop)
+    watcher = _release_on_first_no_space(pin, lease, stop)
     before = _stats(server.url)
     try:
         cold = _run(llm, prompt, "save-outcome-1")
     finally:
         stop.set()
         watcher.join(5)
+        pin.close()
     after = _stats(server.url)
     assert after["puts_no_space"] - before["puts_no_space"] >= 2  # attention and state of chunk 0 at least
     llm.reset_prefix_cache()
@@ -152,7 +153,7 @@ def test_saves_that_never_find_space_are_given_up_and_outputs_stay_cold_equal(ll
     back-off), then the request's saves are given up (or lost, if it finished first).
     Nothing stalls, no output changes, and the engine's counters say so."""
     prompt = _prompt(3 * C + 10, seed=502)
-    lease = _fill_and_pin(server.url, 2)
+    pin, lease = _fill_and_pin(server.url, 2)
     counted = _counters(llm)
     before = _stats(server.url)
     t0 = time.monotonic()
@@ -174,5 +175,5 @@ def test_saves_that_never_find_space_are_given_up_and_outputs_stay_cold_equal(ll
     assert got["save_failures"] >= 6
     assert got["saves_reported_failed"] == got["save_failures"]
     assert got["saves_given_up"] + got["saves_lost"] >= 1
-    with CacheClient(server.url) as cli:
-        cli.release(lease)
+    assert pin.release(lease)
+    pin.close()
