@@ -17,8 +17,11 @@ One multi-token-prediction (MTP) layer follows the target layers, as in GLM-5.3-
 num_hidden_layers``), so ``--speculative-config '{"method":"mtp",...}'`` has a draft to run.
 transformers has no MTP module and reports those tensors as unexpected on load (its ignore
 list names the served checkpoint's layer 45 only). Random MTP weights would propose almost
-no token the target accepts, so the MTP layer is derived from the target instead
-(:func:`mtp_state`).
+no token the target accepts. The default seed-3 checkpoint (the tests' and
+``validation/bench_drafts.py``'s) gets a layer trained on its target's own greedy outputs,
+shipped as ``tiny_mtp_seed3.safetensors`` (:func:`trained_mtp_state`,
+``validation/train_tiny_mtp.py``); every other checkpoint gets one derived from its target
+(:func:`mtp_state`). The target's tensors are the same either way.
 
 The vision tower's tensors are random too (the merger's output scaled so image embeddings
 are about as large as token embeddings), and ``preprocessor_config.json`` configures
@@ -374,11 +377,63 @@ def mtp_state(state: dict[str, torch.Tensor], text_config) -> dict[str, torch.Te
     return out
 
 
+# MTP layers trained for a checkpoint's target (validation/train_tiny_mtp.py writes them),
+# one file per target: the layer's tensors under their names inside layers.{N}
+# ("eh_proj.weight", ...), and in the file's metadata the digest of the target it was
+# trained on (target_digest). The seed-3 checkpoint's is shipped.
+TRAINED_MTP_GLOB = "tiny_mtp_seed*.safetensors"
+TRAINED_MTP = Path(__file__).with_name("tiny_mtp_seed3.safetensors")
+
+
+def trained_mtp_files() -> list[Path]:
+    return sorted(Path(__file__).parent.glob(TRAINED_MTP_GLOB))
+
+
+def target_digest(state: dict[str, torch.Tensor]) -> str:
+    """sha256 over the target's tensors (every tensor but the MTP layers', by name: name,
+    dtype, shape and bytes): what a trained MTP layer was trained against."""
+    h = hashlib.sha256()
+    for name in sorted(state):
+        t = state[name]
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def trained_mtp_state(state: dict[str, torch.Tensor], text_config, paths: list[Path] | None = None):
+    """The MTP layers' tensors (one copy per MTP layer) from the trained layer among
+    ``paths`` (default :func:`trained_mtp_files`) whose target is ``state``'s, or None where
+    none was trained on this target (another seed, size or dtype)."""
+    n_mtp = int(getattr(text_config, "num_nextn_predict_layers", 0) or 0)
+    paths = trained_mtp_files() if paths is None else paths
+    if n_mtp == 0 or not paths:
+        return None
+    from safetensors import safe_open
+
+    digest = target_digest(state)
+    layer = None
+    for path in paths:
+        with safe_open(str(path), "pt") as f:
+            if (f.metadata() or {}).get("target_digest") == digest:
+                layer = {name: f.get_tensor(name) for name in f.keys()}
+                break
+    if layer is None:
+        return None
+    n_layers = text_config.num_hidden_layers
+    return {f"model.language_model.layers.{i}.{name}": t.clone().contiguous()
+            for i in range(n_layers, n_layers + n_mtp) for name, t in layer.items()}
+
+
 STAMP = ".tiny_checkpoint"  # in the checkpoint: the digest of the code that wrote it
 
 
 def _code_digest() -> str:
-    return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]
+    """This module's bytes and the trained MTP layers': a change to any rewrites the
+    default checkpoint."""
+    h = hashlib.sha256(Path(__file__).read_bytes())
+    for path in trained_mtp_files():
+        h.update(path.name.encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()[:16]
 
 
 def ensure_checkpoint(out_dir: str | Path, log=print) -> Path:
@@ -402,9 +457,13 @@ def write_checkpoint(
     *,
     seed: int = 0,
     dtype: str = "float32",
+    trained_mtp: bool = True,
     **sizes,
 ) -> Path:
-    """Write config, random weights and tokenizer to ``out_dir``; return the path."""
+    """Write config, random weights and tokenizer to ``out_dir``; return the path.
+
+    The MTP layer is the trained one (:func:`trained_mtp_state`) where it was trained on
+    this target and ``trained_mtp`` is set, otherwise derived (:func:`mtp_state`)."""
     from safetensors.torch import save_file
     from transformers import Glm5NextForConditionalGeneration, GenerationConfig
 
@@ -425,7 +484,8 @@ def write_checkpoint(
         if leaf in ("e_score_correction_bias", "A_log", "dt_bias") or "conv1d" in name:
             state[name] = state[name].float()
     # after the target's tensors and from them: the target's bytes do not depend on it
-    state.update(mtp_state(state, config.text_config))
+    trained = trained_mtp_state(state, config.text_config) if trained_mtp else None
+    state.update(trained if trained is not None else mtp_state(state, config.text_config))
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
 
     config.save_pretrained(out)
@@ -498,6 +558,12 @@ def main(argv: list[str] | None = None) -> None:
         type=int,
         default=1,
         help="num_nextn_predict_layers: MTP layers after the target's (GLM-5.3-Flash: 1; 0 writes none)",
+    )
+    p.add_argument(
+        "--derived-mtp",
+        dest="trained_mtp",
+        action="store_false",
+        help="the MTP layer derived from the target (mtp_state) even where a trained one fits (seed 3, default sizes)",
     )
     args = vars(p.parse_args(argv))  # option names are write_checkpoint's keyword names
     path = write_checkpoint(args.pop("out_dir"), **args)
