@@ -323,7 +323,9 @@ MTP_BLOCK_SCALE = 0.2
 
 def mtp_state(state: dict[str, torch.Tensor], text_config) -> dict[str, torch.Tensor]:
     """The MTP layers' tensors ``model.language_model.layers.{N + i}.*``, derived from the
-    target's ``state`` so that drafts are accepted now and then.
+    target's ``state`` so that drafts are accepted now and then: the layer of every
+    checkpoint without a trained one (:func:`trained_mtp_state`), and the trained one's
+    starting point.
 
     A random toy target is chaotic: its next token depends on several tokens of context,
     which one extra layer cannot learn without training. What a closed form can give is a
@@ -339,10 +341,11 @@ def mtp_state(state: dict[str, torch.Tensor], text_config) -> dict[str, torch.Te
     - ``shared_head.norm`` is the target's final norm (the head is the target's
       ``lm_head``).
 
-    On the seed-3 checkpoint 2.5-3% of first drafts are accepted under greedy decoding (vLLM
-    with two drafts: 7 of 278 verify steps over 3 prompts; offline, 8 of 267 over 6) and 4%
-    of positions agree teacher-forced; random MTP weights agree at chance (2 of 1020, vocab
-    512). ``tests/test_plugin_mtp.py`` checks both.
+    Measured on the seed-3 target (which ships a trained layer instead): 2.5-5% of first
+    drafts are accepted under greedy decoding (vLLM with two drafts: 7 of 278 verify steps
+    over 3 random prompts, 9 of 180 over ``validation/bench_drafts.py``'s demo chat turns,
+    none at position 2) and 4% of positions agree teacher-forced; random MTP weights agree
+    at chance (2 of 1020, vocab 512).
     """
     n_layers = text_config.num_hidden_layers
     n_mtp = int(getattr(text_config, "num_nextn_predict_layers", 0) or 0)
