@@ -7,8 +7,10 @@ socket otherwise (another host, no /dev/shm, ``--no-shm``, or ``shm=False`` here
 
 from __future__ import annotations
 
+import array
 import itertools
 import logging
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -22,6 +24,8 @@ from cache_server.auth import AUTH_FIELD, PLAIN_USERNAME
 from cache_server.client_errors import CLIENT_ERRORS, CacheServerError, CacheServerUnavailable, unauthorized  # noqa: F401
 from cache_server.client_shm import MIB, ClientShm, get_region, write_payloads
 from cache_server.shm import ClientSegment, align_up
+
+_U32 = next(t for t in ("I", "L") if array.array(t).itemsize == 4)
 
 Payload = bytes | bytearray | memoryview
 
@@ -254,11 +258,14 @@ class CacheClient:
     def hello(self, namespace: str, alignment: int, world_size: int = 1,
               replicated_groups: Sequence[int] = (), attn_groups: Sequence[int] | None = None,
               state_groups: Sequence[int] | None = None,
-              group_names: dict[int, str] | None = None) -> dict[str, Any]:
+              group_names: dict[int, str] | None = None,
+              chunk_keys: dict[str, Any] | None = None) -> dict[str, Any]:
         """Handshake: returns chunk_size, min_chunk_size, separate_object_groups, max_object_bytes, v.
         With ``attn_groups`` and ``state_groups`` the server tracks which prefixes are
         resumable and evicts objects nothing can resume through first; ``group_names``
-        says what each holds (``/status`` and metrics report bytes by name)."""
+        says what each holds (``/status`` and metrics report bytes by name); ``chunk_keys``
+        how the engine names chunks ({``scheme``, ``span``, ``lookahead``}), for routers'
+        queries (:mod:`cache_server.prefix_query`)."""
         header: dict[str, Any] = {"op": "hello", "v": p.PROTOCOL_VERSION, "ns": namespace, "alignment": alignment,
                                   "world_size": world_size, "replicated_groups": list(replicated_groups)}
         if state_groups is not None:
@@ -266,6 +273,8 @@ class CacheClient:
             header["state_groups"] = list(state_groups)
             if group_names:
                 header["group_names"] = {str(g): n for g, n in group_names.items()}
+        if chunk_keys is not None:
+            header["chunk_keys"] = dict(chunk_keys)
         with self._lock:
             self._shm.flush(self._send_header_locked, None)
             offer = self._shm.offer_at_hello()
@@ -318,6 +327,29 @@ class CacheClient:
         if held:
             header["held"] = True
         return self.request(header)[0]
+
+    def query(self, model: str, token_ids: Sequence[int] | None = None, *, cache_salt: str | None = None,
+              block_hashes: Sequence[bytes] | None = None, instance_id: str | None = None,
+              lora_name: str | None = None, tenant_id: str | None = None,
+              block_size: int | None = None) -> dict[str, Any]:
+        """A router's question (:mod:`cache_server.prefix_query`): the resumable prefix of
+        ``token_ids`` (or of vLLM's ``block_hashes``) under ``cache_salt``, in tokens, for
+        each namespace of ``model`` on this server: ``{tenant: {namespace:
+        {"longest_matched", "CPU", "L2"}}}`` (the Mooncake KV Indexer RFC's answer). Token
+        ids travel packed (4 bytes each); nothing is leased."""
+        header: dict[str, Any] = {"op": "query", "model": model}
+        if token_ids is not None:
+            packed = array.array(_U32, token_ids)
+            if sys.byteorder == "big":
+                packed.byteswap()
+            header["token_ids"] = packed.tobytes()
+        if block_hashes is not None:
+            header["seq_hashes"] = [bytes(h) for h in block_hashes]
+        for name, value in (("cache_salt", cache_salt), ("instance_id", instance_id), ("lora_name", lora_name),
+                            ("tenant_id", tenant_id), ("block_size", block_size)):
+            if value is not None:
+                header[name] = value
+        return self.request(header)[0]["result"]
 
     def put(self, namespace: str, items: Sequence[tuple[bytes, int, int, Payload]],
             prev: Sequence[bytes | None] | None = None,

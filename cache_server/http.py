@@ -1,6 +1,7 @@
-"""HTTP side of glm-cache-server: /healthcheck, /status, /conf, /metrics and cache clearing.
+"""HTTP side of glm-cache-server: /healthcheck, /status, /conf, /metrics, cache clearing, and
+routers' queries (POST /query and /query_by_hash, :mod:`cache_server.prefix_query`).
 
-With a token configured, /status (it lists namespaces), /conf and POST /cache/clear need
+With a token configured, /status (it lists namespaces), /conf, POST /cache/clear and the queries need
 ``Authorization: Bearer <token>``; /healthcheck and /metrics stay open for probes and
 scrapers (they reveal sizes and counts, never keys or namespaces: per-namespace series are
 labelled with an id keyed by the token, :func:`cache_server.metrics.namespace_id`).
@@ -41,14 +42,18 @@ from urllib.parse import parse_qs, urlparse, urlsplit
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from cache_server.auth import bearer_matches, is_loopback
+from cache_server import protocol as p
 from cache_server.lmcache_compat import effective_config, status_fields
+from cache_server.prefix_query import parse_query
 
 if TYPE_CHECKING:
     from cache_server.server import CacheServer
 
 logger = logging.getLogger("glm_cache_server.http")
 
-MAX_BODY_BYTES = 4096  # the only body read is a clear's {"tier": ..., "force": ...}
+MAX_BODY_BYTES = 4096  # a clear's body: {"tier": ..., "force": ...}
+MAX_QUERY_BODY_BYTES = 5 << 20  # a router's query: 131072 token ids or 65536 hex hashes, as JSON
+QUERY_PATHS = {"/query": False, "/query_by_hash": True}  # the Mooncake KV Indexer RFC's (by_hash)
 CLEAR_PATHS = ("/cache/clear", "/clear-cache")  # ours, and LMCache's older path
 CLEAR_TIERS = ("l1", "l2", "all")
 QUOTA_REFUSAL = ("glm-cache-server has no per-salt quotas: every namespace shares --l1-size-gb (and "
@@ -231,11 +236,14 @@ def start_http(server: CacheServer, host: str, port: int) -> BoundedHTTPServer:
                 self._error(501, QUOTA_REFUSAL)
             else:
                 self._error(404, f"no such endpoint {path}; try /healthcheck, /status, /conf, /metrics, "
-                                 "POST /cache/clear")
+                                 "POST /cache/clear, POST /query, POST /query_by_hash")
 
         def do_POST(self) -> None:
             url = urlparse(self.path)
             if not self._not_cross_site():
+                return
+            if url.path in QUERY_PATHS:
+                self._query(QUERY_PATHS[url.path])
                 return
             if url.path not in CLEAR_PATHS:
                 self._error(404, f"no such endpoint {url.path}")
@@ -271,6 +279,24 @@ def start_http(server: CacheServer, host: str, port: int) -> BoundedHTTPServer:
             if body or url.path != "/cache/clear":  # asked LMCache's way: answered its way too
                 reply.update(status="ok", cleared={"tier": tier}, forced=force)
             self._json(200, reply)
+
+        def _query(self, by_hash: bool) -> None:
+            """A router's question (:mod:`cache_server.prefix_query`), with the token of the
+            other non-public endpoints; errors as the protocol names them."""
+            if not self._authorized():
+                return
+            body = self._body(MAX_QUERY_BODY_BYTES)
+            if body is None:
+                return
+            try:
+                self._json(200, server.queries.answer(parse_query(body, by_hash)))
+            except p.ProtocolError as e:
+                server.metrics.errors.labels(code=e.code.value).inc()
+                self._error({p.ErrorCode.TOO_LARGE: 413, p.ErrorCode.UNKNOWN_MODEL: 404}.get(e.code, 400), e.message)
+            except Exception as e:  # a bug costs this request, never the HTTP thread
+                logger.exception("internal error answering a query")
+                server.metrics.errors.labels(code=p.ErrorCode.INTERNAL.value).inc()
+                self._error(500, f"{type(e).__name__}: {e}")
 
         def do_PUT(self) -> None:
             if self._not_cross_site():
@@ -311,17 +337,19 @@ def start_http(server: CacheServer, host: str, port: int) -> BoundedHTTPServer:
             if path == "/quota" or path.startswith("/quota/"):
                 self._error(501, QUOTA_REFUSAL)
             else:
-                self._error(405 if path in ("/healthcheck", "/status", "/conf", "/config", "/metrics", *CLEAR_PATHS)
+                self._error(405 if path in ("/healthcheck", "/status", "/conf", "/config", "/metrics", *CLEAR_PATHS,
+                                            *QUERY_PATHS)
                             else 404, f"no {self.command} {path}")
 
-        def _body(self) -> dict | None:
+        def _body(self, max_bytes: int = MAX_BODY_BYTES) -> dict | None:
             """The request's JSON object ({} without a body); None once answered 400/413."""
             try:
                 length = int(self.headers.get("Content-Length") or 0)
             except ValueError:
                 length = -1
-            if length < 0 or length > MAX_BODY_BYTES:
-                self._error(413 if length > 0 else 400, f"body must be a JSON object of at most {MAX_BODY_BYTES} bytes")
+            if length < 0 or length > max_bytes:
+                self.close_connection = True  # the body is left unread
+                self._error(413 if length > 0 else 400, f"body must be a JSON object of at most {max_bytes} bytes")
                 return None
             raw = self.rfile.read(length) if length else b""
             if not raw.strip():

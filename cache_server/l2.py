@@ -132,6 +132,8 @@ class L2Tier:
         self._down_until = 0.0
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="glm-l2-reader")
         self._reader_client: Any = None
+        self._probe_client: Any = None  # routers' queries (probe): EXISTS only
+        self._probe_lock = threading.Lock()
         self._abandoned: Future[Any] | None = None  # a promotion past its deadline still running
         self._queue: collections.deque[tuple[str, Any]] = collections.deque()
         self._queue_bytes = 0
@@ -466,6 +468,39 @@ class L2Tier:
                     self.counters.promoted_objects += 1
                     self.counters.promoted_bytes += payload.nbytes
         return promotion.l1_depth, True
+
+    def probe(self, keys: Sequence[StoreKey]) -> set[StoreKey] | None:
+        """Which of ``keys`` L2 holds, for a router's query (:mod:`cache_server.prefix_query`):
+        one pipelined ``EXISTS`` per key on a client of its own (never the reader's, so a
+        router never waits behind a promotion, nor delays one), bounded by ``timeout_s``.
+        None when L2 is skipped (down after an error, a clear under way, another probe
+        holding the client past the deadline) or fails; it moves no byte and touches no
+        value (``EXISTS`` leaves Redis' LRU clock alone)."""
+        if not keys:
+            return set()
+        with self._lock:
+            if time.monotonic() < self._down_until or self._clearing[None] or any(
+                    self._clearing[namespace_tag(ns)] for ns in {k[0] for k in keys}):
+                return None
+            deleting = set(self._deleting) if self._deleting else frozenset()
+        if not self._probe_lock.acquire(timeout=self.config.timeout_s):
+            return None
+        try:
+            if self._probe_client is None:
+                self._probe_client = self._make_client()
+            t0 = time.perf_counter()
+            pipe = self._probe_client.pipeline(transaction=False)
+            for k in keys:
+                pipe.exists(self.redis_key(k))
+            found = {k for k, e in zip(keys, pipe.execute()) if e and k not in deleting}
+            self._observe("exists", time.perf_counter() - t0, 0)
+            return found
+        except Exception as e:  # noqa: BLE001 - a store error: L2 unknown, never a failed query
+            self._probe_client = None
+            self._error(self._kind(e), e)
+            return None
+        finally:
+            self._probe_lock.release()
 
     def count_answer(self, l1_depth: int, answered: int, consulted: bool) -> None:
         """Count a lookup that consulted L2 as a hit (answered deeper than L1 alone) or a miss."""

@@ -64,6 +64,15 @@ geometry; objects never cross namespaces):
 ``shm_attach``  ``shm`` (a segment offer, see below) -> ``shm`` ({``seg``: id} or
              {``seg``: nil, ``reason``: why not})
 ``shm_detach``  ``seg`` -> ``detached`` (bool)
+``query``    a router's question (:mod:`cache_server.prefix_query`, fields as the HTTP
+             ``POST /query`` body: ``model``, ``token_ids`` (a list, or bytes of little-endian
+             uint32) at most :data:`MAX_QUERY_TOKENS`, or ``seq_hashes`` (32-byte vLLM block
+             hashes) at most :data:`MAX_HASHES`, optional ``cache_salt``,
+             ``lora_name``, ``tenant_id``, ``instance_id``, ``block_size``) -> ``result``:
+             resumable prefix tokens per namespace and tier; leases and touches nothing
+
+``hello`` may also carry ``chunk_keys`` {``scheme``: ``lmcache`` or ``vllm``, ``span``,
+``lookahead``}: how the engine names chunks, so that ``query`` can name them too.
 
 Same-host shared memory (:mod:`cache_server.shm`): ``hello`` may carry ``shm``, a map
 {``boot``: the client host's boot id, ``pid`` and ``fd``: a sealed ``glmcache-*`` memfd of
@@ -138,9 +147,10 @@ MAX_NAMESPACE_CHARS = 1024  # engine fingerprints are about 100
 MAX_ALIGNMENT = 1 << 20  # tokens a chunk must be a multiple of (a scheduler block)
 MAX_NAME_CHARS = 64  # ``op``, ``reason``, ``on``: names from a fixed list
 MAX_LEASE_ID = (1 << 64) - 1  # lease ids are random 64-bit numbers (cache_server.leases)
+MAX_QUERY_TOKENS = 1 << 17  # token ids of one ``query``: 512 KiB as packed uint32, under the 1 MiB header
 
 OPS = ("hello", "lookup", "get", "put", "delete", "debug_corrupt", "debug_die_on", "release", "clear", "stats",
-       "ping", "shm_attach", "shm_detach")
+       "ping", "shm_attach", "shm_detach", "query")
 
 
 class ErrorCode(str, enum.Enum):
@@ -155,6 +165,7 @@ class ErrorCode(str, enum.Enum):
     UNAUTHORIZED = "unauthorized"  # missing or wrong ``auth`` token
     TOO_MANY_NAMESPACES = "too_many_namespaces"  # --max-namespaces reached, none of them empty
     SHM_UNKNOWN = "shm_unknown"  # a shared-memory segment the server does not map (any more)
+    UNKNOWN_MODEL = "unknown_model"  # a query naming no namespace this server tracks
     INTERNAL = "internal"
 
 

@@ -36,6 +36,7 @@ from cache_server.config import ServerConfig
 from cache_server.metrics import ServerMetrics
 from cache_server.layout import copy_count
 from cache_server.namespaces import NamespaceTable
+from cache_server.prefix_query import PrefixQuery, chunk_key_scheme, parse_query
 from cache_server.shm import GetRegion, SegmentTable, SizedSpan, owned_copy, put_spans
 from cache_server.store import UNKNOWN_PARENT, Layout, ObjectStore
 from cache_server.token_gate import TokenGate
@@ -56,6 +57,7 @@ class CacheServer:
         self.metrics = ServerMetrics(self.store, (config.auth_token or "").encode())
         self.l2 = _make_l2(config, self.metrics)  # None without --l2
         self.namespaces = NamespaceTable(self.store, self.metrics, config.max_namespaces)
+        self.queries = PrefixQuery(self)  # routers' questions (op query, HTTP /query)
         self._local = threading.local()  # per worker: the ZMQ identity of the request being handled
         self.segments = SegmentTable(config.shm)
         self._stop = threading.Event()
@@ -74,7 +76,7 @@ class CacheServer:
             "hello": self._hello, "lookup": self._lookup, "get": self._get, "put": self._put,
             "delete": self._delete, "debug_corrupt": self._debug_corrupt, "debug_die_on": self._debug_die_on,
             "release": self._release, "clear": self._clear, "stats": self._stats, "ping": self._ping,
-            "shm_attach": self._shm_attach, "shm_detach": self._shm_detach,
+            "shm_attach": self._shm_attach, "shm_detach": self._shm_detach, "query": self._query,
         }
         assert set(self._handlers) == set(p.OPS)
 
@@ -253,7 +255,9 @@ class CacheServer:
             names = p.group_names(h) if "group_names" in h else {}
             if not set(names) <= {*attn, *state}:
                 raise p.ProtocolError(p.ErrorCode.BAD_REQUEST, "group_names must name attn_groups or state_groups")
+        scheme = chunk_key_scheme(h["chunk_keys"]) if "chunk_keys" in h else None
         known = self.namespaces.admit(ns)
+        self.queries.record_hello(ns, scheme)
         self.namespaces.record_hello(ns, known, alignment, chunk, self.config.min_chunk_size, world_size, replicated)
         if layout:
             self.store.set_layout(ns, Layout(frozenset(attn), frozenset(state), world_size, frozenset(replicated),
@@ -447,6 +451,10 @@ class CacheServer:
         logger.info("cleared %d objects%s", removed, f" of namespace {ns!r}" if ns else "")
         return {"removed": removed}, []
 
+    def _query(self, h: dict[str, Any], _: list[memoryview]) -> Reply:
+        """A router's question (:mod:`cache_server.prefix_query`): leases nothing."""
+        return {"result": self.queries.answer(parse_query(h))}, []
+
     def _stats(self, h: dict[str, Any], _: list[memoryview]) -> Reply:
         return {"stats": self.status()}, []
 
@@ -479,6 +487,9 @@ class CacheServer:
         """The /status document."""
         status = self.store.snapshot()
         status["namespaces"] = self.namespaces.status()
+        for ns, entry in status["namespaces"].items():  # what a router's query needs to know of it
+            scheme = self.queries.schemes.get(ns)
+            entry["chunk_keys"] = None if scheme is None else scheme.describe()
         status["bytes_saved_by_storing_replicated_groups_once"] = sum(
             n["bytes_saved_by_storing_once"] for n in status["namespaces"].values())
         status["config"] = {

@@ -442,6 +442,29 @@ class ObjectStore:
                 self._holds_locked(namespace, hashes[start_chunk - 1], state)
             return depth, at_start
 
+    def declared_layout(self, namespace: str) -> Layout | None:
+        """The layout a namespace's engine declared at hello (None: none declared)."""
+        with self._lock:
+            tree = self._trees.get(namespace)
+            return None if tree is None else tree.layout
+
+    def presence(self, namespace: str, hashes: Sequence[bytes], layout: Layout
+                 ) -> tuple[int, list[StoreKey], list[StoreKey]]:
+        """A router's probe (:mod:`cache_server.prefix_query`): the resume depth L1 alone
+        holds for the prefix ``hashes`` under ``layout`` (the lookup rule, nothing leased),
+        and the attention and state keys of chunks ``[0, len(hashes))`` that L1 lacks (what
+        an L2 probe asks about), in chunk order. Touches nothing: no LRU update, no counter,
+        so that routers asking about every request do not keep objects alive."""
+        attn = layout.ranks(sorted(layout.attn_groups))
+        state = layout.ranks(sorted(layout.state_groups))
+        with self._lock:
+            objects = self._objects
+            depth = resume_depth(0, len(hashes), lambda i: self._holds_locked(namespace, hashes[i], attn),
+                                 (lambda i: self._holds_locked(namespace, hashes[i], state)) if state else None)
+            missing_attn = [k for h in hashes for g, r in attn if (k := (namespace, h, g, r)) not in objects]
+            missing_state = [k for h in hashes for g, r in state if (k := (namespace, h, g, r)) not in objects]
+        return depth, missing_attn, missing_state
+
     def release(self, lease_id: int) -> bool:
         """Release a lease, whoever holds it; False if it was unknown, had expired or was
         dropped by a cap."""

@@ -114,6 +114,7 @@ class RemoteCache:
         self._releaser = ThreadPoolExecutor(max_workers=1, thread_name_prefix="glm-release")
         self._lookup_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="glm-lookup")
         self._handshake: tuple[Future[dict[str, Any]], float] | None = None  # (future, deadline)
+        self.chunk_keys: dict[str, Any] | None = None  # how the engine names chunks, told at hello (routers' queries)
 
     def connect(self) -> None:
         """The start-up handshake, synchronous and bounded by the client timeout: a dead
@@ -138,7 +139,8 @@ class RemoteCache:
                             self.replicated_groups(),
                             attn_groups=[g.group_id for g in geo.attn_groups],
                             state_groups=[g.group_id for g in geo.state_groups],
-                            group_names={g.group_id: g.name for g in geo.groups if g.name})
+                            group_names={g.group_id: g.name for g in geo.groups if g.name},
+                            chunk_keys=self.chunk_keys)
 
     def ready(self) -> bool | None:
         """True when negotiated; None while a background handshake is under way; False

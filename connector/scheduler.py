@@ -176,6 +176,9 @@ class SchedulerSide:
         disabled = settings.auth_broken or refused_layout is not None or identity is None
         self.remote = RemoteCache(settings, disabled, world_size,
                                   lambda: self._geometry, lambda: self._fingerprint, self._apply_hello)
+        # told at hello, so the server can name chunks for routers' queries (cache_server.prefix_query)
+        self.remote.chunk_keys = {"scheme": "lmcache" if scheme.span is None else "vllm", "span": scheme.span,
+                                  "lookahead": drafts.lookahead}
         self.remote.connect()
 
     # Handshake ---------------------------------------------------------------------------

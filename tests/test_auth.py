@@ -93,6 +93,7 @@ def op_headers() -> dict[str, dict]:
         "ping": {},
         "shm_attach": {"shm": _shm_offer()},
         "shm_detach": {"seg": 1},
+        "query": {"model": NS, "token_ids": bytes(4 * 32)},
     }
     assert set(headers) == set(p.OPS)  # a new op must be added here
     return {op: {"op": op, **h} for op, h in headers.items()}
@@ -112,6 +113,7 @@ def every_op(c: CacheClient) -> dict[str, object]:
         "clear": lambda: c.clear(),
         "stats": lambda: c.stats(),
         "ping": lambda: c.ping(),
+        "query": lambda: c.query(NS, [1] * 32),
         **{op: (lambda op=op: c.request(requests[op])) for op in ("debug_corrupt", "debug_die_on", "shm_attach",
                                                                    "shm_detach")},
     }
