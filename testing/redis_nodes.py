@@ -30,6 +30,16 @@ def store_binaries() -> tuple[str, str] | None:
     return None
 
 
+def bus_port_free(port: int) -> bool:
+    """Whether the cluster bus port of a node on ``port`` (port + 10000) can be bound now."""
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port + 10000))
+        except OSError:
+            return False
+    return True
+
+
 class _PortTaken(RuntimeError):
     """redis-server exited at start-up (another process took the port since it was free)."""
 
@@ -62,12 +72,7 @@ class RedisNodes:
             port = free_port()
             if not self.cluster:
                 return port
-            if port + 10000 <= 65535:
-                with socket.socket() as s:
-                    try:
-                        s.bind(("127.0.0.1", port + 10000))
-                    except OSError:
-                        continue
+            if port + 10000 <= 65535 and bus_port_free(port):
                 return port
 
     @property

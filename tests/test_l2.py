@@ -435,6 +435,8 @@ def test_cluster_nodes_get_ports_whose_bus_port_exists(monkeypatch):
 
     offered = iter([60001, 58000, 41000, 60002, 42000, 43000, 44000])
     monkeypatch.setattr(l2_process, "free_port", lambda: next(offered))
+    # Whether 51000.. are free on this machine is not this test's business.
+    monkeypatch.setattr(l2_process, "bus_port_free", lambda port: True)
     nodes = l2_process.RedisNodes(3, cluster=True)
     try:
         assert nodes.ports == [41000, 42000, 43000]
@@ -446,6 +448,31 @@ def test_cluster_nodes_get_ports_whose_bus_port_exists(monkeypatch):
         assert plain.ports == [60001, 58000]
     finally:
         plain.stop()
+
+
+def test_a_cluster_node_whose_bus_port_is_taken_is_passed_over(monkeypatch):
+    """A port whose bus port (port + 10000) another process holds is skipped: Redis would
+    fail to start on it."""
+    import socket
+
+    from testing import redis_nodes as l2_process
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        taken_bus = held.getsockname()[1]
+        if taken_bus - 10000 < 1024:
+            pytest.skip("the kernel gave a bus port too low to pair with a node port")
+        assert not l2_process.bus_port_free(taken_bus - 10000)
+        offered = iter([taken_bus - 10000, 41001, 41002, 41003])
+        monkeypatch.setattr(l2_process, "free_port", lambda: next(offered))
+        real = l2_process.bus_port_free
+        monkeypatch.setattr(l2_process, "bus_port_free",
+                            lambda port: real(port) if port + 10000 == taken_bus else True)
+        nodes = l2_process.RedisNodes(1, cluster=True)
+        try:
+            assert nodes.ports == [41001]
+        finally:
+            nodes.stop()
 
 
 def test_the_store_password_and_the_l2_secret_never_reach_the_log_or_status(cluster):
