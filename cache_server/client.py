@@ -335,7 +335,7 @@ class CacheClient:
         """A router's question (:mod:`cache_server.prefix_query`): the resumable prefix of
         ``token_ids`` (or of vLLM's ``block_hashes``) under ``cache_salt``, in tokens, for
         each namespace of ``model`` on this server: ``{tenant: {namespace:
-        {"longest_matched", "CPU", "L2"}}}`` (the Mooncake KV Indexer RFC's answer). Token
+        {"longest_matched", "CPU", "STORAGE"}}}`` (the Mooncake KV Indexer RFC's answer). Token
         ids travel packed (4 bytes each); nothing is leased."""
         header: dict[str, Any] = {"op": "query", "model": model}
         if token_ids is not None:

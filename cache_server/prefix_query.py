@@ -16,7 +16,7 @@ instance, each with ``longest_matched`` and one figure per medium, all in **toke
 (not blocks: Dynamo's own ``/query`` answers block counts per worker and dp rank; the RFC
 answers tokens)::
 
-    {"default": {"<namespace>": {"longest_matched": 256, "CPU": 128, "L2": 256}}}
+    {"default": {"<namespace>": {"longest_matched": 256, "CPU": 128, "STORAGE": 256}}}
 
 * **Instance = namespace.** The server does not know the router's replicas; it knows the
   engine namespaces (:func:`connector.keys.engine_fingerprint`, ``<model>-<16 hex>``) whose
@@ -27,11 +27,12 @@ answers tokens)::
   starts with it) or a whole namespace. The namespaces the connector registered at
   ``hello`` are listed with their chunk size and key scheme in ``/status``
   (``namespaces.<ns>.chunk_keys``): an operator reads them there.
-* **Media.** ``CPU`` is L1, named as vLLM names host memory in its KV events
-  (``MEDIUM_CPU``); ``L2`` is the Redis/Valkey tier (absent without ``--l2``, and absent
-  when it could not be asked in time: unknown, not 0). ``L2`` counts what L1 and L2 hold
-  *together*, which is what a lookup by an engine resumes after the server promotes from L2;
-  ``longest_matched`` is the larger of the two.
+* **Media**, named with vLLM's KV-event constants (``vllm.distributed.kv_events``):
+  ``CPU`` (``MEDIUM_CPU``) is L1, the server's memory; ``STORAGE`` (``MEDIUM_STORAGE``) is
+  L2, the Redis/Valkey tier (absent without ``--l2``, and absent when it could not be asked
+  in time: unknown, not 0). ``STORAGE`` counts what L1 and L2 hold *together*, which is what
+  a lookup by an engine resumes after the server promotes from L2 (L2 is write-through, so
+  it holds what L1 does but for dropped writes); ``longest_matched`` is the larger.
 * **Resumable**, by the lookup's own rule (:func:`cache_server.layout.resume_depth`): the
   deepest chunk k such that every attention group (MLA latent, indexer) has its objects,
   on every rank, for chunks 0..k-1, and every state group (KDA) at chunk k-1. A partial
@@ -49,8 +50,9 @@ answers tokens)::
 * **Bounded and cheap.** At most :data:`~cache_server.protocol.MAX_QUERY_TOKENS` tokens or
   :data:`~cache_server.protocol.MAX_HASHES` hashes, chunks x objects per chunk at most
   :data:`~cache_server.protocol.MAX_LOOKUP_OBJECTS`; nothing is leased, promoted or touched
-  (a router's question must not keep objects alive); L2 is asked with one pipelined
-  ``EXISTS`` of at most :data:`MAX_L2_PROBE_KEYS` keys, within the tier's timeout. Measured
+  (a router's question must not keep objects alive); L2 is asked with pipelined ``EXISTS``
+  of at most :data:`MAX_L2_PROBE_KEYS` keys in at most two round trips, each within the
+  tier's timeout (:meth:`PrefixQuery._with_l2`). Measured
   by ``validation/bench_lookup.py`` (docs/benchmarks.md, "Router lookup").
 """
 
@@ -72,7 +74,7 @@ if TYPE_CHECKING:
     from cache_server.server import CacheServer
 
 L1_MEDIUM = "CPU"  # vLLM's MEDIUM_CPU: the server's memory
-L2_MEDIUM = "L2"  # the shared Redis/Valkey tier (--l2)
+L2_MEDIUM = "STORAGE"  # vLLM's MEDIUM_STORAGE: the shared Redis/Valkey tier (--l2)
 KEY_SCHEMES = ("lmcache", "vllm")
 MAX_SPAN = 1 << 20  # tokens per vLLM block hash
 MAX_LOOKAHEAD = 64  # tokens a drafter's rows look ahead (MTP: 1)
@@ -277,7 +279,7 @@ class PrefixQuery:
         return out
 
     def answer(self, q: Query) -> dict[str, Any]:
-        """``{tenant: {namespace: {"longest_matched", "CPU"[, "L2"]}}}``, tokens. A
+        """``{tenant: {namespace: {"longest_matched", "CPU"[, "STORAGE"]}}}``, tokens. A
         namespace the query cannot name chunks for (token ids for one keyed by vLLM's block
         hashes, or the other way round) is left out; when that is every namespace, the
         first one's reason is the error."""
@@ -366,11 +368,30 @@ class PrefixQuery:
     def _with_l2(self, ns: str, keys: Sequence[bytes], layout: Any, missing_attn: list[Any],
                  missing_state: list[Any]) -> int | None:
         """The resume depth L1 and L2 hold together (None: L2 not asked in time). Only the
-        keys L1 lacks are asked about, attention first, at most :data:`MAX_L2_PROBE_KEYS`:
-        past that, the chunks after the last one asked count as absent (a lower bound)."""
-        found = self._server.l2.probe((missing_attn + missing_state)[:MAX_L2_PROBE_KEYS])
+        keys L1 lacks are asked about, at most :data:`MAX_L2_PROBE_KEYS` in all (past that,
+        the chunks after the last one asked count as absent: a lower bound), in at most two
+        round trips: first the attention objects of the first chunk L1 lacks any of, with
+        the state objects L1 lacks before it; only if L2 holds that chunk's attention, the
+        rest. A prompt no tier holds (most replicas, for most requests) costs the first
+        trip only: attention must be there for every chunk, so the first gap ends it."""
+        l2 = self._server.l2
+        index = {h: i for i, h in enumerate(keys)}
+        first: list[Any] = []
+        if missing_attn:
+            gap = index[missing_attn[0][1]]
+            first = [k for k in missing_attn if index[k[1]] == gap]
+            first += [k for k in missing_state if index[k[1]] < gap]
+        first = first[:MAX_L2_PROBE_KEYS]
+        found = l2.probe(first) if first else set()
         if found is None:
             return None
+        if not missing_attn or all(k in found for k in first if index[k[1]] == gap):
+            asked = set(first)
+            rest = [k for k in (*missing_attn, *missing_state) if k not in asked][:MAX_L2_PROBE_KEYS - len(first)]
+            more = l2.probe(rest)
+            if more is None:
+                return None
+            found |= more
         absent = (set(missing_attn) | set(missing_state)) - found  # keys not asked about count as absent
         attn = layout.ranks(sorted(layout.attn_groups))
         state = layout.ranks(sorted(layout.state_groups))

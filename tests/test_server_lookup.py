@@ -126,21 +126,21 @@ def test_full_hit_and_partial_last_chunk(server, prompts):
     last chunk never count, nor a chunk the query stops inside."""
     a = prompts["a"]
     assert entry(server, {"token_ids": a, "block_size": 16}) == {"longest_matched": 4 * C, "CPU": 4 * C,
-                                                                 "L2": 4 * C}
+                                                                 "STORAGE": 4 * C}
     assert entry(server, {"token_ids": a[:4 * C - 1]})["CPU"] == 3 * C
-    assert entry(server, {"token_ids": a[:C - 1]}) == {"longest_matched": 0, "CPU": 0, "L2": 0}
+    assert entry(server, {"token_ids": a[:C - 1]}) == {"longest_matched": 0, "CPU": 0, "STORAGE": 0}
 
 
 def test_group_missing_at_chunk_2_stops_at_chunk_1(server, prompts):
     """The indexer object of chunk 2 is missing: resumable through chunks 0 and 1 only (128
     tokens), though the latent and KDA state of chunks 2 and 3 are there."""
-    assert entry(server, {"token_ids": prompts["b"]}) == {"longest_matched": 2 * C, "CPU": 2 * C, "L2": 2 * C}
+    assert entry(server, {"token_ids": prompts["b"]}) == {"longest_matched": 2 * C, "CPU": 2 * C, "STORAGE": 2 * C}
 
 
 def test_salt(server, prompts):
     """A salt names another chain: the stored prompt under another salt, or without its own, is 0."""
     a, s = prompts["a"], prompts["s"]
-    assert entry(server, {"token_ids": a, "cache_salt": "tenant-b"}) == {"longest_matched": 0, "CPU": 0, "L2": 0}
+    assert entry(server, {"token_ids": a, "cache_salt": "tenant-b"}) == {"longest_matched": 0, "CPU": 0, "STORAGE": 0}
     assert entry(server, {"token_ids": s})["longest_matched"] == 0
     assert entry(server, {"token_ids": s, "cache_salt": "tenant-a"})["CPU"] == 3 * C
     assert entry(server, {"token_ids": a, "lora_name": "sql-adapter"})["longest_matched"] == 0  # never cached
@@ -149,7 +149,7 @@ def test_salt(server, prompts):
 def test_protocol_op_answers_as_http(client, server, prompts):
     a = prompts["a"]
     got = client.query(MODEL, a)
-    assert got == {"default": {NS: {"longest_matched": 4 * C, "CPU": 4 * C, "L2": 4 * C}}}
+    assert got == {"default": {NS: {"longest_matched": 4 * C, "CPU": 4 * C, "STORAGE": 4 * C}}}
     assert client.query(NS, a, tenant_id="t1")["t1"][NS]["CPU"] == 4 * C  # a whole namespace as the model
     assert client.query(MODEL, prompts["s"], cache_salt="tenant-a", instance_id=NS)["default"][NS]["CPU"] == 3 * C
 
@@ -160,7 +160,7 @@ def test_vllm_block_hashes(client, server, prompts):
     v = prompts["v"]
     body = {"model": "tiny-vllm-keys", "seq_hashes": [h.hex() for h in v], "block_size": SPAN}
     status, doc = post(server, "/query_by_hash", body)
-    assert status == 200 and doc == {"default": {NS_VLLM: {"longest_matched": 3 * C, "CPU": 3 * C, "L2": 3 * C}}}
+    assert status == 200 and doc == {"default": {NS_VLLM: {"longest_matched": 3 * C, "CPU": 3 * C, "STORAGE": 3 * C}}}
     assert post(server, "/query_by_hash", {**body, "seq_hashes": body["seq_hashes"][:-1]})[1]["default"][NS_VLLM][
         "CPU"] == 2 * C  # the last chunk's last block hash is not sent: that chunk has no key
     assert client.query("tiny-vllm-keys", block_hashes=v)["default"][NS_VLLM]["CPU"] == 3 * C
@@ -251,8 +251,9 @@ def test_l2_only(client, server, prompts):
     status, doc = post(server, f"/cache/clear?ns={NS}", {"tier": "l1", "force": True})
     assert status == 200 and doc["removed"] > 0
     a = prompts["a"]
-    assert entry(server, {"token_ids": a}) == {"longest_matched": 4 * C, "CPU": 0, "L2": 4 * C}
-    assert entry(server, {"token_ids": prompts["b"]}) == {"longest_matched": 2 * C, "CPU": 0, "L2": 2 * C}
+    assert entry(server, {"token_ids": a}) == {"longest_matched": 4 * C, "CPU": 0, "STORAGE": 4 * C}
+    assert entry(server, {"token_ids": prompts["b"]}) == {"longest_matched": 2 * C, "CPU": 0, "STORAGE": 2 * C}
+    assert entry(server, {"token_ids": a, "cache_salt": "x"}) == {"longest_matched": 0, "CPU": 0, "STORAGE": 0}
     assert status_doc(server)["namespaces"][NS]["objects"] == 0  # nothing promoted by the queries
     chunks, lease = client.lookup(NS, chunk_hashes(a, C), ATTN, STATE, 1)
     assert chunks == 4
