@@ -151,6 +151,16 @@ class GlmCacheConnector(KVConnectorBase_V1, SupportsHMA):
     def reset_cache(self) -> bool | None:
         return self._scheduler.reset_cache() if self._scheduler is not None else None
 
+    def take_events(self) -> list[Any]:
+        """What glm-cache-server can resume, as vLLM's KV events (``--kv-events-config``;
+        :mod:`connector.events`)."""
+        return self._scheduler.take_events() if self._scheduler is not None else []
+
+    def has_pending_push_work(self) -> bool:
+        """Keep an idle engine stepping while KV events wait to be published (vLLM publishes
+        only from steps): a reset of vLLM's prefix cache, chunks being confirmed on the server."""
+        return self._scheduler is not None and self._scheduler.events_pending()
+
     # Worker side ------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:

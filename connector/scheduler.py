@@ -53,6 +53,7 @@ from connector.config import (
     refuse_decode_saves_with_draft_rows,
     require_recompute_on_load_failure,
 )
+from connector.events import ServerEvents
 from connector.geometry import Geometry, strict_prefix_chunks
 from connector.identity import (
     NO_DRAFTS,
@@ -179,6 +180,10 @@ class SchedulerSide:
         # told at hello, so the server can name chunks for routers' queries (cache_server.prefix_query)
         self.remote.chunk_keys = {"scheme": "lmcache" if scheme.span is None else "vllm", "span": scheme.span,
                                   "lookahead": drafts.lookahead}
+        # KV events for routers: what the server can resume, published by vLLM (connector.events)
+        self.events = ServerEvents(vllm_config, kv_cache_config, lambda: self._geometry,
+                                   lambda ns, keys: self.remote.lookup(ns, keys, 0, False))
+        self._events_map: Any = None  # vLLM's prefix-cache map at the last take_events
         self.remote.connect()
 
     # Handshake ---------------------------------------------------------------------------
@@ -217,6 +222,7 @@ class SchedulerSide:
             state.saved_chunks = state.state_chunk = state.save_retries = 0
             state.resave_at, state.saves_given_up = 0.0, False  # a new server, a new count
         self._pending_saves = []
+        self.events.forget_all("the server's chunk size changed")
 
     def _warn_if_drafts_resume_a_chunk_early(self) -> None:
         """With a drafter that writes rows (MTP, EAGLE), vLLM keeps a prompt's recurrent
@@ -482,6 +488,8 @@ class SchedulerSide:
         C = self._geometry.chunk_size
         n = answer.chunks
         state.hit = Hit(start, n, num_computed_tokens, answer.held_chunks(start), answer.start_state, C)
+        if start == 0 or (answer.held is not None and answer.held >= start):  # resumable from chunk 0
+            self.events.found(state.request, state.keys_for(C), n, self.namespace)
         if n * C <= num_computed_tokens:
             self._drop_lease(state)
             return 0, False
@@ -713,6 +721,7 @@ class SchedulerSide:
     def _finished(self, state: RequestState) -> tuple[bool, dict[str, Any] | None]:
         request = state.request
         self._discard_lookup(state)  # finished (aborted) while its lookup was out
+        self._announce_saves(state)
         if state.load_in_flight:
             # A worker is still writing into these blocks: keep them, and the lease, until
             # it reports (update_connector_output); nothing more is planned for it.
@@ -721,6 +730,39 @@ class SchedulerSide:
         del self._requests[request.request_id]
         self._drop_lease(state)
         return False, None
+
+    def _announce_saves(self, state: RequestState) -> None:
+        """A finished request's saves, for the KV events (connector.events): its chain is
+        announced as deep as the server reports it resumable once the saves landed."""
+        if not self.events.enabled or not state.scheduled or state.bypass is not None:
+            return
+        C = self._geometry.chunk_size
+        keys = state.keys_for(C)[:max(state.saved_chunks, state.state_chunk)]
+        self.events.saved(state.request, keys, min(state.saved_chunks, state.state_chunk), self.namespace)
+
+    def events_pending(self) -> bool:
+        """Whether an idle engine should step to publish KV events: vLLM reset its prefix
+        cache since the last step (vLLM queues its ``AllBlocksCleared`` and publishes it only
+        from a step: without one a router keeps scoring the dropped blocks), or a finished
+        request's chunks are being confirmed on the server."""
+        if not self.events.enabled:
+            return False
+        if self._events_map is not None and self._block_map() is not self._events_map:
+            return True
+        return self.events.pending()
+
+    def take_events(self) -> list[Any]:
+        """KV events of the server's chunks since the last step, published by vLLM after its
+        own pool's events in the same batch; after a reset of vLLM's prefix cache (its
+        ``AllBlocksCleared`` comes first in that batch) the server's chunks again."""
+        current = self._block_map()
+        cleared, self._events_map = self._events_map is not None and current is not self._events_map, current
+        try:
+            return self.events.take(cleared)
+        except Exception as e:  # noqa: BLE001 - events never stop the engine
+            logger.warning("GlmCacheConnector: KV events failed (%s: %.200s); none this step", type(e).__name__, e,
+                           exc_info=e)
+            return []
 
     # Weights at run time ---------------------------------------------------------------
     #
@@ -825,6 +867,7 @@ class SchedulerSide:
         replaced = current is not None and current is self._last_map and self._last_map is not self._prev_map
         self._stale_map = None if (answered_reset and self._reset_fresh) or replaced else current
         self._saves.stats["weights_changes"] += 1
+        self.events.forget_all("the weights changed in place")
         self.namespace = ""  # a handshake under the new namespace sets it
         self.remote.link.hello = None
         self.remote._handshake = None  # one under way names the old namespace
