@@ -259,3 +259,52 @@ def test_l2_only(client, server, prompts):
     assert chunks == 4
     client.release(lease)
     assert entry(server, {"token_ids": a})["CPU"] == 4 * C  # promoted by the engine's lookup, not by ours
+
+
+@pytest.fixture(scope="module")
+def engine_server():
+    """A plain server (no token, no L2) for the real engine below."""
+    with ServerProcess("--separate-object-groups", "--chunk-size", "256") as s:
+        yield s
+
+
+@pytest.mark.engine
+def test_real_connector_saves_what_a_router_query_finds(tmp_path_factory, engine_server):
+    """The tiny GLM-5.3-Flash with GlmCacheConnector (its default keys: vLLM's block hashes)
+    saves a 600-token prompt; its hello told the server its key scheme, so /status names the
+    span, and a router that hashes the prompt as vLLM does (vLLM's own block hasher, the
+    request's salt) finds the strict prefix the connector stored: 2 chunks of 256 (the 88
+    tokens after them are a partial chunk). Token ids alone cannot name such chunks: 400."""
+    from engines import generate_one, random_prompt, tiny_glm_engine
+    from testing.vllm_keys import vllm_hashed_request
+
+    llm = tiny_glm_engine(tmp_path_factory, engine_server.url, 256)
+    try:
+        prompt = random_prompt(600, seed=5)
+        generate_one(llm, prompt, "router-salt", 4)
+        doc = json.loads(http_get(engine_server, "/status"))
+        (ns, info), = doc["namespaces"].items()
+        assert info["chunk_keys"]["scheme"] == "vllm" and info["chunk_keys"]["lookahead"] == 0
+        span = info["chunk_keys"]["span"]
+        model = ns.rsplit("-", 1)[0]
+        hashes = vllm_hashed_request("router", prompt, span, "router-salt").block_hashes
+        status, got = post(engine_server, "/query_by_hash", {"model": model, "seq_hashes": [h.hex() for h in hashes]},
+                           token=None)
+        assert status == 200 and got == {"default": {ns: {"longest_matched": 512, "CPU": 512}}}
+        other = vllm_hashed_request("router", prompt, span, "another-salt").block_hashes
+        status, got = post(engine_server, "/query_by_hash", {"model": model, "seq_hashes": [h.hex() for h in other]},
+                           token=None)
+        assert got["default"][ns]["longest_matched"] == 0
+        status, got = post(engine_server, "/query", {"model": model, "token_ids": prompt}, token=None)
+        assert status == 400 and "seq_hashes" in got["error"]
+    finally:
+        del llm
+
+
+def http_get(server: ServerProcess, path: str) -> bytes:
+    conn = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=10)
+    try:
+        conn.request("GET", path)
+        return conn.getresponse().read()
+    finally:
+        conn.close()
