@@ -475,7 +475,10 @@ class L2Tier:
         router never waits behind a promotion, nor delays one), bounded by ``timeout_s``.
         None when L2 is skipped (down after an error, a clear under way, another probe
         holding the client past the deadline) or fails; it moves no byte and touches no
-        value (``EXISTS`` leaves Redis' LRU clock alone)."""
+        value (``EXISTS`` leaves Redis' LRU clock alone). The caller waits (a request worker,
+        for the protocol's ``query``) at most ``timeout_s`` for the client and ``timeout_s``
+        for the answer; after a timeout L2 is skipped for ``retry_after_s``, so a hung store
+        costs each waiting query one timeout at most, then none."""
         if not keys:
             return set()
         with self._lock:
@@ -486,6 +489,8 @@ class L2Tier:
         if not self._probe_lock.acquire(timeout=self.config.timeout_s):
             return None
         try:
+            if time.monotonic() < self._down_until:  # the probe before ours timed out or failed
+                return None
             if self._probe_client is None:
                 self._probe_client = self._make_client()
             t0 = time.perf_counter()
