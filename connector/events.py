@@ -35,8 +35,9 @@ after back-offs until the server reports the depth the saves should reach), and 
 admission lookups found (saved by any replica attached to the server), so every replica
 announces what it can load.
 
-Bounded: at most :data:`MAX_CHAINS` chains and :data:`MAX_CHUNKS` chunks are remembered
-(the oldest chain is forgotten first, its chunks announced as removed); at most
+Bounded: at most :data:`MAX_CHAINS` chains, :data:`MAX_CHUNKS` chunks and
+:data:`MAX_TOKENS` token ids are remembered (the oldest chain is forgotten first, its
+chunks announced as removed); rechecks are paced (:data:`RECHECKS_PER_S`); at most
 :data:`MAX_QUEUED_EVENTS` events wait for ``take_events`` (the oldest are dropped and
 counted). Disabled (no work, nothing kept) unless ``--kv-events-config`` enables events.
 
@@ -72,6 +73,7 @@ MEDIUM_SERVER = "CPU"
 
 MAX_CHAINS = 1024  # chains remembered (each: its chunk keys and state)
 MAX_CHUNKS = 32768  # chunks remembered (each: block hashes and token ids, 4 bytes a token)
+MAX_TOKENS = 1 << 23  # token ids remembered in all (32 MiB; 7282 chunks of 1152 tokens)
 MAX_QUEUED_EVENTS = 8192  # events waiting for take_events
 MAX_INFLIGHT = 4  # verification lookups on the lookup thread at once (admissions share it)
 # After a request finishes, its chain is looked up after each of these delays until the
@@ -79,6 +81,9 @@ MAX_INFLIGHT = 4  # verification lookups on the lookup thread at once (admission
 # after the step's forward; measured on the tiny checkpoint: landed within the first).
 VERIFY_DELAYS_S = (0.05, 0.3, 1.0, 3.0)
 RECHECK_S = 2.0  # announced chains are looked up again this often (while the engine steps)
+# ... but at most this many rechecks a second in all (each a lookup of about 0.4 ms on the
+# lookup thread, which admissions share): 1024 chains are each rechecked every ~20 s.
+RECHECKS_PER_S = 50.0
 # While a verification is pending and vLLM has no request, the engine steps only to let us
 # publish (has_pending_push_work); each idle step waits this long at most, so an idle
 # engine steps at most ~200 times a second during the few seconds a verification takes.
@@ -179,8 +184,11 @@ class ServerEvents:
         self._hash_block_size = getattr(kv_cache_config, "hash_block_size", None)
         self._chains: collections.OrderedDict[bytes, _Chain] = collections.OrderedDict()
         self._chunks: dict[bytes, _Chunk] = {}
+        self._tokens = 0  # token ids held by _chunks
         self._queue: collections.deque[Any] = collections.deque()
         self._inflight = 0
+        self._recheck_budget = 0.0  # rechecks that may be sent now (refilled at RECHECKS_PER_S)
+        self._budget_at = time.monotonic()
         self.stats = EventStats()
 
     # What the scheduler tells us --------------------------------------------------------
@@ -330,9 +338,11 @@ class ServerEvents:
                     keys_per_block.append(ek)
                 extra.append(to_event_extra_keys(keys_per_block))
             self._chunks[keys[k]] = _Chunk(hashes, parents, array.array("I", tokens[k * C:(k + 1) * C]), extra)
+            self._tokens += C
 
     def _bound(self) -> None:
-        while len(self._chains) > MAX_CHAINS or (len(self._chunks) > MAX_CHUNKS and len(self._chains) > 1):
+        while len(self._chains) > MAX_CHAINS or (
+                (len(self._chunks) > MAX_CHUNKS or self._tokens > MAX_TOKENS) and len(self._chains) > 1):
             _, oldest = next(iter(self._chains.items()))
             self._drop_chain(oldest)
             self.stats.forgotten_chains += 1
@@ -350,6 +360,7 @@ class ServerEvents:
                 c.holders -= 1
                 if c.holders <= 0:
                     del self._chunks[k]
+                    self._tokens -= len(c.tokens)
 
     def _set_depth(self, chain: _Chain, depth: int) -> None:
         """The server resumes ``chain`` ``depth`` chunks deep: stores for chunks newly
@@ -433,10 +444,18 @@ class ServerEvents:
         if self._inflight >= MAX_INFLIGHT:
             return
         now = time.monotonic()
+        self._recheck_budget = min(float(MAX_INFLIGHT),
+                                   self._recheck_budget + (now - self._budget_at) * RECHECKS_PER_S)
+        self._budget_at = now
         due = [c for c in self._chains.values() if c.future is None and c.due <= now
                and (c.depth > 0 or (c.depth < c.expected and c.tries < len(VERIFY_DELAYS_S)))]
         due.sort(key=lambda c: c.due)
         for chain in due[:MAX_INFLIGHT - self._inflight]:
+            verifying = chain.depth < chain.expected and chain.tries < len(VERIFY_DELAYS_S)
+            if not verifying:
+                if self._recheck_budget < 1.0:
+                    continue
+                self._recheck_budget -= 1.0
             try:
                 chain.future = self._lookup(chain.namespace, chain.keys)
             except RuntimeError:  # the lookup thread is shut down
