@@ -16,6 +16,25 @@ image's placeholder range (the markers around them are ordinary tokens).
 
 Video is not supported yet: a prompt with a video is refused with :data:`VIDEO_REFUSAL`
 (an HTTP 400 from ``vllm serve``).
+
+No tokenizer is needed (``--skip-tokenizer-init``, token-in/token-out workers behind a
+router that tokenizes): the processor works on token ids only (its target and its
+replacement are the ``image_token_id`` of the checkpoint's config, the text is never read),
+so :class:`Glm5NextImageProcessing` says ``requires_tokenizer = False`` and builds its
+profiling prompt from the config's image token ids. vLLM builds this processor in the API
+server whenever multimodal inputs are possible, and vLLM 0.32 makes them possible on
+every KV consumer (``VllmConfig._resolve_mm_embedding_inputs`` turns ``enable_mm_embeds``
+on when ``kv_role`` is ``kv_consumer`` or ``kv_both``, even at ``--limit-mm-per-prompt
+'{"image":0}'``), so with GlmCacheConnector and no tokenizer vLLM's default
+(``requires_tokenizer = True``) stopped the engine at start-up ("Glm5NextImageProcessing
+requires a tokenizer and cannot be initialized when `skip_tokenizer_init=True`"). Without a
+tokenizer the chat API refuses every request (vLLM 0.32: a 500 with an empty message, the
+reason in the log), so an image reaches the model only as token ids (its
+``<|begin_of_image|><|image|><|end_of_image|>`` ids) with its data, through vLLM's offline
+API or its token-in/token-out ``/inference/v1/generate`` route; the connector names it by
+its processed tensors as with a tokenizer (:mod:`connector.media`). Checked by
+``tests/test_skip_tokenizer_init_e2e.py`` (the engine starts, token-id prompts resume
+from glm-cache-server, the processor profiles an image without a tokenizer).
 """
 
 from __future__ import annotations
@@ -144,6 +163,18 @@ class Glm5NextDummyInputs(BaseDummyInputsBuilder[Glm5NextProcessingInfo]):
 class Glm5NextImageProcessing(BaseMultiModalProcessor[Glm5NextProcessingInfo]):
     """Images through ``Glm5NextImageProcessorPil``; each ``<|image|>`` of the prompt
     becomes that image's number of ``<|image|>`` tokens."""
+
+    # token ids in, token ids out: no step decodes or encodes text (module docstring)
+    requires_tokenizer = False
+
+    def get_dummy_inputs(self, seq_len: int, mm_counts: Mapping[str, int], mm_options=None):
+        inputs = super().get_dummy_inputs(seq_len, mm_counts, mm_options)
+        if self.info.ctx.tokenizer is None:  # vLLM leaves the prompt empty: no placeholder to expand
+            cfg = self.info.get_hf_config()
+            names = ("image_start_token_id", "image_token_id", "image_end_token_id")
+            marker = [int(getattr(cfg, n)) for n in names if getattr(cfg, n, None) is not None]
+            inputs.prompt = marker * mm_counts.get("image", 0)
+        return inputs
 
     def _call_hf_processor(self, hf_data: Mapping[str, object], hf_kwargs: Mapping[str, object]):
         data = dict(hf_data)
