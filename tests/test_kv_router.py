@@ -112,6 +112,8 @@ def test_cache_aware_sends_to_the_server_holding_the_prefix():
                     with urllib.request.urlopen(req, timeout=30) as r:
                         assert b"[DONE]" in r.read()
                 routes = router.records()
+                mean_ms, p99_ms = router.time_scoring(5)  # the last request again: both servers asked
+                assert 0 < mean_ms <= p99_ms
             assert _Engine.hits == ["e1", "e1"]  # the turn would have sent the first to e0
             assert [r["held"] for r in routes] == [[0, 2 * C]] * 2
             assert [r["replica"] for r in routes] == [1, 1]

@@ -75,9 +75,9 @@ ENGINE_COUNTERS = [
 SERVER_COUNTERS = [("server_hit", "lmcache_mp_lookup_hit_tokens_total", {})]
 
 
-def workload(smoke: bool) -> list[str]:
+def workload(smoke: bool, duration: int = 40) -> list[str]:
     """``lmcache bench engine`` arguments: 5 sessions (see the module docstring)."""
-    users, sys_words, hist_words, user_words, out, duration = 5, 100, 150, 100, 48, 20
+    users, sys_words, hist_words, user_words, out = 5, 100, 150, 100, 32
     if smoke:
         users, sys_words, hist_words, user_words, out, duration = 3, 40, 40, 20, 4, 4
     return ["--workload", "multi-round-chat", "--kv-cache-volume", "1",
@@ -137,6 +137,7 @@ def run_policy(policy: str, engines: list[VllmServer], servers: list[ServerProce
             raise RuntimeError(f"lmcache bench engine exited {proc.returncode}:\n{proc.stdout[-4000:]}")
         time.sleep(0.5)
         routes = router.records()
+        idle_ms = router.time_scoring(20)  # the last request's scoring again, the engines idle
     after = counters(engines, servers)
     load1 = os.getloadavg()[0]
     (out_dir / "routes.json").write_text(json.dumps(routes, indent=1))
@@ -156,6 +157,7 @@ def run_policy(policy: str, engines: list[VllmServer], servers: list[ServerProce
            "tokenize_ms_mean": statistics.fmean([r["tokenize_ms"] for r in ok]) if ok else 0.0,
            "query_ms_mean": statistics.fmean([r["query_ms"] for r in ok]) if ok else 0.0,
            "router_ttft_mean_ms": statistics.fmean([r["ttft_ms"] for r in ok if r["ttft_ms"] is not None] or [0]),
+           "idle_score_ms_mean": idle_ms[0], "idle_score_ms_p99": idle_ms[1],
            "token_count_mismatches": mismatched, "unanswered_queries": unanswered, "load_avg": [round(load0, 1), round(load1, 1)],
            **{k: after[k] - before[k] for k in after}}
     print(f"  {row['requests']} requests, TTFT mean {row['ttft_mean_ms']:.0f} ms, cached {cached} of reusable "
@@ -183,6 +185,8 @@ def table(rows: list[dict[str, Any]]) -> str:
             ("captured (cached / reusable)", lambda r: share(r["cached"], r["reusable"])),
             ("router ms/request mean / p99", lambda r: f"{r['score_ms_mean']:.1f} / {r['score_ms_p99']:.1f}"
              + ("" if r["policy"] == "cache-aware" else " (off path)")),
+            ("router ms, engines idle, mean / p99", lambda r: f"{r['idle_score_ms_mean']:.1f} / "
+             f"{r['idle_score_ms_p99']:.1f}"),
             ("load average", lambda r: f"{r['load_avg'][0]}-{r['load_avg'][1]}")]
     head = "| | " + " | ".join(r["policy"] for r in rows) + " |"
     lines = [head, "|---" * (len(rows) + 1) + "|"]
@@ -195,6 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--policies", default="cache-aware,round-robin")
     ap.add_argument("--blocks", type=int, help="vLLM's local pool per replica (--num-gpu-blocks-override)")
+    ap.add_argument("--duration", type=int, default=40, help="the tool's --mrc-duration, seconds")
+    ap.add_argument("--max-model-len", type=int, default=MAX_MODEL_LEN, help="lower it with a small --blocks")
     ap.add_argument("--checkpoint", default=str(ROOT / "artifacts" / "glm5next-tiny"))
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--keep", type=Path, help="keep logs, lmcache outputs and per-request routes here")
@@ -210,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     work = args.keep or Path(tempfile.mkdtemp(prefix="bench-routing-"))
     work.mkdir(parents=True, exist_ok=True)
     tokenize = Tokenizer(str(ckpt))
-    load_args = workload(args.smoke)
+    load_args = workload(args.smoke, args.duration)
     started = time.monotonic()
     rows = []
     with ExitStack() as stack:
@@ -221,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         engines = [VllmServer(ckpt, "--enforce-eager", "--dtype", "float32", "--max-num-batched-tokens", "2048",
                               "--prefix-cache-retention-interval", str(C), "--max-num-seqs", "8", *extra,
                               kv_transfer_config=connector_config(s.url, chunk_keys="lmcache", save_decode=True),
-                              max_model_len=MAX_MODEL_LEN, env={"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"},
+                              max_model_len=args.max_model_len, env={"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"},
                               log_path=work / f"vllm{i}.log") for i, s in enumerate(servers)]
         for e in engines:
             e.launch()
@@ -236,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(f"lmcache bench engine multi-round-chat through the router, 2 replicas of the tiny GLM-5.3-Flash "
           f"(float32, chunk {C}), each with its own glm-cache-server; local pool "
-          f"{args.blocks or 'default'}; {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC")
+          f"{args.blocks or 'default'}, --max-model-len {args.max_model_len}; {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC")
     print(f"tool args: {shlex.join(load_args)}")
     print(text)
     print(f"{time.monotonic() - started:.0f} s in all; logs, lmcache outputs and routes in {work}")

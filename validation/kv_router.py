@@ -139,6 +139,7 @@ class Router:
         self.host = host
         self.query_timeout_s = query_timeout_s
         self.routes: list[Route] = []
+        self.last_body: Any = None
         self._turn = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -244,6 +245,7 @@ class Router:
             body = json.loads(raw)
         except ValueError:
             return web.json_response({"error": "body is not JSON"}, status=400)
+        self.last_body = body
         turn = self._turn
         self._turn += 1
         probe: asyncio.Task | None = None
@@ -321,6 +323,20 @@ class Router:
                                                                                       "application/json")}) as up:
             return web.Response(status=up.status, body=await up.read(),
                                 content_type=(up.content_type or "application/json"))
+
+    def time_scoring(self, repeat: int = 20) -> tuple[float, float]:
+        """Score the last chat request again ``repeat`` times on the router's loop, one at
+        a time (tokenize, ask every server): the router's cost with nothing else in flight.
+        Returns the mean and p99 ms."""
+        if self.last_body is None or self._loop is None:
+            return 0.0, 0.0
+        times = []
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            asyncio.run_coroutine_threadsafe(self._score(self.last_body), self._loop).result(30)
+            times.append((time.perf_counter() - t0) * 1e3)
+        times.sort()
+        return sum(times) / len(times), times[min(len(times) - 1, round(0.99 * (len(times) - 1)))]
 
     def records(self) -> list[dict[str, Any]]:
         return [asdict(r) for r in self.routes]
