@@ -52,6 +52,8 @@ from __future__ import annotations
 
 import array
 import collections
+import heapq
+import itertools
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
@@ -186,7 +188,12 @@ class ServerEvents:
         self._chunks: dict[bytes, _Chunk] = {}
         self._tokens = 0  # token ids held by _chunks
         self._queue: collections.deque[Any] = collections.deque()
-        self._inflight = 0
+        self._inflight: dict[bytes, _Chain] = {}  # chains whose lookup is out
+        self._verifying: set[bytes] = set()  # chains confirming a finished request's saves
+        # when each chain is looked up next: (time, n, chain id), stale entries skipped
+        self._verify_at: list[tuple[float, int, bytes]] = []
+        self._recheck_at: list[tuple[float, int, bytes]] = []
+        self._n = itertools.count()
         self._recheck_budget = 0.0  # rechecks that may be sent now (refilled at RECHECKS_PER_S)
         self._budget_at = time.monotonic()
         self.stats = EventStats()
@@ -203,9 +210,11 @@ class ServerEvents:
         if chain is None:
             return
         chain.expected = max(chain.expected, expected)
-        if chain.future is None and chain.depth < chain.expected:
+        if chain.depth < chain.expected:
             chain.tries = 0
-            chain.due = time.monotonic() + VERIFY_DELAYS_S[0]
+            self._verifying.add(chain.keys[-1])
+            if chain.future is None:  # else the answer schedules the next one
+                self._at(self._verify_at, chain, time.monotonic() + VERIFY_DELAYS_S[0])
 
     def found(self, request: Request, keys: list[bytes], depth: int, namespace: str) -> None:
         """A lookup found ``request``'s prefix resumable on the server ``depth`` chunks
@@ -219,7 +228,9 @@ class ServerEvents:
         if depth > chain.depth:
             self._set_depth(chain, depth)
         chain.tries = len(VERIFY_DELAYS_S)
-        chain.due = time.monotonic() + RECHECK_S
+        self._verifying.discard(chain.keys[-1])
+        if chain.future is None:
+            self._at(self._recheck_at, chain, time.monotonic() + RECHECK_S)
 
     def forget_all(self, why: str) -> None:
         """Nothing announced can be loaded any more (the namespace or the chunk grid
@@ -257,17 +268,11 @@ class ServerEvents:
             return False
         if self._queue:
             return True
-        now = time.monotonic()
-        waiting = False
-        for chain in self._chains.values():
-            if chain.future is not None:
-                if chain.future.done():
-                    return True
-                waiting = True
-            elif chain.depth < chain.expected and chain.tries < len(VERIFY_DELAYS_S):
-                if chain.due <= now:
-                    return True
-                waiting = True
+        if any(c.future is not None and c.future.done() for c in self._inflight.values()):
+            return True
+        if self._verify_at and self._verify_at[0][0] <= time.monotonic():
+            return True
+        waiting = bool(self._inflight or self._verifying)
         if waiting:
             time.sleep(IDLE_STEP_WAIT_S)
         return waiting
@@ -348,10 +353,12 @@ class ServerEvents:
             self.stats.forgotten_chains += 1
 
     def _drop_chain(self, chain: _Chain) -> None:
+        cid = chain.keys[-1]
         if chain.future is not None:  # its answer is not wanted (a lookup without a lease)
             chain.future.cancel()
             chain.future = None
-            self._inflight -= 1
+            self._inflight.pop(cid, None)
+        self._verifying.discard(cid)
         self._set_depth(chain, 0)
         self._chains.pop(chain.keys[-1], None)
         for k in chain.keys:
@@ -438,51 +445,69 @@ class ServerEvents:
 
     # Lookups ----------------------------------------------------------------------------------
 
+    def _at(self, heap: list[tuple[float, int, bytes]], chain: _Chain, when: float) -> None:
+        """Look ``chain`` up at ``when`` (an earlier entry of it becomes stale)."""
+        chain.due = when
+        heapq.heappush(heap, (when, next(self._n), chain.keys[-1]))
+
+    def _due(self, heap: list[tuple[float, int, bytes]], now: float) -> _Chain | None:
+        """The next chain of ``heap`` due by ``now`` (stale entries dropped), or None."""
+        while heap and heap[0][0] <= now:
+            when, _, cid = heapq.heappop(heap)
+            chain = self._chains.get(cid)
+            if chain is not None and chain.future is None and chain.due == when:
+                return chain
+        return None
+
     def _submit(self) -> None:
-        """Send the lookups that are due (a verification after a save, or a recheck of an
-        announced chain), at most :data:`MAX_INFLIGHT` at once, most urgent first."""
-        if self._inflight >= MAX_INFLIGHT:
-            return
+        """Send the lookups that are due: confirmations of saves first, then rechecks of
+        announced chains (at most :data:`RECHECKS_PER_S`), at most :data:`MAX_INFLIGHT` out
+        at once. Only due chains are touched (a step costs no walk over every chain)."""
         now = time.monotonic()
         self._recheck_budget = min(float(MAX_INFLIGHT),
                                    self._recheck_budget + (now - self._budget_at) * RECHECKS_PER_S)
         self._budget_at = now
-        due = [c for c in self._chains.values() if c.future is None and c.due <= now
-               and (c.depth > 0 or (c.depth < c.expected and c.tries < len(VERIFY_DELAYS_S)))]
-        due.sort(key=lambda c: c.due)
-        for chain in due[:MAX_INFLIGHT - self._inflight]:
-            verifying = chain.depth < chain.expected and chain.tries < len(VERIFY_DELAYS_S)
-            if not verifying:
+        while len(self._inflight) < MAX_INFLIGHT:
+            chain = self._due(self._verify_at, now)
+            if chain is None:
                 if self._recheck_budget < 1.0:
-                    continue
+                    return
+                chain = self._due(self._recheck_at, now)
+                if chain is None:
+                    return
                 self._recheck_budget -= 1.0
             try:
                 chain.future = self._lookup(chain.namespace, chain.keys)
             except RuntimeError:  # the lookup thread is shut down
+                chain.future = None
                 return
-            self._inflight += 1
+            self._inflight[chain.keys[-1]] = chain
             self.stats.lookups += 1
 
     def _harvest(self) -> None:
         """Apply the answers that came back."""
         now = time.monotonic()
-        for chain in list(self._chains.values()):
+        for cid, chain in list(self._inflight.items()):
             future = chain.future
             if future is None or not future.done():
                 continue
             chain.future = None
-            self._inflight -= 1
+            del self._inflight[cid]
             answer = None if future.cancelled() else future.result()
+            verifying = cid in self._verifying
             if answer is None or answer.error is not None:
-                chain.due = now + RECHECK_S  # the server is away: keep what was announced, ask later
+                # the server is away: keep what was announced, ask again later
+                self._at(self._verify_at if verifying else self._recheck_at, chain, now + RECHECK_S)
                 continue
             self._set_depth(chain, answer.chunks)
-            if chain.depth < chain.expected and chain.tries < len(VERIFY_DELAYS_S) - 1:
-                chain.tries += 1
-                chain.due = now + VERIFY_DELAYS_S[chain.tries]
-                continue
-            chain.tries = len(VERIFY_DELAYS_S)
+            if verifying:
+                if chain.depth < chain.expected and chain.tries < len(VERIFY_DELAYS_S) - 1:
+                    chain.tries += 1
+                    self._at(self._verify_at, chain, now + VERIFY_DELAYS_S[chain.tries])
+                    continue
+                self._verifying.discard(cid)
+                chain.tries = len(VERIFY_DELAYS_S)
             if chain.depth == 0:
                 self._drop_chain(chain)  # nothing resumable: nothing to watch
             else:
-                chain.due = now + RECHECK_S
+                self._at(self._recheck_at, chain, now + RECHECK_S)
