@@ -37,6 +37,7 @@ from typing import Any
 import pytest
 
 from testing.server_process import ServerProcess, free_port
+from connector.events import RECHECK_S, VERIFY_DELAYS_S
 from tests.engines import random_prompt
 from validation.serving import VllmServer, complete, connector_config, post_json
 
@@ -144,6 +145,18 @@ class Indexer:
         self._log.close()
 
 
+def _wait_equal(what: str, get: Callable[[], Any], expected: Any, timeout_s: float = 30.0) -> None:
+    """Poll ``get()`` until it equals ``expected``; fails with its last value."""
+    deadline = time.monotonic() + timeout_s
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = get()
+        if last == expected:
+            return
+        time.sleep(0.2)
+    pytest.fail(f"{what}: not within {timeout_s:.0f} s (last: {last!r}, expected {expected!r})")
+
+
 def _wait_for(what: str, check: Callable[[], Any], timeout_s: float = 30.0) -> Any:
     """Poll ``check`` until it returns a truthy value; fails with its last value."""
     deadline = time.monotonic() + timeout_s
@@ -210,10 +223,15 @@ def test_resumable_prefix_scored_at_cpu_after_reset(stack):
     # before the reset: vLLM's own blocks on the GPU tier (whole blocks of the prompt)
     for n, p in PROMPTS.items():
         _wait_for(f"{n}-token prompt on the GPU tier", lambda p=p, n=n: indexer.score(p, 1)[0] == C * (n // C))
+        _wait_for(f"{n}-token prompt announced on the CPU tier",
+                  lambda p=p: any(e.token_ids[:C] == p[:C] for e in tap.of(TOPICS[0], "BlockStored", "CPU")))
+    # the engine is idle from here on (no confirmation pending either): vLLM steps only if
+    # the connector makes it after the reset (before the fix nobody did, and the clear waited)
+    time.sleep(sum(VERIFY_DELAYS_S) + 1.0)
     assert r1.reset_prefix_cache()
     expected = {n: (0, _resumable(n)) for n in PROMPTS}
-    _wait_for("GPU tier cleared and the server's chunks scored at the CPU tier",
-              lambda: {n: indexer.score(p, 1) for n, p in PROMPTS.items()} == expected)
+    _wait_equal("GPU tier cleared and the server's chunks scored at the CPU tier",
+                lambda: {n: indexer.score(p, 1) for n, p in PROMPTS.items()}, expected)
     # the capped request saved 2 chunks: never announced deeper, though vLLM held 7 blocks
     assert indexer.score(CAPPED_PROMPT, 1) == (0, CAPPED)
 
@@ -252,8 +270,8 @@ def test_second_replica_scored_the_same(stack):
         assert complete(r2.base_url, p, max_tokens=1).cached_tokens >= C
     assert r2.reset_prefix_cache()
     expected = {n: (0, _resumable(n)) for n in PROMPTS}
-    _wait_for("replica 2 scored the server's chunks at the CPU tier",
-              lambda: {n: indexer.score(p, 2) for n, p in PROMPTS.items()} == expected)
+    _wait_equal("replica 2 scored the server's chunks at the CPU tier",
+                lambda: {n: indexer.score(p, 2) for n, p in PROMPTS.items()}, expected)
     assert {n: indexer.score(p, 1) for n, p in PROMPTS.items()} == expected
     assert tap.undecodable == []
 
@@ -261,15 +279,14 @@ def test_second_replica_scored_the_same(stack):
 def test_server_clear_drops_scores(stack):
     """After the server is cleared, the replicas' rechecks find the chains gone and publish
     BlockRemoved(medium CPU): the index scores 0 everywhere."""
-    from connector.events import RECHECK_S
-
     engines, srv, tap, indexer = stack
     post_json(srv.http_url + "/cache/clear", {"force": True})
     time.sleep(RECHECK_S)
     for e in engines:  # rechecks run while an engine steps
         complete(e.base_url, random_prompt(20, 11), max_tokens=1)
-    _wait_for("scores dropped on both replicas",
-              lambda: all(indexer.score(p, w) == (0, 0) for p in PROMPTS.values() for w in (1, 2)), timeout_s=30)
+    _wait_equal("scores dropped on both replicas",
+                lambda: {(n, w): indexer.score(p, w) for n, p in PROMPTS.items() for w in (1, 2)},
+                {(n, w): (0, 0) for n in PROMPTS for w in (1, 2)})
     for topic in TOPICS:
         removed = tap.of(topic, "BlockRemoved", "CPU")
         assert removed and all(e.group_idx is not None for e in removed)
