@@ -495,11 +495,9 @@ class ServerEvents:
             del self._inflight[cid]
             answer = None if future.cancelled() else future.result()
             verifying = cid in self._verifying
-            if answer is None or answer.error is not None:
-                # the server is away: keep what was announced, ask again later
-                self._at(self._verify_at if verifying else self._recheck_at, chain, now + RECHECK_S)
-                continue
-            self._set_depth(chain, answer.chunks)
+            if answer is not None and answer.error is None:
+                self._set_depth(chain, answer.chunks)
+            # (no answer: the server is away; what was announced stays until it answers)
             if verifying:
                 if chain.depth < chain.expected and chain.tries < len(VERIFY_DELAYS_S) - 1:
                     chain.tries += 1

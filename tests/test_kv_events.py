@@ -197,3 +197,20 @@ def test_nothing_when_events_are_off(client):
     events.found(req, keys, 2, NS)
     events.saved(req, keys, 2, NS)
     assert events.take() == [] and not events.pending() and not events._chains
+
+
+def test_a_server_away_does_not_keep_an_idle_engine_stepping(client):
+    """Confirmations that get no answer count as tries: the idle engine's extra steps end
+    (within the confirmation schedule), nothing is announced, nothing kept."""
+    pool = ThreadPoolExecutor(1)
+    away = lambda ns, keys: pool.submit(lambda: LookupAnswer(error=ConnectionError("server in back-off")))  # noqa: E731
+    cfg = SimpleNamespace(kv_events_config=SimpleNamespace(enable_kv_cache_events=True))
+    events = ev.ServerEvents(cfg, _kv_cache_config(), lambda: GEO, away)
+    tokens = list(range(900, 900 + 2 * C + 1))
+    events.saved(_request(tokens), chunk_hashes(tokens, C), 2, NS)
+    assert events.pending()
+    deadline = time.monotonic() + 3.0
+    got = []
+    while events.pending() and time.monotonic() < deadline:
+        got += events.take()
+    assert not events.pending() and got == [] and not events._chains
