@@ -78,9 +78,9 @@ MAX_CHUNKS = 32768  # chunks remembered (each: block hashes and token ids, 4 byt
 MAX_TOKENS = 1 << 23  # token ids remembered in all (32 MiB; 7282 chunks of 1152 tokens)
 MAX_QUEUED_EVENTS = 8192  # events waiting for take_events
 MAX_INFLIGHT = 4  # verification lookups on the lookup thread at once (admissions share it)
-# After a request finishes, its chain is looked up after each of these delays until the
-# server reports the depth its saves should reach (saves are sent from a worker thread
-# after the step's forward; measured on the tiny checkpoint: landed within the first).
+# After a request finishes, its chain is looked up after each of these delays (from the
+# last answer) until the server reports the depth its saves should reach: saves are sent
+# from a worker thread after the step's forward, and may land after the first lookup.
 VERIFY_DELAYS_S = (0.05, 0.3, 1.0, 3.0)
 RECHECK_S = 2.0  # announced chains are looked up again this often (while the engine steps)
 # ... but at most this many rechecks a second in all (each a lookup of about 0.4 ms on the
