@@ -5,8 +5,11 @@ per chat request by asking each replica's server how much of the prompt it can r
 
 Policies:
 
-- ``round-robin``: replica ``turn % n``, the servers asked only to measure (off the
-  request's path: the probe runs beside the forward, so it delays nothing).
+- ``round-robin``: replica ``turn % n``. The servers are asked too, before the forward,
+  only to measure what was reusable at routing time (asked beside the forward, the answer
+  on 2 loaded cores came after the engine had saved the request's own prefix: 768 tokens
+  "held" by a replica that then found 0); :attr:`Route.forward_ttft_ms` times the request
+  from the forward, which is what round robin without the probe would serve.
 - ``cache-aware``: tokenize the request's ``messages`` with the checkpoint's chat template
   (as vLLM's OpenAI server renders them: template to text, then token ids without special
   tokens), ask every replica's server ``/query`` for those ids and the request's
@@ -88,9 +91,10 @@ class Route:
     held: list[int]  # per replica: the server's resumable prefix (CPU), tokens; -1 if not answered
     tokenize_ms: float
     query_ms: float
-    score_ms: float  # on the request's path: 0 for round robin (probed beside the forward)
+    score_ms: float  # receipt to the choice (tokenize, ask the servers; round robin: the measuring probe)
     status: int = 0
     ttft_ms: float | None = None  # router receipt to the first content chunk
+    forward_ttft_ms: float | None = None  # the forward to the engine to the first content chunk
     total_ms: float = 0.0
     prompt_tokens: int | None = None  # vLLM's usage
     cached_tokens: int | None = None
@@ -248,18 +252,14 @@ class Router:
         self.last_body = body
         turn = self._turn
         self._turn += 1
-        probe: asyncio.Task | None = None
+        held, n, tok_ms, q_ms = await self._score(body)
+        inflight = [r.inflight for r in self.replicas]
         if self.policy == "cache-aware":
-            held, n, tok_ms, q_ms = await self._score(body)
-            inflight = [r.inflight for r in self.replicas]
             choice = pick([max(h, 0) for h in held], inflight, turn)
-            route = Route(self.policy, choice, n, held, tok_ms, q_ms, (time.perf_counter() - t0) * 1e3,
-                          inflight=inflight)
         else:
-            inflight = [r.inflight for r in self.replicas]
             choice = turn % len(self.replicas)
-            route = Route(self.policy, choice, 0, [-1] * len(self.replicas), 0.0, 0.0, 0.0, inflight=inflight)
-            probe = asyncio.create_task(self._score(body))
+        route = Route(self.policy, choice, n, held, tok_ms, q_ms, (time.perf_counter() - t0) * 1e3,
+                      inflight=inflight)
         self.routes.append(route)
         replica = self.replicas[choice]
         replica.inflight += 1
@@ -268,8 +268,6 @@ class Router:
         finally:
             replica.inflight -= 1
             route.total_ms = (time.perf_counter() - t0) * 1e3
-            if probe is not None:
-                route.held, route.tokens, route.tokenize_ms, route.query_ms = await probe
 
     async def _forward(self, request: Any, replica: Replica, raw: bytes, route: Route, t0: float) -> Any:
         from aiohttp import web
@@ -277,19 +275,20 @@ class Router:
         headers = {"Content-Type": "application/json"}
         if "Authorization" in request.headers:
             headers["Authorization"] = request.headers["Authorization"]
+        t_fwd = time.perf_counter()
         async with self._session.post(replica.engine_url + "/v1/chat/completions", data=raw, headers=headers) as up:
             route.status = up.status
             resp = web.StreamResponse(status=up.status, headers={
                 "Content-Type": up.headers.get("Content-Type", "application/json")})
             await resp.prepare(request)
             async for line in up.content:
-                self._observe(line, route, t0)
+                self._observe(line, route, t0, t_fwd)
                 await resp.write(line)
             await resp.write_eof()
             return resp
 
     @staticmethod
-    def _observe(line: bytes, route: Route, t0: float) -> None:
+    def _observe(line: bytes, route: Route, t0: float, t_fwd: float) -> None:
         """TTFT and usage from one SSE line of vLLM's stream."""
         if not line.startswith(b"data:") or line.strip() == b"data: [DONE]":
             return
@@ -303,7 +302,8 @@ class Router:
             for choice in event.get("choices") or []:
                 delta = choice.get("delta") if isinstance(choice, dict) else None
                 if isinstance(delta, dict) and delta.get("content"):
-                    route.ttft_ms = (time.perf_counter() - t0) * 1e3
+                    now = time.perf_counter()
+                    route.ttft_ms, route.forward_ttft_ms = (now - t0) * 1e3, (now - t_fwd) * 1e3
                     break
         usage = event.get("usage")
         if isinstance(usage, dict):
