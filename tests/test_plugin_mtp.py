@@ -388,12 +388,15 @@ def test_shipped_mtp_layer_drafts_the_targets_greedy_tokens_on_the_fitted_prompt
     tokens; random ids, 1000), whose stored continuations are the target's own greedy
     tokens (checked here in one pass), the shipped layer's first draft agrees with the
     target's greedy token after next on 92% of the decode rows teacher-forced (366 of 396;
-    threshold 80%; the derived layer: 16), and chained as vLLM drafts with k=2 it accepts
-    84% / 84% of the verify steps at positions 1 / 2 on the demo's prompts (62 of 74) and
-    100% on the random ones (66 of 66; threshold 40% each)."""
+    threshold 80%; on each demo turn 59, 61 and 49 of 66, threshold 40%; the derived layer:
+    16 of 396). Chained as vLLM drafts with k=2 on a random prompt it is accepted at every
+    verify step at both positions (22 of 22; threshold 40% each). Chaining a demo turn
+    costs a 3,100-row MTP pass a step (230 s on 2 loaded cores), so the demo's acceptance per
+    position is measured by vLLM itself in ``validation/bench_drafts.py --prompts-from demo``
+    (83% / 83%, docs/benchmarks.md); the engine-pair test below shows vLLM accepts exactly
+    what this chain predicts."""
     lm = target.model.language_model
     hits = rows = 0
-    per_pos = {"demo": [0, 0, 0], "random": [0, 0, 0]}
     for i, (prompt_len, seq) in enumerate(_fitted()):
         ids = torch.tensor(seq)
         hidden = lm(ids)
@@ -401,25 +404,25 @@ def test_shipped_mtp_layer_drafts_the_targets_greedy_tokens_on_the_fitted_prompt
         assert torch.equal(greedy[prompt_len - 1 : -1], ids[prompt_len:]), "the target's greedy continuation"
         h, n = _teacher_forced(target, mtp_layer, ids, prompt_len - 1, hidden)
         hits, rows = hits + h, rows + n
-        accepted = draft_chain(target, mtp_layer, seq, prompt_len, 2, hidden)
-        kind = per_pos["demo" if i < 3 else "random"]
-        kind[0] += len(accepted)
-        kind[1] += sum(a >= 1 for a in accepted)
-        kind[2] += sum(a >= 2 for a in accepted)
+        if i < 3:
+            assert h / n >= 0.4, ("demo turn", i, h, n)
+        elif i == 3:
+            accepted = draft_chain(target, mtp_layer, seq, prompt_len, 2, hidden)
+            steps, at1, at2 = len(accepted), sum(a >= 1 for a in accepted), sum(a >= 2 for a in accepted)
+            assert steps >= 16 and at1 / steps >= 0.4 and at2 / steps >= 0.4, (steps, at1, at2)
     assert hits / rows > 0.8, (hits, rows)
-    for kind, (steps, at1, at2) in per_pos.items():
-        assert at1 / steps >= 0.4 and at2 / steps >= 0.4, (kind, steps, at1, at2)
 
 
 @torch.no_grad()
 def test_shipped_mtp_layer_agrees_above_chance_where_it_was_not_fitted(ckpt, target, mtp_layer, text_config):
-    """Prompts it was not fitted to: the end (24-64 tokens) of demo-style document chats
-    through the chat template, seeds the training did not use, continued greedily to 128
-    tokens, teacher-forced over the continuation. The random target is chaotic (one token
-    changed 1-6 positions back changes its next token 63-97% of the time), so one layer
-    learns little that carries over: the shipped layer agrees at 6.5% of these rows (42 of
-    646; threshold 4.5%), the derived layer it replaced at 3.3% (21), random MTP weights at
-    chance (2; 1/512 is 1.3 rows; threshold 1.5%)."""
+    """Prompts it was not fitted to: demo-style document chats through the chat template with
+    seeds the training did not use, teacher-forced over their last 256 tokens (one target
+    pass each: rows of prompt text, not of greedy continuations, which would cost a pass a
+    token). The shipped layer agrees at 34.6% of these rows (190 of 549; threshold 20%), the
+    derived layer it replaced at 1.6% (9), random MTP weights at chance (1; 1/512 is 1.1
+    rows; threshold 1.5%). On greedy continuations of such chats it agrees far less (4-7%:
+    the random target is chaotic, one token changed 1-6 positions back changes its next
+    token 63-97% of the time), which is why the demo's own turns are what it was fitted to."""
     from transformers import AutoTokenizer
 
     from validation.demo import QUESTIONS, document
@@ -429,19 +432,16 @@ def test_shipped_mtp_layer_agrees_above_chance_where_it_was_not_fitted(ckpt, tar
     rng = random.Random(21)
     chance = _random_mtp_layer(text_config)
     shipped = randomized = total = 0
-    for _ in range(8):
+    for _ in range(6):
         messages = [{"role": "system", "content": "Answer from this document. " + document(3, rng.randrange(10**6))},
                     {"role": "user", "content": rng.choice(QUESTIONS)}]
         text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        seq = tok(text, add_special_tokens=False)["input_ids"][-rng.randint(24, 64):]
-        start = len(seq) - 1
-        while len(seq) < 128:
-            seq.append(int(target.lm_head(lm(torch.tensor(seq))[-1]).argmax()))
-        ids = torch.tensor(seq)
-        h, n = _teacher_forced(target, mtp_layer, ids, start)
-        r, _ = _teacher_forced(target, chance, ids, start)
+        ids = torch.tensor(tok(text, add_special_tokens=False)["input_ids"][-256:])
+        hidden = lm(ids)
+        h, n = _teacher_forced(target, mtp_layer, ids, 0, hidden)
+        r, _ = _teacher_forced(target, chance, ids, 0, hidden)
         shipped, randomized, total = shipped + h, randomized + r, total + n
-    assert shipped / total > 0.045, (shipped, total)
+    assert shipped / total > 0.2, (shipped, total)
     assert randomized / total < 0.015, (randomized, total)
 
 
