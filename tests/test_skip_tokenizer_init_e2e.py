@@ -24,8 +24,12 @@ One ``vllm serve`` of the tiny GLM-5.3-Flash copied without its tokenizer files
 The processor itself profiles an image without a tokenizer (the default image limit):
 its dummy prompt is built from the config's image token ids.
 
-Measured on 2 cores: the module takes about 70 s (the engine start about 45 s).
-``.venv/bin/python -m pytest tests/test_skip_tokenizer_init_e2e.py -q``
+Measured on the shared 2-core machine (``.venv/bin/python -m pytest
+tests/test_skip_tokenizer_init_e2e.py -q``): 145-191 s while other engines ran, most of it
+the engine start; without the plugin's fix the engine stops at start-up with the error
+above and both engine tests error, and without its dummy prompt the processor test fails
+("You cannot pass text prompts when `skip_tokenizer_init=True`"). Images on such an
+engine: ``tests/test_skip_tokenizer_init_images_e2e.py``.
 """
 
 from __future__ import annotations
