@@ -30,7 +30,7 @@ import pytest
 from testing.server_process import ServerProcess
 from cache_server.client import CacheClient
 from engines import connector_engine
-from tiny_qwen3_next import make_tiny_qwen3_next
+from tiny_qwen3_next import BLOCK_SIZE, make_tiny_qwen3_next
 
 pytestmark = pytest.mark.engine
 
@@ -58,7 +58,7 @@ TIMEOUT_S = 2.0  # the connector's timeout_s: per request, and the floor of a ba
 @pytest.fixture(scope="module")
 def llm(model_dir, server):
     engine = connector_engine(model_dir, server.url, connector={"timeout_s": TIMEOUT_S, "retry_after_s": 2.0},
-                              seed=0, disable_log_stats=False)  # metrics on: the connector's counters
+                              seed=0, disable_log_stats=False, block_size=BLOCK_SIZE)  # metrics on: the connector's counters
     yield engine
     del engine
 
@@ -134,7 +134,8 @@ def test_full_prompt_hit_without_strict_prefix_diverges_and_is_never_saved(llm, 
     drifts. That engine never saves, so its wrong states reach no other replica. A request
     asking for the switch per request is ignored by the strict engine."""
     diverged = []
-    loose_engine = connector_engine(model_dir, server.url, connector={"strict_prefix": False}, seed=0)
+    loose_engine = connector_engine(model_dir, server.url, connector={"strict_prefix": False}, seed=0,
+                                   block_size=BLOCK_SIZE)
     try:
         for k in (1, 2, 3):
             longer = _prompt(k * C + 1, seed=500 + k)

@@ -12,7 +12,7 @@ import pytest
 
 from testing.server_process import ServerProcess, free_port
 from engines import connector_engine
-from tiny_qwen3_next import make_tiny_qwen3_next
+from tiny_qwen3_next import BLOCK_SIZE, make_tiny_qwen3_next
 
 pytestmark = pytest.mark.engine
 
@@ -33,7 +33,7 @@ def port():
 def llm(tmp_path_factory, port):
     model_dir = make_tiny_qwen3_next(tmp_path_factory.mktemp("tiny_qwen3_next"))
     engine = connector_engine(model_dir, f"tcp://127.0.0.1:{port}",
-                              connector={"timeout_s": 1.0, "retry_after_s": RETRY_S})
+                              connector={"timeout_s": 1.0, "retry_after_s": RETRY_S}, block_size=BLOCK_SIZE)
     yield engine
     del engine
 

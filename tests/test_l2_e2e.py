@@ -18,7 +18,7 @@ from testing.server_process import ServerProcess, free_port
 from cache_server.client import CacheClient
 from engines import connector_engine
 from l2_fixtures import l2_args, start_cluster, wait_written
-from tiny_qwen3_next import make_tiny_qwen3_next
+from tiny_qwen3_next import BLOCK_SIZE, make_tiny_qwen3_next
 
 pytestmark = pytest.mark.engine
 
@@ -65,7 +65,7 @@ def llm(tmp_path_factory, cluster):
     model = make_tiny_qwen3_next(tmp_path_factory.mktemp("tiny_qwen3_next"))
     first = _host(cluster)  # the connector says hello at start-up
     engine = connector_engine(model, f"tcp://127.0.0.1:{PORT}", connector={"timeout_s": 3.0, "retry_after_s": 1.0},
-                              seed=0)
+                              seed=0, block_size=BLOCK_SIZE)
     first.stop()
     yield engine
     del engine

@@ -8,8 +8,13 @@ plugin.
 
 vLLM's CPU GDN kernel wants linear head dims of 128 and bfloat16. With two value heads
 (float32 SSM state on CPU) one GDN state page is ~131 tokens of attention KV (2 KV heads
-of 128), which vLLM rounds up to a 256-token block: the negotiated chunk then equals the
-scheduler block (C == N == 256), as in the reference GLM deployment (1152 at TP 4).
+of 128), which vLLM rounds up to a 256-token block on CPUs with AVX-512; on an AVX2-only
+CPU (AMD EPYC without AVX-512, measured) its CPU attention pages differ and vLLM picks a
+128-token block, which with the server's 256-token minimum chunk leaves C > N (states only
+where prefill steps end: no hits). Engines of this model therefore set ``block_size``
+:data:`BLOCK_SIZE` (vLLM keeps a user's block size that holds the state page), so the
+negotiated chunk equals the scheduler block (C == N == 256) on every x86 CPU, as in the
+reference GLM deployment (1152 at TP 4).
 
 Usage: python tests/tiny_qwen3_next.py OUT_DIR
 """
@@ -21,6 +26,7 @@ import sys
 from pathlib import Path
 
 VOCAB_SIZE = 2048
+BLOCK_SIZE = 256  # vLLM's block for this model's engines, on every CPU (see above)
 
 
 def _training_text() -> list[str]:
