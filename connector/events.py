@@ -23,7 +23,9 @@ subscriber sees it without new software:
   not land.
 * ``BlockRemoved(medium="CPU")`` when a later lookup of an announced chain finds it
   shallower (an eviction by any replica's traffic, a ``/cache/clear``, a restart): chains
-  are looked up again every :data:`RECHECK_S` while the engine steps. A chunk several
+  are looked up again every :data:`RECHECK_S` while the engine steps; a step that finds
+  chains due starts a round that rechecks all of them before the engine idles, so one
+  request after a clear is enough to announce every removal. A chunk several
   chains reach stays announced while one of them still resumes past it.
 * After vLLM resets its own prefix cache it publishes ``AllBlocksCleared`` (no medium), and
   routers drop every tier of the replica on it (measured: Dynamo 1.6.1's indexer scores 0
@@ -195,6 +197,9 @@ class ServerEvents:
         self._recheck_at: list[tuple[float, int, bytes]] = []
         self._n = itertools.count()
         self._recheck_budget = 0.0  # rechecks that may be sent now (refilled at RECHECKS_PER_S)
+        # A recheck round: started by a step that finds chains due, it rechecks every chain
+        # due at its start before the engine may idle (the pacing spreads it over steps).
+        self._round_from: float | None = None
         self._budget_at = time.monotonic()
         self.stats = EventStats()
 
@@ -272,7 +277,7 @@ class ServerEvents:
             return True
         if self._verify_at and self._verify_at[0][0] <= time.monotonic():
             return True
-        waiting = bool(self._inflight or self._verifying)
+        waiting = bool(self._inflight or self._verifying or self._round_from is not None)
         if waiting:
             time.sleep(IDLE_STEP_WAIT_S)
         return waiting
@@ -472,14 +477,19 @@ class ServerEvents:
             if chain is None:
                 if self._recheck_budget < 1.0:
                     return
-                chain = self._due(self._recheck_at, now)
+                # a round covers the chains due when it began (later ones wait for the next)
+                chain = self._due(self._recheck_at, now if self._round_from is None else self._round_from)
                 if chain is None:
+                    self._round_from = None
                     return
+                if self._round_from is None:
+                    self._round_from = now
                 self._recheck_budget -= 1.0
             try:
                 chain.future = self._lookup(chain.namespace, chain.keys)
             except RuntimeError:  # the lookup thread is shut down
                 chain.future = None
+                self._round_from = None
                 return
             self._inflight[chain.keys[-1]] = chain
             self.stats.lookups += 1

@@ -214,3 +214,28 @@ def test_a_server_away_does_not_keep_an_idle_engine_stepping(client):
     while events.pending() and time.monotonic() < deadline:
         got += events.take()
     assert not events.pending() and got == [] and not events._chains
+
+
+def test_one_step_after_a_clear_rechecks_every_chain(client):
+    """More announced chains than lookups in flight (MAX_INFLIGHT): the step a request
+    brings starts a round, and the idle engine steps on (pending) until every chain due
+    then is rechecked, so all are announced removed after one request; then it idles."""
+    n = 3 * ev.MAX_INFLIGHT
+    events = _events(client)
+    requests = []
+    for i in range(n):
+        tokens = list(range(5000 + i * 100, 5000 + i * 100 + 2 * C + 1))
+        keys = chunk_hashes(tokens, C)
+        _store(client, keys, 2, [1])
+        requests.append(_request(tokens, f"r{i}"))
+        events.found(requests[-1], keys, 2, NS)
+    assert sum(len(e.block_hashes) for e in events.take()) == 2 * n
+    client.clear(NS)
+    time.sleep(ev.RECHECK_S + 0.05)
+    got = events.take()  # the one step of a request
+    deadline = time.monotonic() + 5.0
+    while events.pending() and time.monotonic() < deadline:  # idle steps vLLM takes
+        got += events.take()
+    removed = sorted(h for e in got if type(e).__name__ == "BlockRemoved" for h in e.block_hashes)
+    assert removed == sorted(_int(h) for r in requests for h in r.block_hashes[:2])
+    assert not events.pending() and not events._chains
