@@ -175,8 +175,11 @@ def _external_hits(engine) -> float:
 
 def _expected_resume(n: int, record: dict[str, Any]) -> int:
     """What the decode instance loads for a prompt of ``n``: ``n - 1`` with the hand-off
-    (the prefill returned parameters), the chunks' strict prefix without."""
-    return n - 1 if record["prefill_returned_params"] else C * ((n - 1) // C)
+    (the prefill returned parameters, not saying ``glm_handoff: false``), the chunks'
+    strict prefix without (the same when ``n - 1`` is whole chunks)."""
+    returned = record["prefill_returned_params"]
+    handoff = bool(returned) and returned.get("glm_handoff") is not False
+    return n - 1 if handoff else C * ((n - 1) // C)
 
 
 def _prefill_log_line(prefill, request_id: str) -> str:

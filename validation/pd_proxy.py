@@ -80,6 +80,7 @@ class PdRecord:
     prompt_tokens: int  # len(T)
     text_prompt: bool  # the client sent text (tokenized by the prefill instance)
     stream: bool
+    cache_salt: str | None = None
     prefill_status: int | None = None  # None: not sent (a one-token prompt, or tokenizing failed)
     prefill_prompt_tokens: int | None = None  # the prefill instance's usage: len(T) - 1
     prefill_sent_params: dict[str, Any] | None = None  # kv_transfer_params sent to the prefill
@@ -89,6 +90,7 @@ class PdRecord:
     tokenize_ms: float = 0.0
     prefill_ms: float = 0.0
     ttft_ms: float | None = None  # receipt to the decode's first chunk carrying choices
+    decode_ttft_ms: float | None = None  # the decode request sent to that chunk (the decode side's TTFT)
     total_ms: float = 0.0
     error: str | None = None
 
@@ -299,7 +301,7 @@ class PdProxy:
             return self._error_response(503, f"over {self.max_inflight} requests in flight")
         self._inflight += 1
         request_id = f"pd-{uuid.uuid4().hex}"
-        record = PdRecord(request_id, 0, isinstance(prompt, str), bool(body.get("stream")))
+        record = PdRecord(request_id, 0, isinstance(prompt, str), bool(body.get("stream")), body.get("cache_salt"))
         self._records.append(record)
         try:
             return await self._pd(request, body, prompt, record, t0)
@@ -391,12 +393,18 @@ class PdProxy:
         from aiohttp import web
 
         resp: web.StreamResponse | None = None
+        t_dec = time.perf_counter()
+
+        def first_chunk() -> None:
+            now = time.perf_counter()
+            record.ttft_ms, record.decode_ttft_ms = (now - t0) * 1e3, (now - t_dec) * 1e3
+
         try:
             async with self._session.post(self.decode_url + "/v1/completions", json=decode, headers=headers) as up:
                 record.decode_status = up.status
                 if not record.stream or up.status != 200:
                     payload = await up.read()
-                    record.ttft_ms = (time.perf_counter() - t0) * 1e3
+                    first_chunk()
                     return web.Response(status=up.status, body=payload,
                                         content_type=up.content_type or "application/json")
                 resp = web.StreamResponse(status=up.status, headers={
@@ -404,7 +412,7 @@ class PdProxy:
                 await resp.prepare(request)
                 async for line in up.content:
                     if record.ttft_ms is None and line.startswith(b"data:") and b'"choices":[{' in line.replace(b" ", b""):
-                        record.ttft_ms = (time.perf_counter() - t0) * 1e3
+                        first_chunk()
                     await resp.write(line)
                 await resp.write_eof()
                 return resp
