@@ -1,0 +1,280 @@
+"""GlmCacheConnector composed with another of vLLM's connectors by vLLM's ``MultiConnector``
+(issue 34, item 4), in both orders, on the CPU build.
+
+The other connector is vLLM's ``NixlConnector`` with ``kv_buffer_device: cpu``: on vLLM
+0.32 it is the one of vLLM's connectors that both runs on the CPU platform and supports
+the hybrid KV cache manager (``SupportsHMA``), which a hybrid model needs and which
+``MultiConnector`` grants only when every child has it (``all_children_support_hma``).
+The others fail on this build (see docs/pd-composition.md): ``ExampleConnector`` is not
+HMA, ``OffloadingConnector`` refuses non-CUDA platforms, ``SimpleCPUOffloadConnector``
+and ``ExampleHiddenStatesConnector`` create CUDA streams, ``DecodeBenchConnector`` fills
+the cache with dummy values. NIXL is not a dependency of this project: the module is
+skipped unless ``import nixl`` works (``pip install nixl nixl-cu12``; UCX runs on CPU).
+
+Two ``vllm serve`` engines of the tiny GLM-5.3-Flash (float32, chunk 128 = vLLM's block),
+one after the other, on one real glm-cache-server:
+
+* ``glm_first``: ``[GlmCacheConnector kv_both, NixlConnector kv_both]``;
+* ``nixl_first``: ``[NixlConnector kv_both, GlmCacheConnector kv_consumer]``: each child
+  gets its own ``KVTransferConfig`` (multi_connector.py builds one per entry), so ours
+  runs as a decode instance (loads, never saves) beside NIXL's ``kv_both``, under a
+  ``MultiConnector`` that is itself ``kv_both``.
+
+What is shown: greedy tokens and first-token log-probs after a reload equal a cold run;
+after vLLM's prefix-cache reset the resend is served from our server
+(``cached_tokens`` = the strict prefix, 256 of 300); what our server stores and serves,
+and what our connector counts, equal a GlmCacheConnector-alone run of the same prompt
+(measured: 8 objects / 150272 bytes saved, 6 objects / 140672 bytes loaded), so neither is
+doubled; vLLM counts 256 external hit tokens, not 512 (one child loads); the NIXL child
+moved nothing for these requests; a ``do_remote_decode`` request on ``glm_first`` gets
+NIXL's hand-off parameters back and is saved by ours, both children acting on one request
+(if ours also answers with vLLM's ``do_remote_*`` keys, MultiConnector raises a key clash
+and the engine core dies: docs/pd-composition.md). The consumer-role test runs once the
+connector honours ``kv_role``.
+
+Module time: 129-206 s on 2 shared cores (two engine starts, one at a time).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import json
+import time
+import urllib.error
+import urllib.request
+from typing import Any
+
+import pytest
+
+from testing.server_process import ServerProcess
+from tests.engines import random_prompt
+from validation.serving import VllmServer, complete, metric_sum, post_json, scrape_metrics
+
+pytestmark = [
+    pytest.mark.engine,
+    pytest.mark.skipif(importlib.util.find_spec("nixl") is None,
+                       reason="vLLM's NixlConnector needs NIXL: pip install nixl nixl-cu12"),
+]
+
+C = 128
+N = 300
+RESUMED = C * ((N - 1) // C)  # 256: the strict prefix
+TOKENS = 8
+PROMPT = random_prompt(N, 34)
+OTHER = random_prompt(N, 35)
+SALT = "composition"
+# GlmCacheConnector alone (kv_both), same server flags and engine arguments, this prompt:
+# what the cold run stores (4 groups x 2 chunks) and what the reload after a reset loads
+# (the two attention groups' 2 chunks, the two state groups' state at 256)
+SINGLE = {"saved_objects": 8, "saved_bytes": 150272, "loaded_objects": 6, "loaded_bytes": 140672}
+GLM_ROLE_NIXL_FIRST = "kv_consumer"
+
+
+def _glm(server_url: str, role: str) -> dict[str, Any]:
+    return {"kv_connector": "GlmCacheConnector", "kv_role": role, "kv_connector_extra_config": {"server": server_url}}
+
+
+NIXL = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
+
+
+def _multi(children: list[dict[str, Any]]) -> str:
+    return json.dumps({"kv_connector": "MultiConnector", "kv_role": "kv_both",
+                       "kv_connector_extra_config": {"connectors": children}})
+
+
+def _status(srv: ServerProcess) -> dict[str, Any]:
+    with urllib.request.urlopen(srv.http_url + "/status", timeout=10) as r:
+        return json.loads(r.read())
+
+
+class Snapshot:
+    """The server's /status and the engine's /metrics at one moment."""
+
+    def __init__(self, srv: ServerProcess, engine: VllmServer) -> None:
+        self.server = _status(srv)
+        self.metrics = scrape_metrics(engine.base_url)
+
+    def glm(self, name: str) -> float:
+        return metric_sum(self.metrics, f"vllm:glm_cache_{name}_total")
+
+    def metric(self, name: str) -> float:
+        return metric_sum(self.metrics, name)
+
+
+def _delta(after: Snapshot, before: Snapshot) -> dict[str, Any]:
+    """What one request changed: on the server, in our connector's counters, in vLLM's."""
+    s0, s1 = before.server, after.server
+    return {
+        "objects": s1["objects"] - s0["objects"],
+        "used_bytes": s1["used_bytes"] - s0["used_bytes"],
+        "puts_stored": s1["puts_stored"] - s0["puts_stored"],
+        "puts_existing": s1["puts_existing"] - s0["puts_existing"],
+        "stored_bytes": s1["stored_bytes_total"] - s0["stored_bytes_total"],
+        "get_hits": s1["get_hits"] - s0["get_hits"],
+        "served_bytes": s1["served_bytes_total"] - s0["served_bytes_total"],
+        "objects_by_group": {g: n - s0["objects_by_group"].get(g, 0) for g, n in s1["objects_by_group"].items()},
+        **{k: after.glm(k) - before.glm(k) for k in ("saved_objects", "saved_bytes", "loaded_objects",
+                                                       "loaded_bytes", "load_failures", "save_failures")},
+        "external_hits": (after.metric("vllm:external_prefix_cache_hits_total")
+                          - before.metric("vllm:external_prefix_cache_hits_total")),
+        "nixl_transfers": (after.metric("vllm:nixl_bytes_transferred_count")
+                           - before.metric("vllm:nixl_bytes_transferred_count")),
+    }
+
+
+def _settled(srv: ServerProcess, engine: VllmServer, before: Snapshot, timeout_s: float = 30.0) -> Snapshot:
+    """Once the saves have landed and been counted: the server's stored objects and our
+    connector's saved count agree and stay put for a second (saves are asynchronous)."""
+    deadline = time.monotonic() + timeout_s
+    last: Snapshot | None = None
+    while time.monotonic() < deadline:
+        snap = Snapshot(srv, engine)
+        d = _delta(snap, before)
+        if last is not None and d == _delta(last, before) and d["saved_objects"] == d["puts_stored"]:
+            return snap
+        last = snap
+        time.sleep(1.0)
+    assert last is not None
+    return last
+
+
+def _engine(ckpt: Any, kv_transfer_config: str, log_path: Any) -> VllmServer:
+    return VllmServer(ckpt, "--enforce-eager", "--max-num-batched-tokens", str(C),
+                      "--prefix-cache-retention-interval", str(C), "--dtype", "float32", "--max-num-seqs", "4",
+                      kv_transfer_config=kv_transfer_config, max_model_len=4096,
+                      env={"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}, log_path=log_path)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Both orders, one engine at a time, on one server; what each request changed."""
+    from glm5next_plugin.tiny_checkpoint import ensure_checkpoint
+
+    tmp = tmp_path_factory.mktemp("multiconnector")
+    ckpt = ensure_checkpoint(tmp / "glm5next-tiny")
+    out: dict[str, Any] = {}
+    t0 = time.monotonic()
+    with ServerProcess("--separate-object-groups", "--chunk-size", str(C), "--l1-size-gb", "1") as srv:
+        # -- Glm first: it saves the cold run, then serves the resend after the reset
+        e = _engine(ckpt, _multi([_glm(srv.url, "kv_both"), NIXL]), tmp / "glm_first.log")
+        e.start(progress=False)
+        try:
+            s0 = Snapshot(srv, e)
+            cold = complete(e.base_url, PROMPT, max_tokens=TOKENS, cache_salt=SALT)
+            s1 = _settled(srv, e, s0)
+            assert e.reset_prefix_cache()
+            warm = complete(e.base_url, PROMPT, max_tokens=TOKENS, cache_salt=SALT)
+            s2 = _settled(srv, e, s1)
+            # NIXL's producer side on the same request our connector saves
+            body = {"model": "model", "prompt": OTHER, "max_tokens": 1, "temperature": 0.0, "ignore_eos": True,
+                    "cache_salt": SALT, "kv_transfer_params": {"do_remote_decode": True}}
+            out["glm_first"] = {"cold": cold, "warm": warm, "save": _delta(s1, s0), "load": _delta(s2, s1)}
+            try:  # last on this engine: a child's failure here kills the engine core
+                out["glm_first"]["handoff"] = post_json(e.base_url + "/v1/completions", body, timeout_s=300)
+                out["glm_first"]["handoff_save"] = _delta(_settled(srv, e, s2), s2)
+            except urllib.error.HTTPError as err:
+                clash = [line for line in e.log().splitlines() if "Key clash" in line]
+                out["glm_first"]["handoff_error"] = f"{err}: {clash[-1] if clash else e.log_tail(5)}"
+        finally:
+            e.stop()
+        # -- NIXL first, ours a consumer: a fresh engine finds the prompt on our server
+        e = _engine(ckpt, _multi([NIXL, _glm(srv.url, GLM_ROLE_NIXL_FIRST)]), tmp / "nixl_first.log")
+        e.start(progress=False)
+        try:
+            s0 = Snapshot(srv, e)
+            cold = complete(e.base_url, PROMPT, max_tokens=TOKENS, cache_salt="cold-nixl-first")
+            s1 = _settled(srv, e, s0, timeout_s=5.0)
+            first = complete(e.base_url, PROMPT, max_tokens=TOKENS, cache_salt=SALT)
+            s2 = _settled(srv, e, s1, timeout_s=5.0)
+            assert e.reset_prefix_cache()
+            again = complete(e.base_url, PROMPT, max_tokens=TOKENS, cache_salt=SALT)
+            s3 = _settled(srv, e, s2, timeout_s=5.0)
+            out["nixl_first"] = {"cold": cold, "first": first, "again": again, "cold_delta": _delta(s1, s0),
+                                 "load": _delta(s2, s1), "load_again": _delta(s3, s2)}
+        finally:
+            e.stop()
+    out["module_s"] = time.monotonic() - t0
+    print(f"\nmulticonnector: both engines and requests in {out['module_s']:.0f} s")
+    return out
+
+
+def _assert_same_generation(reloaded, cold) -> None:
+    assert cold.cached_tokens == 0
+    assert len(cold.token_ids) == TOKENS
+    assert reloaded.token_ids == cold.token_ids, "continuation differs from the cold run"
+    assert reloaded.token_logprobs[0] == cold.token_logprobs[0]
+
+
+def _assert_single_connector_save(d: dict[str, Any]) -> None:
+    """Stored once, as by GlmCacheConnector alone: one object per group per chunk."""
+    assert d["objects"] == d["puts_stored"] == d["saved_objects"] == SINGLE["saved_objects"]
+    assert d["used_bytes"] == d["stored_bytes"] == d["saved_bytes"] == SINGLE["saved_bytes"]
+    assert d["puts_existing"] == 0, "an object was sent twice"
+    assert set(d["objects_by_group"].values()) == {RESUMED // C}
+    assert d["save_failures"] == 0
+
+
+def _assert_single_connector_load(d: dict[str, Any]) -> None:
+    """Loaded once, by our child only, as by GlmCacheConnector alone."""
+    assert d["external_hits"] == RESUMED, "vLLM counted the external hit once per child"
+    assert d["get_hits"] == d["loaded_objects"] == SINGLE["loaded_objects"]
+    assert d["served_bytes"] == d["loaded_bytes"] == SINGLE["loaded_bytes"]
+    assert d["load_failures"] == 0
+    assert d["puts_stored"] == d["puts_existing"] == d["saved_objects"] == 0, "a reload saved again"
+    assert d["nixl_transfers"] == 0
+
+
+def test_glm_first_saves_once_and_serves_the_reset_resend(runs):
+    r = runs["glm_first"]
+    _assert_single_connector_save(r["save"])
+    assert r["warm"].cached_tokens == RESUMED
+    _assert_same_generation(r["warm"], r["cold"])
+    _assert_single_connector_load(r["load"])
+
+
+def test_glm_first_nixl_child_keeps_its_producer_side(runs):
+    """NIXL (second) answers a ``do_remote_decode`` request with its hand-off (the blocks a
+    decode instance would pull) while ours (first) saves the same request to the server."""
+    r = runs["glm_first"]
+    assert "handoff_error" not in r, r.get("handoff_error")
+    params = r["handoff"].get("kv_transfer_params") or {}
+    assert params.get("do_remote_prefill") is True and params.get("remote_engine_id")
+    assert params.get("remote_block_ids"), params
+    _assert_single_connector_save(r["handoff_save"])
+
+
+def test_nixl_first_loads_from_glm_once(runs):
+    """NIXL, asked first, matches nothing; ours is asked next and loads from the server
+    what the first engine saved: a fresh engine, so no local prefix cache helped."""
+    r = runs["nixl_first"]
+    assert r["first"].cached_tokens == RESUMED
+    _assert_same_generation(r["first"], r["cold"])
+    _assert_single_connector_load(r["load"])
+    # and again after vLLM's prefix-cache reset
+    assert r["again"].cached_tokens == RESUMED
+    _assert_same_generation(r["again"], r["cold"])
+    _assert_single_connector_load(r["load_again"])
+
+
+def _connector_has_roles() -> bool:
+    """Whether GlmCacheConnector honours vLLM's ``kv_role`` (kv_consumer: loads, never saves)."""
+    import connector.scheduler
+
+    return "kv_consumer" in inspect.getsource(connector.scheduler)
+
+
+@pytest.mark.skipif(not _connector_has_roles(), reason="GlmCacheConnector without kv_role support")
+def test_nixl_first_glm_child_keeps_its_consumer_role(runs):
+    """Ours is ``kv_consumer`` inside a ``kv_both`` MultiConnector: its cold request (a
+    miss) saved nothing, while NIXL beside it is ``kv_both``."""
+    d = runs["nixl_first"]["cold_delta"]
+    assert runs["nixl_first"]["cold"].cached_tokens == 0
+    assert d["get_hits"] == 0 and d["loaded_objects"] == 0
+    assert d["objects"] == d["puts_stored"] == d["saved_objects"] == 0, "a kv_consumer child saved"
+
+
+def test_both_orders_generate_alike(runs):
+    """The two engines' cold runs agree (the same model, greedy, one request at a time)."""
+    assert runs["nixl_first"]["cold"].token_ids == runs["glm_first"]["cold"].token_ids
+    assert runs["nixl_first"]["cold"].token_logprobs[0] == runs["glm_first"]["cold"].token_logprobs[0]
