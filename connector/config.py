@@ -107,6 +107,12 @@ class Settings:
         "retry_after_s", 5.0, _real,
         "after the server failed, serve cold this many seconds before trying it again")
     save_decode: bool = setting("save_decode", False, flag, "also save whole chunks of generated tokens")
+    consumer_saves: bool = setting(
+        "consumer_saves", False, flag,
+        "`kv_role` `kv_consumer` (a decode instance) saves too; by default it loads and never saves")
+    producer_loads: bool = setting(
+        "producer_loads", False, flag,
+        "`kv_role` `kv_producer` (a prefill instance) loads too; by default it saves and never loads")
     strict_prefix: bool = setting(
         "strict_prefix", True, flag,
         "operator policy, diagnostic only: false lets a hit cover the whole prompt, which applies the "

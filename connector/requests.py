@@ -26,6 +26,16 @@ class Hit:
     held: int = 0  # attention chunks [0, held) the server already holds (all groups, ranks)
     start_state: bool = False  # the server holds the states at chunk start_chunk - 1
     chunk_size: int = 0  # the grid the hit is in
+    # A PD hand-off (connector.handoff): its last "chunk" is the hand-off, and the resume
+    # point is this token (inside chunk end_chunk - 1) instead of end_chunk * C.
+    handoff_tokens: int | None = None
+
+    def resume_tokens(self) -> int:
+        return self.end_chunk * self.chunk_size if self.handoff_tokens is None else self.handoff_tokens
+
+    def whole_chunks(self) -> int:
+        """The hit's chunks that are whole chunks of the chain (not the hand-off)."""
+        return self.end_chunk - (self.handoff_tokens is not None)
 
 
 @dataclass
@@ -72,6 +82,17 @@ class RequestState:
     params_read: bool = False
     offload_cap: int | None = None  # lmcache.max_offload_tokens
     skip_load: bool = False  # lmcache.skip_load
+    # vLLM's PD convention (kv_transfer_params do_remote_decode / do_remote_prefill): this
+    # instance prefills for a decode instance (saves a hand-off), or decodes what one
+    # prefilled (looks the hand-off up); connector.handoff.
+    remote_decode: bool = False
+    remote_prefill: bool = False
+    handoff_key: bytes | None = None  # the hand-off this request looks up (remote_prefill)
+    prefill_chunks: int = 0  # the chain depth the prefill instance planned (glm_chunks)
+    prefill_wait_until: float | None = None  # its lookups wait for the prefill's saves until then
+    prefill_retry_at: float = 0.0  # and ask again no sooner than this
+    handoff_planned: bool = False  # its hand-off was considered (remote_decode: once)
+    handoff_made: bool = False  # and its saves planned
     # Why this request is served without the external cache after handling its data
     # raised (None: it is not); it is then never looked up, loaded or saved again.
     bypass: str | None = None

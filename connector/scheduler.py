@@ -55,6 +55,7 @@ from connector.config import (
 )
 from connector.events import ServerEvents
 from connector.geometry import Geometry, strict_prefix_chunks
+from connector.handoff import CHUNKS_PARAM, HANDOFF_PARAM, HANDOFF_RETRY_S, handoff_key, handoff_span, pd_flags
 from connector.identity import (
     NO_DRAFTS,
     Unnameable,
@@ -118,6 +119,16 @@ class SchedulerSide:
         self._geometry = geometry
         self._strict_prefix = settings.strict_prefix
         self._url = settings.url
+        self._timeout_s = settings.timeout_s
+        # vLLM's kv_role: a prefill instance (kv_producer) saves and never loads, a decode
+        # instance (kv_consumer) loads and never saves, unless a setting says otherwise.
+        self._role = getattr(vllm_config.kv_transfer_config, "kv_role", None) or "kv_both"
+        self._loads = self._role != "kv_producer" or settings.producer_loads
+        self._stores = self._role != "kv_consumer" or settings.consumer_saves
+        logger.info("GlmCacheConnector: kv_role %s: %s", self._role,
+                    "looks up, loads and saves" if self._loads and self._stores
+                    else "saves, never loads" if self._stores else "loads, never saves" if self._loads
+                    else "neither loads nor saves")
         self._align_block_size = SchedulerBlockAligner(vllm_config, geometry)
         parallel = vllm_config.parallel_config
         world_size = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
@@ -328,6 +339,7 @@ class SchedulerSide:
         state.params_read = True
         params = getattr(state.request, "kv_transfer_params", None)
         state.offload_cap, state.skip_load, unhonoured = request_params(params)
+        state.remote_decode, state.remote_prefill, state.prefill_chunks = pd_flags(params)
         if isinstance(params, dict) and "glm_strict_prefix" in params:
             unhonoured.append("glm_strict_prefix")
         self._saves.stats["params_ignored"] += len(unhonoured)
@@ -431,8 +443,13 @@ class SchedulerSide:
         start_chunk = num_computed_tokens // C
         # Local hit already at the limit: still ask (without a lease) how deep the server
         # is, so a prefix the server lost can be saved again from vLLM's local blocks.
-        want_load = max_chunks * C > num_computed_tokens
+        want_load = max_chunks * C > num_computed_tokens and self._loads
         max_chunks = min(max(max_chunks, start_chunk), known)
+        handoff = self._handoff_of(state, max_chunks) if self._loads else None
+        if handoff is not None:  # the hand-off is one more link of the chain
+            state.handoff_key = handoff
+            max_chunks += 1
+            want_load = True
         if max_chunks == 0:
             return self._cold(state)
         start = start_chunk if want_load else 0
@@ -447,6 +464,8 @@ class SchedulerSide:
         if state.lookup is None:
             if not state.within_wait(wait_s):
                 return self._cold(state)
+            if time.monotonic() < state.prefill_retry_at:
+                return None, False  # waiting for a prefill instance's saves
             state.lookup = Lookup(question, self._ask(state, start, max_chunks, want_load),
                                   time.monotonic() + wait_s)
             return None, False
@@ -464,12 +483,19 @@ class SchedulerSide:
             return 0, False
         if answer.lease_id is not None:
             state.lease_id = answer.lease_id
+        if self._prefill_saves_pending(state, answer.chunks, max_chunks):
+            self._forget_answer(state)
+            return None, False
         lookup.answered_at = time.monotonic()
         return self._use_answer(state, answer, start, num_computed_tokens)
 
     def _ask(self, state: RequestState, start: int, max_chunks: int, want_load: bool):
         """Send the request's question to the lookup thread."""
         request = state.request
+        if state.handoff_key is not None:
+            chain = max_chunks - 1
+            return self.remote.lookup(self.namespace, self._keys_of(state, chain)[:chain] + [state.handoff_key],
+                                      start, want_load)
         hashes = self._keys_of(state, max_chunks, memo_only=True)
         if (not hashes and start == 0 and want_load and max_chunks >= PROBE_MIN_CHUNKS
                 and not self.keys.lookahead):
@@ -483,22 +509,108 @@ class SchedulerSide:
         hashes = self._keys_of(state, max_chunks)[:max_chunks]
         return self.remote.lookup(self.namespace, hashes, start, want_load)
 
+    def _prefill_saves_pending(self, state: RequestState, depth: int, asked: int) -> bool:
+        """A decode-side request whose prefill instance planned saves ``glm_chunks`` deep
+        got a shallower answer: those saves may still be on their way (they travel after the
+        prefill's response). Ask again shortly, for at most ``timeout_s`` from the first
+        answer (its admission restarts with each answer, so this deadline is the request's),
+        then resume from what is there."""
+        if not state.remote_prefill or depth >= min(asked, state.prefill_chunks):
+            return False
+        now = time.monotonic()
+        if state.prefill_wait_until is None:
+            state.prefill_wait_until = now + self._timeout_s
+        if now >= state.prefill_wait_until:
+            return False
+        state.prefill_retry_at = now + HANDOFF_RETRY_S
+        return True
+
+    def _handoff_of(self, state: RequestState, chain_chunks: int) -> bytes | None:
+        """The hand-off key a decode-side request (``do_remote_prefill``) looks up after its
+        ``chain_chunks`` whole chunks: its prompt less the last token is what the prefill
+        instance computed (:mod:`connector.handoff`). None where no hand-off is made."""
+        request = state.request
+        if (not state.remote_prefill or not self._strict_prefix or self.keys.lookahead
+                or getattr(request, "mm_features", None) or request.num_tokens != request.num_prompt_tokens):
+            return None
+        C = self._geometry.chunk_size
+        m = request.num_tokens - 1
+        whole, tail = handoff_span(m, C)
+        if tail == 0 or whole != chain_chunks:
+            return None
+        keys = self._keys_of(state, whole)
+        if len(keys) < whole:
+            return None
+        tokens = request_tokens(request, m)
+        return handoff_key(keys[whole - 1] if whole else None, list(tokens[whole * C:m]), request.cache_salt)
+
+    def _handoff_saves(self, state: RequestState) -> list[ObjectMove]:
+        """A prefill-side request (``do_remote_decode``) has computed its prompt: its
+        hand-off, the pages of its tail blocks and the states after its last token, copied
+        in this step after the forward (:mod:`connector.handoff`)."""
+        state.handoff_planned = True
+        request = state.request
+        m = request.num_prompt_tokens
+        cap = state.save_limit()
+        if self.keys.lookahead or getattr(request, "mm_features", None) or (cap is not None and cap < m):
+            return []
+        geo = self._geometry
+        C = geo.chunk_size
+        whole, tail = handoff_span(m, C)
+        keys = self._keys_of(state, whole)
+        if tail == 0 or len(keys) < whole:
+            return []
+        manager = self.kv_cache_manager
+        assert manager is not None
+        block_ids = manager.get_block_ids(request.request_id)
+        null_id = manager.block_pool.null_block.block_id
+        parent = keys[whole - 1] if whole else None
+        key = handoff_key(parent, list(request_tokens(request, m)[whole * C:m]), request.cache_salt)
+        moves: list[ObjectMove] = []
+        for g in geo.attn_groups:
+            per_chunk = C // g.block_size
+            first, last = whole * per_chunk, (m - 1) // g.block_size
+            ids = list(block_ids[g.vllm_group][first:last + 1])
+            if len(ids) != last + 1 - first or null_id in ids:
+                return []
+            # a chunk's size: blocks past the tail repeat the last one (never loaded)
+            moves.append(ObjectMove(key, g.group_id, ids + [ids[-1]] * (per_chunk - len(ids)), parent=parent))
+        for g in geo.state_groups:
+            ids = block_ids[g.vllm_group]
+            i = (m - 1) // g.block_size  # vLLM keeps the running state in the last token's block
+            if i >= len(ids) or ids[i] == null_id:
+                return []
+            moves.append(ObjectMove(key, g.group_id, [ids[i]], parent=parent))
+        self._saves.stats["handoffs_saved"] += 1
+        state.handoff_made = True
+        return moves
+
     def _use_answer(self, state: RequestState, answer: LookupAnswer, start: int,
                     num_computed_tokens: int) -> tuple[int, bool]:
         C = self._geometry.chunk_size
         n = answer.chunks
-        state.hit = Hit(start, n, num_computed_tokens, answer.held_chunks(start), answer.start_state, C)
+        held, handoff = answer.held_chunks(start), None
+        if state.handoff_key is not None:  # the chain's chunks, then the hand-off
+            chain = handoff_span(state.request.num_tokens - 1, C)[0]
+            if n > chain:
+                handoff = state.request.num_tokens - 1
+            held, n_chain = min(held, chain), min(n, chain)
+        else:
+            n_chain = n
+        state.hit = Hit(start, n, num_computed_tokens, held, answer.start_state, C, handoff)
         if start == 0 or (answer.held is not None and answer.held >= start):  # resumable from chunk 0
-            self.events.found(state.request, state.keys_for(C), n, self.namespace)
-        if n * C <= num_computed_tokens:
+            self.events.found(state.request, state.keys_for(C), n_chain, self.namespace)
+        resume = state.hit.resume_tokens()
+        if resume <= num_computed_tokens or not self._loads:
             self._drop_lease(state)
             return 0, False
         request = state.request
         logger.debug(
-            "GlmCacheConnector: %s hit %d chunks (%d tokens beyond local %d of %d)",
-            request.request_id, n, n * C - num_computed_tokens, num_computed_tokens, request.num_tokens,
+            "GlmCacheConnector: %s hit %d chunks%s (%d tokens beyond local %d of %d)",
+            request.request_id, n, " with the hand-off" if handoff is not None else "",
+            resume - num_computed_tokens, num_computed_tokens, request.num_tokens,
         )
-        return n * C - num_computed_tokens, True
+        return resume - num_computed_tokens, True
 
     def _forget_answer(self, state: RequestState) -> None:
         """The request's kept answer is not used: drop it and release its lease."""
@@ -557,12 +669,14 @@ class SchedulerSide:
         if hit.local_tokens and hit.local_tokens % C == 0:
             state.state_chunk = max(state.state_chunk, hit.local_tokens // C)  # resumed locally there
         # The server holds attention for chunks [0, held): don't send them again.
-        state.saved_chunks = max(state.saved_chunks, hit.held)
+        state.saved_chunks = max(state.saved_chunks, hit.held)  # (a hand-off's: its chain's)
         if num_external_tokens == 0:
             self._drop_lease(state)
             self._pending_saves.extend(self._saves.local_state_resave(state, blocks, hit))
             return
         resume = hit.local_tokens + num_external_tokens
+        if state.handoff_key is not None:
+            self._saves.stats["handoffs_missed" if hit.handoff_tokens is None else "handoffs_loaded"] += 1
         job = self._load_job(state, blocks, hit, resume)
         state.load_in_flight = True
         self._pending_loads.append(job)
@@ -576,8 +690,8 @@ class SchedulerSide:
         for it in state.media_items:  # rows under these identifiers now come from the server's content
             if it.offset < resume and it.offset + it.length > hit.local_tokens:
                 self._media_ledger.record(it.identifier, it.digest)
-        state.saved_chunks = max(state.saved_chunks, hit.end_chunk)
-        state.state_chunk = max(state.state_chunk, hit.end_chunk)
+        state.saved_chunks = max(state.saved_chunks, hit.whole_chunks())
+        state.state_chunk = max(state.state_chunk, hit.whole_chunks())
 
     def _load_job(self, state: RequestState, blocks: KVCacheBlocks, hit: Hit, resume: int) -> LoadJob:
         """The load of ``hit``, or a refused one where it cannot be loaded as planned."""
@@ -585,9 +699,9 @@ class SchedulerSide:
         C = self._geometry.chunk_size
         if hit.chunk_size != C:
             return LoadJob(req_id, [], refused=f"the hit is in chunks of {hit.chunk_size}, the server's are now {C}")
-        if resume != hit.end_chunk * C:
+        if resume != hit.resume_tokens():
             return LoadJob(req_id, [], refused=f"vLLM took {resume - hit.local_tokens} external tokens, not "
-                                               f"{hit.end_chunk * C - hit.local_tokens}")
+                                               f"{hit.resume_tokens() - hit.local_tokens}")
         try:
             return LoadJob(req_id, self._load_moves(state, blocks, hit))
         except (LookupError, ValueError) as e:
@@ -597,23 +711,30 @@ class SchedulerSide:
         """The hit's objects and the blocks they go to: attention for the chunks beyond
         vLLM's local hit, and the states at the resume point."""
         C = self._geometry.chunk_size
-        hashes = self._keys_of(state, hit.end_chunk)
+        hashes = self._keys_of(state, hit.whole_chunks())[:hit.whole_chunks()]
+        if hit.handoff_tokens is not None:
+            assert state.handoff_key is not None
+            hashes = hashes + [state.handoff_key]
+        if len(hashes) < hit.end_chunk:
+            raise LookupError(f"{len(hashes)} chunk keys for a hit of {hit.end_chunk} chunks")
+        resume = hit.resume_tokens()
         moves: list[ObjectMove] = []
         for g in self._geometry.attn_groups:
             per_chunk = C // g.block_size
             group_blocks = blocks.blocks[g.vllm_group]
             first_new_block = hit.local_tokens // g.block_size
+            end_block = -(-resume // g.block_size)  # blocks past the resume point: never loaded
             for k in range(hit.start_chunk, hit.end_chunk):
                 ids: list[int | None] = []
                 for i in range(k * per_chunk, (k + 1) * per_chunk):
-                    blk = group_blocks[i]
-                    ids.append(None if i < first_new_block or blk.is_null else blk.block_id)
+                    blk = group_blocks[i] if i < min(end_block, len(group_blocks)) else None
+                    ids.append(None if i < first_new_block or blk is None or blk.is_null else blk.block_id)
                 moves.append(ObjectMove(hashes[k], g.group_id, ids))
-        resume_block = hit.end_chunk * C
         for g in self._geometry.state_groups:
-            blk = blocks.blocks[g.vllm_group][resume_block // g.block_size - 1]
+            # vLLM resumes a recurrent state from the block of the last computed token
+            blk = blocks.blocks[g.vllm_group][(resume - 1) // g.block_size]
             if blk.is_null:
-                raise LookupError(f"no state block allocated at position {resume_block} for group {g.group_id}")
+                raise LookupError(f"no state block allocated at position {resume} for group {g.group_id}")
             moves.append(ObjectMove(hashes[hit.end_chunk - 1], g.group_id, [blk.block_id]))
         return moves
 
@@ -627,7 +748,7 @@ class SchedulerSide:
         self._pending_loads, self._pending_saves = [], []
         if not self._weights_meta(meta) or self.remote.link.hello is None:
             return meta
-        if not self._strict_prefix:  # a non-strict engine's states may be wrong: never share them
+        if not self._strict_prefix or not self._stores:  # a non-strict engine's states may be wrong
             meta.saves = []
             return meta
         self._record_encodings(scheduler_output)
@@ -638,6 +759,9 @@ class SchedulerSide:
             if state is not None:
                 meta.saves.extend(self._guarded(state, "save planning",
                                                 lambda: owned(req_id, self._attention_saves(state, end)), []))
+                if state.remote_decode and not state.handoff_planned and end >= state.request.num_prompt_tokens:
+                    meta.saves.extend(self._guarded(state, "hand-off", lambda: owned(req_id, self._handoff_saves(state)),
+                                                    []))
         for req_id, entries in offloads.items():
             state = self._scheduled(req_id)
             if state is not None:
@@ -729,6 +853,14 @@ class SchedulerSide:
             return True, None
         del self._requests[request.request_id]
         self._drop_lease(state)
+        if state.remote_decode:
+            # What the proxy passes on to the decode instance. Our key only: beside a
+            # transfer connector (NIXL in a MultiConnector) the do_remote_* keys are its
+            # (vLLM refuses a key two children return), and ours marks the hand-off.
+            planned = min(state.saved_chunks, state.state_chunk) if self._stores else 0
+            if state.handoff_made and self._stores:
+                planned = state.saved_chunks + 1  # the whole chunks, then the hand-off
+            return False, {HANDOFF_PARAM: state.handoff_made and self._stores, CHUNKS_PARAM: planned}
         return False, None
 
     def _announce_saves(self, state: RequestState) -> None:

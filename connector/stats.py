@@ -38,6 +38,9 @@ COUNTERS: dict[str, str] = {
     "params_ignored": "kv_transfer_params entries not honoured (unknown lmcache.* keys, malformed values)",
     "media_withheld": "Requests whose saves stop before an image whose identifier vLLM's caches hold for "
                       "other content (a client's multi_modal_uuids)",
+    "handoffs_saved": "PD hand-offs a prefill instance saved (do_remote_decode requests; connector.handoff)",
+    "handoffs_loaded": "PD hand-offs a decode instance resumed from (do_remote_prefill requests)",
+    "handoffs_missed": "do_remote_prefill requests whose hand-off was not on the server (strict-prefix resume)",
 }
 
 # the scheduler side's Counter keys (connector.scheduler) -> the reported names
@@ -49,6 +52,9 @@ SCHEDULER_KEYS: dict[str, str] = {
     "request_errors": "request_errors",
     "params_ignored": "params_ignored",
     "media_withheld": "media_withheld",
+    "handoffs_saved": "handoffs_saved",
+    "handoffs_loaded": "handoffs_loaded",
+    "handoffs_missed": "handoffs_missed",
 }
 
 
