@@ -27,10 +27,11 @@ and what our connector counts, equal a GlmCacheConnector-alone run of the same p
 (measured: 8 objects / 150272 bytes saved, 6 objects / 140672 bytes loaded), so neither is
 doubled; vLLM counts 256 external hit tokens, not 512 (one child loads); the NIXL child
 moved nothing for these requests; a ``do_remote_decode`` request on ``glm_first`` gets
-NIXL's hand-off parameters back and is saved by ours, both children acting on one request
-(if ours also answers with vLLM's ``do_remote_*`` keys, MultiConnector raises a key clash
-and the engine core dies: docs/pd-composition.md). The consumer-role test runs once the
-connector honours ``kv_role``.
+NIXL's hand-off parameters and ours (``glm_handoff``, ``glm_chunks``) back, and is saved by
+ours with its PD hand-off, both children acting on one request (ours answers with its own
+keys only: were it to answer with vLLM's ``do_remote_*`` too, MultiConnector would raise a
+key clash and the engine core die, docs/pd-composition.md). Ours as ``kv_consumer`` saves
+nothing.
 
 Module time: 129-206 s on 2 shared cores (two engine starts, one at a time).
 """
@@ -38,7 +39,6 @@ Module time: 129-206 s on 2 shared cores (two engine starts, one at a time).
 from __future__ import annotations
 
 import importlib.util
-import inspect
 import json
 import time
 import urllib.error
@@ -206,12 +206,14 @@ def _assert_same_generation(reloaded, cold) -> None:
     assert reloaded.token_logprobs[0] == cold.token_logprobs[0]
 
 
-def _assert_single_connector_save(d: dict[str, Any]) -> None:
-    """Stored once, as by GlmCacheConnector alone: one object per group per chunk."""
-    assert d["objects"] == d["puts_stored"] == d["saved_objects"] == SINGLE["saved_objects"]
-    assert d["used_bytes"] == d["stored_bytes"] == d["saved_bytes"] == SINGLE["saved_bytes"]
+def _assert_single_connector_save(d: dict[str, Any], handoff: bool = False) -> None:
+    """Stored once, as by GlmCacheConnector alone: one object per group per chunk (and per
+    group for a PD hand-off, a chunk's size: connector.handoff)."""
+    chunks = RESUMED // C + handoff
+    assert d["objects"] == d["puts_stored"] == d["saved_objects"] == SINGLE["saved_objects"] * chunks // (RESUMED // C)
+    assert d["used_bytes"] == d["stored_bytes"] == d["saved_bytes"] == SINGLE["saved_bytes"] * chunks // (RESUMED // C)
     assert d["puts_existing"] == 0, "an object was sent twice"
-    assert set(d["objects_by_group"].values()) == {RESUMED // C}
+    assert set(d["objects_by_group"].values()) == {chunks}
     assert d["save_failures"] == 0
 
 
@@ -235,13 +237,15 @@ def test_glm_first_saves_once_and_serves_the_reset_resend(runs):
 
 def test_glm_first_nixl_child_keeps_its_producer_side(runs):
     """NIXL (second) answers a ``do_remote_decode`` request with its hand-off (the blocks a
-    decode instance would pull) while ours (first) saves the same request to the server."""
+    decode instance would pull) while ours (first) saves the same request to the server,
+    with our own hand-off: both answers reach the client, under keys that do not clash."""
     r = runs["glm_first"]
     assert "handoff_error" not in r, r.get("handoff_error")
     params = r["handoff"].get("kv_transfer_params") or {}
     assert params.get("do_remote_prefill") is True and params.get("remote_engine_id")
     assert params.get("remote_block_ids"), params
-    _assert_single_connector_save(r["handoff_save"])
+    assert params.get("glm_handoff") is True and params.get("glm_chunks") == RESUMED // C + 1
+    _assert_single_connector_save(r["handoff_save"], handoff=True)
 
 
 def test_nixl_first_loads_from_glm_once(runs):
@@ -257,14 +261,6 @@ def test_nixl_first_loads_from_glm_once(runs):
     _assert_single_connector_load(r["load_again"])
 
 
-def _connector_has_roles() -> bool:
-    """Whether GlmCacheConnector honours vLLM's ``kv_role`` (kv_consumer: loads, never saves)."""
-    import connector.scheduler
-
-    return "kv_consumer" in inspect.getsource(connector.scheduler)
-
-
-@pytest.mark.skipif(not _connector_has_roles(), reason="GlmCacheConnector without kv_role support")
 def test_nixl_first_glm_child_keeps_its_consumer_role(runs):
     """Ours is ``kv_consumer`` inside a ``kv_both`` MultiConnector: its cold request (a
     miss) saved nothing, while NIXL beside it is ``kv_both``."""

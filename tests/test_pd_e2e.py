@@ -25,8 +25,13 @@ waits (at most ``timeout_s``) for the prefill's saves, which travel after its re
 from __future__ import annotations
 
 import json
+import random
+import re
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -50,7 +55,7 @@ def _config(url: str, role: str) -> str:
 
 def _engines(ckpt, url: str, *extra: str) -> tuple[VllmServer, VllmServer]:
     args = ("--enforce-eager", "--max-num-batched-tokens", str(C), "--prefix-cache-retention-interval", str(C),
-            "--dtype", "float32", "--max-num-seqs", "4", "--block-size", str(C), *extra)
+            "--dtype", "float32", "--max-num-seqs", "4", "--block-size", str(C), "--enable-log-requests", *extra)
     env = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
     prefill = VllmServer(ckpt, *args, kv_transfer_config=_config(url, "kv_producer"), max_model_len=4096, env=env)
     decode = VllmServer(ckpt, *args, kv_transfer_config=_config(url, "kv_consumer"), max_model_len=4096, env=env)
@@ -89,7 +94,7 @@ def pd(ckpt, server):
 
 
 def _objects(server: ServerProcess) -> int:
-    with __import__("urllib.request").request.urlopen(server.http_url + "/status", timeout=10) as r:
+    with urllib.request.urlopen(server.http_url + "/status", timeout=10) as r:
         return int(json.loads(r.read())["objects"])
 
 
@@ -183,6 +188,134 @@ def test_no_handoff_is_a_cold_correct_decode(pd, server, case):
     _same(out, cold)
     assert computed == n  # nothing of it on the server for this namespace: all computed
     assert took < 30  # never a wait for the hand-off
+
+
+# -- through the proxy (validation/pd_proxy.py) --------------------------------------------
+
+PROXY_MAX_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def proxied(pd):
+    from validation.pd_proxy import PdProxy
+
+    prefill, decode = pd
+    with PdProxy(prefill.base_url, decode.base_url, decode_usage=True) as proxy:
+        complete(proxy.url, random_prompt(C + 9, 99), 2, cache_salt="warm-pd")
+        yield {"prefill": prefill, "decode": decode, "proxy": proxy}
+
+
+def _post(url: str, data: bytes, timeout_s: float = 120.0) -> tuple[int, Any]:
+    req = urllib.request.Request(url, data=data, method="POST", headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+def _get(url: str) -> tuple[int, Any]:
+    try:
+        with urllib.request.urlopen(url, timeout=30) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+def _external_hits(engine) -> float:
+    return metric_sum(scrape_metrics(engine.base_url), "vllm:external_prefix_cache_hits_total")
+
+
+def _expected_resume(n: int, record: dict[str, Any]) -> int:
+    """What the decode instance loads for a prompt of ``n``: ``n - 1`` with the hand-off
+    (the prefill returned parameters, not saying ``glm_handoff: false``), the chunks'
+    strict prefix without (the same when ``n - 1`` is whole chunks)."""
+    returned = record["prefill_returned_params"]
+    handoff = bool(returned) and returned.get("glm_handoff") is not False
+    return n - 1 if handoff else C * ((n - 1) // C)
+
+
+def _prefill_log_line(prefill, request_id: str) -> str:
+    lines = [ln for ln in prefill.log().splitlines() if f"Received request cmpl-{request_id}" in ln]
+    assert len(lines) == 1, f"the prefill engine logged {len(lines)} requests {request_id}"
+    return lines[0]
+
+
+@pytest.mark.parametrize("n", [3 * C + 50, 3 * C + 1, 2 * C])
+def test_pd_streams_the_single_instance_greedy_tokens(proxied, n):
+    prompt = random_prompt(n, 1000 + n)
+    single = complete(proxied["prefill"].base_url, prompt, PROXY_MAX_TOKENS, cache_salt=f"single-{n}")
+    hits0 = _external_hits(proxied["decode"])
+    out = complete(proxied["proxy"].url, prompt, PROXY_MAX_TOKENS, cache_salt=f"pd-{n}")
+    hits1 = _external_hits(proxied["decode"])
+    record = proxied["proxy"].records()[-1]
+
+    assert single.cached_tokens == 0 and len(single.token_ids) == PROXY_MAX_TOKENS
+    assert out.token_ids == single.token_ids, f"length {n}"
+    assert out.token_logprobs == pytest.approx(single.token_logprobs, abs=1e-4)
+    # the prefill instance got T[:-1], one token, do_remote_decode (its own usage and log)
+    assert record["prefill_status"] == 200 and record["prefill_prompt_tokens"] == n - 1
+    line = _prefill_log_line(proxied["prefill"], record["request_id"])
+    assert "max_tokens=1," in line and "extra_args={'kv_transfer_params': {'do_remote_decode': True}}" in line
+    # the decode instance got T and what the prefill returned
+    assert out.prompt_tokens == n and record["prompt_tokens"] == n and record["decode_status"] == 200
+    returned = record["prefill_returned_params"]
+    expected_params = {k: v for k, v in returned.items() if k != "remote_prefill_cached_tokens"} if returned \
+        else {"do_remote_prefill": True}
+    assert record["decode_sent_params"] == expected_params and "glm_chunks" in expected_params
+    # what it did not compute came from the server
+    assert out.cached_tokens == _expected_resume(n, record) == hits1 - hits0
+    assert 0 < record["ttft_ms"] <= record["total_ms"]
+
+
+def _text(words: int, seed: int) -> str:
+    rng = random.Random(seed)
+    vocab = ["alpha", "river", "stone", "cloud", "seven", "market", "quiet", "lamp", "north", "paper",
+             "green", "window", "salt", "engine", "moss", "copper"]
+    return " ".join(rng.choice(vocab) for _ in range(words))
+
+
+def test_pd_text_prompt_not_streamed(proxied):
+    """A text prompt is tokenized by the prefill instance; the decode answer comes back whole."""
+    text = _text(300, 5)
+    body = {"model": "model", "prompt": text, "max_tokens": PROXY_MAX_TOKENS, "temperature": 0.0, "ignore_eos": True}
+    status, single = _post(proxied["prefill"].base_url + "/v1/completions",
+                           json.dumps({**body, "cache_salt": "text-single"}).encode())
+    assert status == 200
+    status, out = _post(proxied["proxy"].url + "/v1/completions", json.dumps({**body, "cache_salt": "text-pd"}).encode())
+    assert status == 200, out
+    record = proxied["proxy"].records()[-1]
+    n = single["usage"]["prompt_tokens"]
+    assert n > 2 * C and record["text_prompt"] and record["prompt_tokens"] == n
+    assert out["choices"][0]["text"] == single["choices"][0]["text"] and out["usage"]["completion_tokens"] == PROXY_MAX_TOKENS
+    assert out["usage"]["prompt_tokens"] == n and record["prefill_prompt_tokens"] == n - 1
+    assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == _expected_resume(n, record)
+
+
+def test_one_token_prompt_and_engine_errors(proxied):
+    before = len(proxied["proxy"].records())
+    out = complete(proxied["proxy"].url, [77], 4, cache_salt="one")
+    single = complete(proxied["prefill"].base_url, [77], 4, cache_salt="one-single")
+    record = proxied["proxy"].records()[before]
+    assert out.token_ids == single.token_ids and len(out.token_ids) == 4
+    assert record["prefill_status"] is None and record["decode_sent_params"] is None and record["decode_status"] == 200
+    # a token id outside the vocabulary: the prefill engine's own 400, and no decode request
+    status, answer = _post(proxied["proxy"].url + "/v1/completions",
+                           json.dumps({"model": "model", "prompt": [5, 10**6, 7], "max_tokens": 4}).encode())
+    record = proxied["proxy"].records()[-1]
+    assert status == 400 and re.search(r"token", json.dumps(answer), re.I)
+    assert record["prefill_status"] == 400 and record["decode_status"] is None
+    # ... as the last token, which only the decode instance sees: its 400
+    status, answer = _post(proxied["proxy"].url + "/v1/completions",
+                           json.dumps({"model": "model", "prompt": [5, 6, 10**6], "max_tokens": 4}).encode())
+    record = proxied["proxy"].records()[-1]
+    assert status == 400 and re.search(r"token", json.dumps(answer), re.I)
+    assert record["prefill_status"] == 200 and record["decode_status"] == 400
+    # a wrong model name: also the engine's answer (404), passed through
+    status, _ = _post(proxied["proxy"].url + "/v1/completions",
+                      json.dumps({"model": "nope", "prompt": [5, 6, 7], "max_tokens": 4}).encode())
+    assert status == 404
+    assert _get(proxied["proxy"].url + "/health") == (200, {"prefill": True, "decode": True})
 
 
 def test_mtp_drafts_outputs_are_a_single_instances(ckpt, server, pd):
