@@ -16,7 +16,7 @@ import ipaddress
 import os
 import stat
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -55,13 +55,65 @@ def read_token_file(path: str | os.PathLike[str], what: str = "auth token",
         raise TokenFileError(f"{what} file {str(p)!r} must hold printable ASCII") from None
     if not token:
         raise TokenFileError(f"{what} file {str(p)!r} is empty")
+    return checked_token(token, f"{what} in {str(p)!r}", min_chars)
+
+
+def checked_token(token: str, where: str, min_chars: int = MIN_TOKEN_CHARS) -> str:
+    """``token`` (stripped) if it is one word of printable ASCII at least ``min_chars`` long;
+    else ``TokenFileError`` naming ``where`` it came from (never the token itself)."""
+    token = token.strip()
+    if not token:
+        raise TokenFileError(f"{where} is empty")
     if any(not 0x21 <= ord(c) <= 0x7E for c in token):
-        raise TokenFileError(f"{what} in {str(p)!r} must be one word of printable ASCII "
+        raise TokenFileError(f"{where} must be one word of printable ASCII "
                              "(no spaces, no control characters)")
     if len(token) < min_chars:
-        raise TokenFileError(f"{what} in {str(p)!r} has {len(token)} characters; use at least "
+        raise TokenFileError(f"{where} has {len(token)} characters; use at least "
                              f"{min_chars}, e.g. python -c 'import secrets; print(secrets.token_urlsafe(32))'")
     return token
+
+
+# --- LMCache 0.5.7's API-key sources (lmcache/security/api_key.py), mapped onto our token ---------
+
+LMCACHE_API_KEY_ENV = "LMCACHE_API_KEY"
+LMCACHE_API_KEY_FILE_ENV = "LMCACHE_API_KEY_FILE"
+LMCACHE_HTTP_API_KEY_ENV = "LMCACHE_HTTP_API_KEY"  # LMCache's legacy names, read only when
+LMCACHE_HTTP_API_KEY_FILE_ENV = "LMCACHE_HTTP_API_KEY_FILE"  # the new one is unset or empty
+LMCACHE_KEY_HEADER = "X-LMCache-API-Key"  # LMCache's second header, beside Authorization: Bearer
+
+
+def lmcache_key_variables(environ: Mapping[str, str]) -> tuple[str, str, list[str]]:
+    """LMCache's choice among its key variables: the value variable and the file variable it
+    reads (``LMCACHE_API_KEY[_FILE]``, or the legacy ``LMCACHE_HTTP_API_KEY[_FILE]`` when the
+    new one is unset or empty), and the legacy ones set but shadowed by the new ones."""
+    value_var = LMCACHE_API_KEY_ENV if environ.get(LMCACHE_API_KEY_ENV) else LMCACHE_HTTP_API_KEY_ENV
+    file_var = LMCACHE_API_KEY_FILE_ENV if environ.get(LMCACHE_API_KEY_FILE_ENV) else LMCACHE_HTTP_API_KEY_FILE_ENV
+    shadowed = [legacy for legacy, new in ((LMCACHE_HTTP_API_KEY_ENV, value_var),
+                                           (LMCACHE_HTTP_API_KEY_FILE_ENV, file_var))
+                if new != legacy and environ.get(legacy)]
+    return value_var, file_var, shadowed
+
+
+def lmcache_api_keys(key_files: Sequence[str], environ: Mapping[str, str]) -> list[tuple[str, str]]:
+    """The keys LMCache 0.5.7 would accept, as ``(source, key)`` in its order: each
+    ``--api-key-file``/``--http-api-key-file``, then the file the key-file variable names,
+    then the key variable's value (empty variables count as unset, as in LMCache). Each is
+    held to our token rules (``TokenFileError`` names its source, never its value)."""
+    value_var, file_var, _ = lmcache_key_variables(environ)
+    sources = [(f"--api-key-file {path}", path) for path in key_files]
+    if environ.get(file_var):
+        sources.append((f"{file_var}={environ[file_var]}", environ[file_var]))
+    keys = [(source, read_token_file(path, "API key")) for source, path in sources]
+    if environ.get(value_var):
+        keys.append((value_var, checked_token(environ[value_var], f"the API key in {value_var}")))
+    return keys
+
+
+def request_token_matches(authorization: str | None, lmcache_key: str | None, expected: str) -> bool:
+    """Whether an HTTP request bears the token, as ``Authorization: Bearer <token>`` or
+    LMCache's ``X-LMCache-API-Key: <token>`` (either one right suffices, as in LMCache)."""
+    return bearer_matches(authorization, expected) or (
+        lmcache_key is not None and token_matches(lmcache_key.strip(), expected))
 
 
 def world_readable(path: str | os.PathLike[str]) -> bool:

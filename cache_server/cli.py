@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import zmq
 
-from cache_server.auth import MIN_L2_SECRET_CHARS, TokenFileError, is_loopback, read_token_file, world_readable
+from cache_server.auth import (MIN_L2_SECRET_CHARS, TokenFileError, is_loopback, lmcache_api_keys,
+                               lmcache_key_variables, read_token_file, world_readable)
+from cache_server.lmcache_compat import unhonoured_lmcache_env
 from cache_server.http import start_http
 from cache_server.config import GIB, MIB, PUT_OBJECTS_BOUND, ServerConfig
 from cache_server.server import CacheServer
@@ -51,12 +54,19 @@ def build_parser() -> argparse.ArgumentParser:
         description="Standalone LRU cache server for hybrid (KDA + sparse-MLA) prompt state, "
                     "shared by any number of vLLM replicas running GlmCacheConnector.")
     ap.add_argument("--host", default=d.host,
-                    help="address to bind the ZMQ and HTTP sockets (default %(default)s; binding beyond "
-                         "loopback needs --auth-token-file or --insecure-no-auth)")
+                    help="address to bind the ZMQ socket, and HTTP unless --http-host is given (default "
+                         "%(default)s; binding beyond loopback needs --auth-token-file or --insecure-no-auth)")
+    ap.add_argument("--http-host", default=d.http_host, metavar="HOST",
+                    help="address to bind HTTP, as LMCache's --http-host (default: --host; LMCache's is "
+                         "127.0.0.1; beyond loopback it needs a token or --insecure-no-auth, as --host does)")
     ap.add_argument("--port", type=_port, default=d.port, metavar="N",
                     help="ZMQ ROUTER port (default %(default)s; 0 picks a free one)")
     ap.add_argument("--http-port", type=_port, default=d.http_port, metavar="N",
                     help="HTTP port for /healthcheck, /status, /metrics (default %(default)s; 0 disables HTTP)")
+    ap.add_argument("--prometheus-port", type=_port, default=d.prometheus_port, metavar="N",
+                    help="also serve GET /metrics alone on this port of --http-host (else --host), without a "
+                         "token, as LMCache's separate Prometheus port (LMCache: 9090, always on); 0 picks a "
+                         "free one (default: none, /metrics is on --http-port)")
     ap.add_argument("--http-timeout-s", type=_positive_float, default=d.http_timeout_s, metavar="SECONDS",
                     help="seconds an HTTP connection has to send its whole request, however slowly it trickles "
                          "in, and to take the reply; then it is closed (default %(default)s)")
@@ -93,6 +103,12 @@ def build_parser() -> argparse.ArgumentParser:
     auth.add_argument("--insecure-no-auth", action="store_true",
                       help="allow binding beyond loopback without a token: anyone who reaches the port "
                            "may read, write and clear the cache")
+    ap.add_argument("--api-key-file", "--http-api-key-file", dest="api_key_file", action="append", default=None,
+                    metavar="PATH",
+                    help="LMCache's key flag, repeatable: the file's key becomes the token (as --auth-token-file, "
+                         "same rules); as in LMCache, LMCACHE_API_KEY_FILE and LMCACHE_API_KEY (else "
+                         "LMCACHE_HTTP_API_KEY[_FILE]) add keys, and HTTP /metrics then needs the key too (only / "
+                         "and /healthcheck stay open); all sources must hold the same key (one token)")
     ap.add_argument("--max-message-mb", type=_positive_float, default=None, metavar="MIB",
                     help="largest request in MiB, header and payloads together; ZMQ disconnects a peer that "
                          "sends a bigger frame, a bigger total is answered too_large (default: "
@@ -132,18 +148,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(args: argparse.Namespace, auth_token: str | None = None,
-                     l2_secret: bytes | None = None) -> ServerConfig:
+                     l2_secret: bytes | None = None, metrics_need_auth: bool = False) -> ServerConfig:
     """The :class:`ServerConfig` a parsed command line asks for (the secrets read from their files)."""
     l1_size_bytes = int(args.l1_size_gb * GIB)
     return ServerConfig(
-        host=args.host, port=args.port, http_port=args.http_port, min_chunk_size=args.chunk_size,
+        host=args.host, port=args.port, http_port=args.http_port, http_host=args.http_host,
+        prometheus_port=args.prometheus_port, min_chunk_size=args.chunk_size,
         l1_size_bytes=l1_size_bytes,
         max_object_bytes=(int(args.max_object_size_mb * MIB) if args.max_object_size_mb is not None
                           else min(_DEFAULTS.max_object_bytes, l1_size_bytes)),
         separate_object_groups=args.separate_object_groups, lease_ttl_s=args.lease_ttl_s,
         eviction_policy=args.eviction_policy, l1_state_share=args.l1_state_share,
         debug_fault_hooks=args.debug_fault_hooks,
-        auth_token=auth_token,
+        auth_token=auth_token, metrics_need_auth=metrics_need_auth,
         max_message_bytes=int(args.max_message_mb * MIB) if args.max_message_mb is not None else None,
         max_header_bytes=args.max_header_kb << 10, max_leases_per_client=args.max_leases_per_client,
         max_leased_fraction=args.max_leased_fraction, max_namespaces=args.max_namespaces, l2_url=args.l2,
@@ -195,18 +212,12 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)  # invalid values exit 2 with argparse's message
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     _return_freed_payloads_to_the_os()
-    auth_token = None
-    if args.auth_token_file is not None:
-        try:
-            auth_token = read_token_file(args.auth_token_file)
-        except TokenFileError as e:
-            ap.error(str(e))
-        if world_readable(args.auth_token_file):
-            logger.warning("auth token file %s is readable by every local user; chmod 600 it unless "
-                           "this host (or container) has no other users", args.auth_token_file)
-    elif not is_loopback(args.host) and not args.insecure_no_auth:
-        ap.error(f"--host {args.host} is reachable beyond this machine: pass --auth-token-file PATH "
-                 "(or, on a network you trust completely, --insecure-no-auth)")
+    auth_token, token_source, metrics_need_auth = _auth_token(ap, args, os.environ)
+    if auth_token is None and not args.insecure_no_auth:
+        for flag, where in (("--host", args.host), ("--http-host", args.http_host)):
+            if where is not None and not is_loopback(where):
+                ap.error(f"{flag} {where} is reachable beyond this machine: pass --auth-token-file PATH "
+                         "(or --api-key-file PATH; or, on a network you trust completely, --insecure-no-auth)")
     l2_secret = None
     if args.l2 is None and args.l2_secret_file is not None:
         ap.error("--l2-secret-file is given without --l2")
@@ -221,7 +232,9 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(str(e))
         if world_readable(args.l2_secret_file):
             logger.warning("L2 secret file %s is readable by every local user; chmod 600 it", args.l2_secret_file)
-    config = config_from_args(args, auth_token, l2_secret)
+    if args.prometheus_port and args.prometheus_port == args.http_port:
+        ap.error(f"--prometheus-port {args.prometheus_port} is --http-port too: give it another port")
+    config = config_from_args(args, auth_token, l2_secret, metrics_need_auth)
     if config.max_object_bytes > config.l1_size_bytes:
         ap.error(f"--max-object-size-mb ({args.max_object_size_mb}) exceeds --l1-size-gb ({args.l1_size_gb} GiB)")
     if config.message_limit_bytes < config.max_object_bytes:
@@ -239,24 +252,40 @@ def main(argv: list[str] | None = None) -> int:
     except zmq.ZMQError as e:
         logger.error("cannot bind tcp://%s:%d: %s", config.host, config.port, e)
         return 1
-    httpd = None
-    if config.http_port:
+    httpd = metricsd = None
+    http_host = config.bound_http_host
+    for port, metrics_only in ((config.http_port, False), (config.prometheus_port, True)):
+        if (port is None) if metrics_only else (port == 0):
+            continue  # no --prometheus-port: no metrics port; --http-port 0: no HTTP
         try:
-            httpd = start_http(server, config.host, config.http_port)
+            bound = start_http(server, http_host, port, metrics_only=metrics_only)
         except OSError as e:
-            logger.error("cannot bind HTTP on %s:%d: %s", config.host, config.http_port, e)
+            logger.error("cannot bind %s on %s:%d: %s", "--prometheus-port" if metrics_only else "HTTP", http_host,
+                         port, e)
+            for started in (httpd,):
+                if started is not None:
+                    started.shutdown()
+                    started.server_close()
             server.stop()
             server.serve_forever()  # closes the socket at once
             return 1
+        if metrics_only:
+            metricsd = bound
+        else:
+            httpd = bound
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, _frame: (logger.info("received %s, shutting down",
                                                                signal.Signals(signum).name), server.stop()))
-    http_where = f"http://{config.host}:{httpd.server_address[1]}" if httpd else "disabled"
+    http_where = f"http://{http_host}:{httpd.server_address[1]}" if httpd else "disabled"
     logger.info("glm-cache-server listening on tcp://%s:%d (HTTP %s)", config.host, server.port, http_where)
+    if metricsd is not None:
+        logger.info("Prometheus metrics (--prometheus-port, no token) on http://%s:%d/metrics", http_host,
+                    metricsd.server_address[1])
     if config.auth_token is not None:
-        logger.info("auth on: every ZMQ request and HTTP /status, /cache/clear need the token of %s",
-                    args.auth_token_file)
-    elif is_loopback(config.host):
+        logger.info("auth on (%s): every ZMQ request and every HTTP route but %s need the token "
+                    "(Authorization: Bearer or X-LMCache-API-Key)", token_source,
+                    "/ and /healthcheck" if config.metrics_need_auth else "/, /healthcheck and /metrics")
+    elif is_loopback(config.host) and is_loopback(http_host):
         logger.info("auth off: bound to loopback only")
     else:
         logger.warning("auth OFF on %s (--insecure-no-auth): anyone who reaches the port can read, "
@@ -277,11 +306,54 @@ def main(argv: list[str] | None = None) -> int:
         logger.info("L2 on %s: write-through (asynchronous, %d MiB queue), promotion at lookup within %.1fs",
                     server.l2.config.redacted(), server.l2.config.queue_bytes >> 20, server.l2.config.timeout_s)
     server.serve_forever()
-    if httpd:
-        httpd.shutdown()
-        httpd.server_close()
+    for started in (httpd, metricsd):
+        if started is not None:
+            started.shutdown()
+            started.server_close()
     logger.info("stopped")
     return 0
+
+
+def _auth_token(ap: argparse.ArgumentParser, args: argparse.Namespace,
+                environ: Mapping[str, str]) -> tuple[str | None, str, bool]:
+    """The token, what gave it, and whether /metrics needs it (LMCache's rule, when a key was
+    given LMCache's way). ``--auth-token-file`` and LMCache's sources (``--api-key-file``,
+    ``LMCACHE_[HTTP_]API_KEY[_FILE]``) may be combined if they hold one key: LMCache accepts
+    several at once (rotation), this server one token. The unhonoured ``LMCACHE_*`` variables
+    are named here, one line each."""
+    _, _, shadowed = lmcache_key_variables(environ)
+    for name in unhonoured_lmcache_env(environ, shadowed):
+        if name in shadowed:
+            logger.warning("%s is set and ignored: %s takes precedence, as in LMCache", name,
+                           name.replace("_HTTP_", "_"))
+        else:
+            logger.warning("%s is set and not honoured: glm-cache-server does not read it (see "
+                           "docs/migrating-from-lmcache.md for its equivalent)", name)
+    keys: list[tuple[str, str]] = []
+    if args.auth_token_file is not None:
+        try:
+            keys.append((f"--auth-token-file {args.auth_token_file}", read_token_file(args.auth_token_file)))
+        except TokenFileError as e:
+            ap.error(str(e))
+    try:
+        lmcache_keys = lmcache_api_keys(args.api_key_file or [], environ)
+    except TokenFileError as e:
+        ap.error(f"{e} (LMCache's API key, used as our token)")
+    if lmcache_keys and args.insecure_no_auth:
+        ap.error(f"--insecure-no-auth contradicts the API key of {lmcache_keys[0][0]}: drop one")
+    keys += lmcache_keys
+    for source, _ in keys:
+        path = source.split(" ", 1)[1] if source.startswith("--") else (
+            source.split("=", 1)[1] if "=" in source else None)
+        if path is not None and world_readable(path):
+            logger.warning("token file %s is readable by every local user; chmod 600 it unless "
+                           "this host (or container) has no other users", path)
+    if len({key for _, key in keys}) > 1:
+        ap.error("these hold different keys: " + ", ".join(source for source, _ in keys) + "; glm-cache-server "
+                 "has one token (LMCache accepts each during a rotation): give one key")
+    if not keys:
+        return None, "", False
+    return keys[0][1], ", ".join(source for source, _ in keys), bool(lmcache_keys)
 
 
 if __name__ == "__main__":

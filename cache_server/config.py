@@ -28,6 +28,8 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 5555
     http_port: int = 8080  # 0 disables HTTP
+    http_host: str | None = None  # --http-host: where HTTP binds; None: --host (as before the flag)
+    prometheus_port: int | None = None  # --prometheus-port: a metrics-only HTTP port (LMCache's 9090); None: none
     min_chunk_size: int = 256
     l1_size_bytes: int = 1 * GIB
     max_object_bytes: int = 256 * MIB
@@ -39,6 +41,9 @@ class ServerConfig:
     # Shared secret every request must carry; None: no authentication (loopback, or
     # --insecure-no-auth). Kept out of repr so it never reaches a log line.
     auth_token: str | None = field(default=None, repr=False)
+    # LMCache's rule (its key set by --api-key-file or LMCACHE_[HTTP_]API_KEY[_FILE]): HTTP /metrics
+    # needs the key too, only / and /healthcheck stay open; --auth-token-file alone keeps /metrics open
+    metrics_need_auth: bool = False
     max_message_bytes: int | None = None  # None: default_max_message_bytes(...)
     max_header_bytes: int = p.DEFAULT_MAX_HEADER_BYTES
     max_leases_per_client: int = 1024
@@ -52,6 +57,11 @@ class ServerConfig:
     io_threads: int = 2  # --io-threads: ZMQ I/O threads (socket reads and writes)
     http_timeout_s: float = 10.0  # --http-timeout-s: an HTTP connection's time to send a whole request
     http_max_connections: int = 32  # --http-max-connections: HTTP connections (each a thread) open at once
+
+    @property
+    def bound_http_host(self) -> str:
+        """The address HTTP binds (``--http-host``, else ``--host``)."""
+        return self.host if self.http_host is None else self.http_host
 
     @property
     def message_limit_bytes(self) -> int:

@@ -1,10 +1,14 @@
 """HTTP side of glm-cache-server: /healthcheck, /status, /conf, /metrics, cache clearing, and
 routers' queries (POST /query and /query_by_hash, :mod:`cache_server.prefix_query`).
 
-With a token configured, /status (it lists namespaces), /conf, POST /cache/clear and the queries need
-``Authorization: Bearer <token>``; /healthcheck and /metrics stay open for probes and
-scrapers (they reveal sizes and counts, never keys or namespaces: per-namespace series are
-labelled with an id keyed by the token, :func:`cache_server.metrics.namespace_id`).
+With a token configured, /status (it lists namespaces), /conf, /version, POST /cache/clear and the
+queries need ``Authorization: Bearer <token>`` (or LMCache's ``X-LMCache-API-Key: <token>``);
+/, /healthcheck and /metrics stay open for probes and scrapers (they reveal sizes and counts,
+never keys or namespaces: per-namespace series are labelled with an id keyed by the token,
+:func:`cache_server.metrics.namespace_id`). A key given LMCache's way (``--api-key-file``,
+``LMCACHE_API_KEY[_FILE]``) follows LMCache's rule instead: only / and /healthcheck stay open,
+/metrics needs the key too; ``--prometheus-port`` serves /metrics alone without one, as
+LMCache's separate scrape port does.
 
 LMCache's MP server paths are served too, so its CLI (``lmcache ping|describe kvcache``,
 ``lmcache kvcache clear``) works here: /status carries the fields LMCache's has
@@ -41,7 +45,7 @@ from urllib.parse import parse_qs, urlparse, urlsplit
 
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from cache_server.auth import bearer_matches, is_loopback
+from cache_server.auth import LMCACHE_KEY_HEADER, is_loopback, request_token_matches
 from cache_server import protocol as p
 from cache_server.lmcache_compat import effective_config, status_fields
 from cache_server.prefix_query import parse_query
@@ -56,6 +60,8 @@ MAX_QUERY_BODY_BYTES = 5 << 20  # a router's query: 131072 token ids or 65536 he
 QUERY_PATHS = {"/query": False, "/query_by_hash": True}  # the Mooncake KV Indexer RFC's (by_hash)
 CLEAR_PATHS = ("/cache/clear", "/clear-cache")  # ours, and LMCache's older path
 CLEAR_TIERS = ("l1", "l2", "all")
+VERSION_PATHS = ("/version", "/lmc_version", "/commit_id")  # LMCache's
+COMMIT_ID = ""  # not recorded at install: /commit_id answers "" and /version "<version>-NA", as LMCache's would
 QUOTA_REFUSAL = ("glm-cache-server has no per-salt quotas: every namespace shares --l1-size-gb (and "
                  "--l1-state-share); LMCache's /quota is not served")
 
@@ -184,8 +190,22 @@ def same_origin(origin: str, host: str, port: int) -> bool:
     return is_loopback(name) or name == host.strip("[]").lower()
 
 
-def start_http(server: CacheServer, host: str, port: int) -> BoundedHTTPServer:
-    """Serve the HTTP endpoints in a daemon thread; returns the bound server."""
+def server_version() -> str:
+    """Our package's version (LMCache's /lmc_version answers its own)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("glm5next-cache")
+    except PackageNotFoundError:
+        return ""
+
+
+def start_http(server: CacheServer, host: str, port: int, metrics_only: bool = False) -> BoundedHTTPServer:
+    """Serve the HTTP endpoints in a daemon thread; returns the bound server.
+
+    ``metrics_only``: ``--prometheus-port``, LMCache's separate scrape port (its
+    ``prometheus_client.start_http_server``, 9090): GET /metrics and nothing else, without a
+    key, as LMCache's (it reveals sizes and counts, never keys or namespace names)."""
     timeout_s = server.config.http_timeout_s
 
     class Handler(BaseHTTPRequestHandler):
@@ -218,8 +238,21 @@ def start_http(server: CacheServer, host: str, port: int) -> BoundedHTTPServer:
 
         def do_GET(self) -> None:
             path = urlparse(self.path).path
+            if metrics_only:
+                if path == "/metrics":
+                    self._send(200, CONTENT_TYPE_LATEST, server.metrics.render())
+                else:
+                    self._error(404, f"no such endpoint {path}; this port (--prometheus-port) serves /metrics only")
+                return
             if path == "/healthcheck":
                 self._send(200, "application/json", b'{"status": "ok"}')
+            elif path == "/":  # LMCache's static liveness payload, open as there
+                self._json(200, {"status": "ok", "service": "glm-cache-server"})
+            elif path in VERSION_PATHS:  # LMCache's version routes (behind the key there too)
+                if self._authorized():
+                    ours = server_version()
+                    self._json(200, {"/lmc_version": ours, "/commit_id": COMMIT_ID,
+                                     "/version": f"{ours or 'NA'}-{COMMIT_ID or 'NA'}"}[path])
             elif path == "/status":
                 if not self._authorized():
                     return
@@ -231,16 +264,20 @@ def start_http(server: CacheServer, host: str, port: int) -> BoundedHTTPServer:
                 if self._authorized():
                     self._json(200, effective_config(server.config))
             elif path == "/metrics":
-                self._send(200, CONTENT_TYPE_LATEST, server.metrics.render())
+                if not server.config.metrics_need_auth or self._authorized():
+                    self._send(200, CONTENT_TYPE_LATEST, server.metrics.render())
             elif path == "/quota" or path.startswith("/quota/"):
                 self._error(501, QUOTA_REFUSAL)
             else:
-                self._error(404, f"no such endpoint {path}; try /healthcheck, /status, /conf, /metrics, "
+                self._error(404, f"no such endpoint {path}; try /healthcheck, /status, /conf, /metrics, /version, "
                                  "POST /cache/clear, POST /query, POST /query_by_hash")
 
         def do_POST(self) -> None:
             url = urlparse(self.path)
             if not self._not_cross_site():
+                return
+            if metrics_only:
+                self._not_served()
                 return
             if url.path in QUERY_PATHS:
                 self._query(QUERY_PATHS[url.path])
@@ -337,8 +374,8 @@ def start_http(server: CacheServer, host: str, port: int) -> BoundedHTTPServer:
             if path == "/quota" or path.startswith("/quota/"):
                 self._error(501, QUOTA_REFUSAL)
             else:
-                self._error(405 if path in ("/healthcheck", "/status", "/conf", "/config", "/metrics", *CLEAR_PATHS,
-                                            *QUERY_PATHS)
+                self._error(405 if path in ("/", "/healthcheck", "/status", "/conf", "/config", "/metrics",
+                                            *VERSION_PATHS, *CLEAR_PATHS, *QUERY_PATHS)
                             else 404, f"no {self.command} {path}")
 
         def _body(self, max_bytes: int = MAX_BODY_BYTES) -> dict | None:
@@ -376,11 +413,13 @@ def start_http(server: CacheServer, host: str, port: int) -> BoundedHTTPServer:
                 server.metrics.errors.labels(code="http_cross_site").inc()
                 self._error(421, "this server answers requests for loopback names or its own address only")
                 return False
-            if token is None or bearer_matches(self.headers.get("Authorization"), token):
+            if token is None or request_token_matches(self.headers.get("Authorization"),
+                                                      self.headers.get(LMCACHE_KEY_HEADER), token):
                 return True
             server.metrics.errors.labels(code="unauthorized").inc()
-            self._error(401, "this endpoint needs Authorization: Bearer <token> (server started with "
-                             "--auth-token-file)", {"WWW-Authenticate": 'Bearer realm="glm-cache-server"'})
+            self._error(401, f"this endpoint needs Authorization: Bearer <token> or {LMCACHE_KEY_HEADER}: <token> "
+                             "(server started with --auth-token-file, --api-key-file or LMCACHE_API_KEY[_FILE])",
+                        {"WWW-Authenticate": 'Bearer realm="glm-cache-server"'})
             return False
 
         def _host_is_ours(self) -> bool:

@@ -20,7 +20,7 @@ keys (one per chunk, object group and TP rank), which is what our objects are.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
@@ -189,6 +189,11 @@ def status_fields(status: dict[str, Any], config: ServerConfig) -> dict[str, Any
             "eviction_controller": {"eviction_policy": config.eviction_policy},
             "l2_adapters": [],
         },
+        # read by ``lmcache bench engine --lmcache-url`` (model_name, kv_cache_layout.cache_size_per_token,
+        # world_size per engine) and ``lmcache describe kvcache``: an engine's hello here names no model and
+        # no bytes per token, so nothing can be filled in truthfully; empty is LMCache's answer before any
+        # engine registered, and bench says "No model info returned by LMCache server"
+        "cache_context_meta": {},
     }
     l2 = status.get("l2")
     if l2 is not None:
@@ -206,3 +211,17 @@ def effective_config(config: ServerConfig) -> dict[str, Any]:
     settings["auth"] = config.auth_token is not None
     settings["l2"] = config.l2_url is not None
     return {"glm_cache_server": settings}
+
+
+# LMCache variables this server reads (cache_server.auth.lmcache_api_keys), with LMCache's meaning.
+HONOURED_ENV = ("LMCACHE_API_KEY", "LMCACHE_API_KEY_FILE", "LMCACHE_HTTP_API_KEY", "LMCACHE_HTTP_API_KEY_FILE")
+
+
+def unhonoured_lmcache_env(environ: Mapping[str, str], shadowed: Iterable[str] = ()) -> list[str]:
+    """The ``LMCACHE_*`` variables set in ``environ`` that this server does not act on, sorted:
+    every one but :data:`HONOURED_ENV` (empty ones too), and those of them LMCache itself would
+    ignore here (``shadowed``: a legacy key variable beside the new one). Named at start-up,
+    one line each, never with the value (it may be a password: LMCACHE_RESP_PASSWORD)."""
+    shadowed = set(shadowed)
+    return sorted(name for name in environ
+                  if name.startswith("LMCACHE_") and (name not in HONOURED_ENV or name in shadowed))
