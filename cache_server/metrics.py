@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import re
+import threading
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
@@ -150,6 +152,106 @@ class _L2Collector(Collector):
                                 value=s["queue_items"])
 
 
+# --- LMCache's labels (issue 35, item 4) -------------------------------------------------
+# LMCache 0.5.7 labels its lookup counters by model_name and cache_salt, its L1 counters by
+# l1_tag (and cache_salt when salted), its L1 gauges by l1_tag and backend, its failure
+# counters by model_name (and during / reason). Ours, with the values this server knows:
+L1_TAG = "_default"  # LMCache's tag of its one DRAM L1 (L1ManagerConfig.tag)
+L1_BACKEND = "dram"  # L1BackendType.DRAM: our L1 is host memory
+LMCACHE_EVICTION_WATERMARK = 0.8  # LMCache's --eviction-trigger-watermark default
+NO_MODEL = "unknown"  # model_name of a namespace not named as engines name theirs
+NO_SALT = "none"  # cache_salt of a lookup that carries no salt
+OVERFLOW = "other"  # the label value past the cap on distinct values
+MAX_MODEL_LABELS = 16
+MAX_SALT_LABELS = 32
+_ENGINE_NAMESPACE = re.compile(r"^(.+)-[0-9a-f]{16}$")  # connector.keys.engine_fingerprint
+
+
+def model_name_of(namespace: str) -> str:
+    """The ``model_name`` label of a namespace: the served model name an engine's namespace
+    starts with (``<model>-<16 hex>``, :func:`connector.keys.engine_fingerprint`; the hello
+    carries no model of its own), :data:`NO_MODEL` for any other name."""
+    m = _ENGINE_NAMESPACE.match(namespace)
+    return m.group(1) if m else NO_MODEL
+
+
+def salt_label(salt: str | None, key: bytes = b"") -> str:
+    """The ``cache_salt`` label: :data:`NO_SALT` without a salt, else ``s`` and 10 hex digits
+    of HMAC-SHA256 of the salt under ``key`` (the server's token), so that no tenant's salt is
+    shown in clear and, with a token, a guessed salt cannot be tested against a label."""
+    if not salt:
+        return NO_SALT
+    return "s" + hmac.new(key, b"cache_salt:" + salt.encode("utf-8", "surrogatepass"),
+                          hashlib.sha256).hexdigest()[:10]
+
+
+class _LabelCap:
+    """At most ``limit`` distinct values of one label; later ones become :data:`OVERFLOW`."""
+
+    def __init__(self, limit: int) -> None:
+        self._limit = limit
+        self._seen: set[str] = set()
+        self._lock = threading.Lock()
+
+    def __call__(self, value: str) -> str:
+        with self._lock:
+            if value in self._seen:
+                return value
+            if len(self._seen) < self._limit:
+                self._seen.add(value)
+                return value
+            return OVERFLOW
+
+
+class _LMCacheLabelled(Collector):
+    """``lmcache_mp_*`` with LMCache's labels: lookup counters per (model_name, cache_salt),
+    L1 counters per l1_tag, L1 gauges per (l1_tag, backend), the usage ratio with LMCache's
+    meaning; the L2 series as :class:`LMCacheCollector` serves them (``l2_name``)."""
+
+    def __init__(self, store: ObjectStore, lookups: Callable[[], dict[tuple[str, str], dict[str, int]]],
+                 l2_families: LMCacheCollector) -> None:
+        self._store = store
+        self._lookups = lookups
+        self._l2_families = l2_families
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._store.snapshot()
+        note = " (glm-cache-server, LMCache's name and labels)"
+        by_label = self._lookups()
+        for key, name, doc in (
+                ("lookups", "lookups_requests", "Completed lookups"),
+                ("requested_tokens", "lookup_requested_tokens", "Tokens submitted for lookup past the engine's "
+                                                                "own prefix (whole chunks only)"),
+                ("hit_tokens", "lookup_hit_tokens", "Tokens of resumable prefix found (strict prefix)"),
+                ("hit_l1_tokens", "lookup_hit_l1_tokens", "Of lookup_hit: tokens L1 held on its own"),
+                ("hit_l2_tokens", "lookup_hit_l2_tokens", "Of lookup_hit: tokens L2 promotion added")):
+            family = CounterMetricFamily(f"lmcache_mp_{name}", doc + note, labels=["model_name", "cache_salt"])
+            for (model, salt), t in sorted(by_label.items()):
+                family.add_metric([model, salt], t[key])
+            yield family
+        for key, name, doc in (("get_hits", "l1_read_chunks", "Objects served from L1"),
+                               ("puts_stored", "l1_write_chunks", "Objects written to L1"),
+                               ("evictions", "l1_evicted_chunks", "Objects evicted from L1")):
+            family = CounterMetricFamily(f"lmcache_mp_{name}", doc + note, labels=["l1_tag"])
+            family.add_metric([L1_TAG], s[key])
+            yield family
+        tier = [L1_TAG, L1_BACKEND]
+        used = GaugeMetricFamily("lmcache_mp_l1_memory_usage_bytes", "Bytes held in L1" + note,
+                                 labels=["l1_tag", "backend"])
+        used.add_metric(tier, s["used_bytes"])
+        yield used
+        ratio = GaugeMetricFamily(
+            "lmcache_mp_l1_usage_ratio", f"L1 usage as LMCache reports it: LMCache evicts at its trigger "
+            f"watermark ({LMCACHE_EVICTION_WATERMARK} of its pool), this server when its budget is full, so this is "
+            f"{LMCACHE_EVICTION_WATERMARK} x used / budget (glm_cache_usage_ratio is used / budget)" + note,
+            labels=["l1_tag", "backend"])
+        ratio.add_metric(tier, LMCACHE_EVICTION_WATERMARK * s["used_bytes"] / s["capacity_bytes"])
+        yield ratio
+        for family in self._l2_families.collect():
+            if family.name.startswith("lmcache_mp_l2_"):
+                yield family
+
+
 class ServerMetrics:
     """The server's own registry (not the global one, so tests can run several servers)."""
 
@@ -157,10 +259,25 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         self._namespace_key = namespace_key
         self.registry.register(_StoreCollector(store, self.namespace_id))
-        # LMCache's names for what both servers measure (cache_server.lmcache_compat)
-        self.lookup_tokens = LookupTokens()
+        # LMCache's names for what both servers measure (cache_server.lmcache_compat), with
+        # LMCache's labels: lookups per (model_name, cache_salt), capped
+        self.lookup_tokens = LookupTokens()  # every lookup, unlabelled
+        self._lookups_by_label: dict[tuple[str, str], LookupTokens] = {}
+        self._labels_lock = threading.Lock()
+        self._model_cap = _LabelCap(MAX_MODEL_LABELS)
+        self._salt_cap = _LabelCap(MAX_SALT_LABELS)
         self._l2: L2Tier | None = None
-        self.registry.register(LMCacheCollector(store, self.lookup_tokens, lambda: self._l2))
+        self.registry.register(_LMCacheLabelled(
+            store, self._lookup_snapshot, LMCacheCollector(store, self.lookup_tokens, lambda: self._l2)))
+        # LMCache's failure counters (lmcache_mp.l1_allocation_failure / l1_read_failure, unit chunks)
+        self.l1_allocation_failures = Counter(
+            "lmcache_mp_l1_allocation_failure_chunks", "Objects whose put found no room in L1 (the budget held by "
+            "leased objects: glm_cache_puts_no_space_total), as LMCache's lmcache_mp.l1_allocation_failure",
+            ["during", "model_name"], registry=self.registry)
+        self.l1_read_failures = Counter(
+            "lmcache_mp_l1_read_failure_chunks", "Objects a get asked for and L1 did not hold (glm_cache_get_misses_"
+            "total), as LMCache's lmcache_mp.l1_read_failure", ["during", "reason", "model_name"],
+            registry=self.registry)
         self.requests = Histogram(f"{PREFIX}_request_seconds", "Time to answer a request, by op", ["op"],
                                   registry=self.registry,
                                   buckets=(1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0))
@@ -179,9 +296,45 @@ class ServerMetrics:
             "a peer retries, so one or more a client)", ["reason"], registry=self.registry)
 
     def count_lookup(self, chunk_size: int | None, n_hashes: int, start_chunk: int, answered: int,
-                     l1_depth: int | None = None) -> None:
-        """One answered lookup, in tokens (:meth:`LookupTokens.count`)."""
+                     l1_depth: int | None = None, namespace: str | None = None, salt: str | None = None) -> None:
+        """One answered lookup, in tokens (:meth:`LookupTokens.count`), in all and under its
+        ``model_name`` (of ``namespace``) and ``cache_salt`` (of ``salt``) labels."""
         self.lookup_tokens.count(chunk_size, n_hashes, start_chunk, answered, l1_depth)
+        labels = (self.model_label(namespace), self._salt_cap(salt_label(salt, self._namespace_key)))
+        with self._labels_lock:
+            tokens = self._lookups_by_label.get(labels)
+            if tokens is None:
+                tokens = self._lookups_by_label[labels] = LookupTokens()
+        tokens.count(chunk_size, n_hashes, start_chunk, answered, l1_depth)
+
+    def model_label(self, namespace: str | None) -> str:
+        """The ``model_name`` label of ``namespace`` (:func:`model_name_of`), capped."""
+        return self._model_cap(NO_MODEL if namespace is None else model_name_of(namespace))
+
+    def saw_namespace(self, namespace: str) -> None:
+        """Show the lookup counters (unsalted) and the failure counters of ``namespace``'s model
+        at 0 from its hello on (a panel then plots a real 0, not a missing series)."""
+        model = self.model_label(namespace)
+        with self._labels_lock:
+            self._lookups_by_label.setdefault((model, NO_SALT), LookupTokens())
+        self.l1_allocation_failures.labels(during="l1_store", model_name=model)
+        self.l1_read_failures.labels(during="l1_retrieve", reason="not_found", model_name=model)
+
+    def count_put_no_space(self, namespace: str, n: int) -> None:
+        """``n`` objects of a put in ``namespace`` refused for lack of room (no_space)."""
+        if n:
+            self.l1_allocation_failures.labels(during="l1_store", model_name=self.model_label(namespace)).inc(n)
+
+    def count_get_misses(self, namespace: str, n: int) -> None:
+        """``n`` objects a get in ``namespace`` asked for and L1 did not hold."""
+        if n:
+            self.l1_read_failures.labels(during="l1_retrieve", reason="not_found",
+                                         model_name=self.model_label(namespace)).inc(n)
+
+    def _lookup_snapshot(self) -> dict[tuple[str, str], dict[str, int]]:
+        with self._labels_lock:
+            items = list(self._lookups_by_label.items())
+        return {labels: tokens.snapshot() for labels, tokens in items}
 
     def namespace_id(self, namespace: str) -> str:
         """The label of ``namespace`` in this server's metrics (:func:`namespace_id`)."""

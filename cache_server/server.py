@@ -257,6 +257,7 @@ class CacheServer:
                 raise p.ProtocolError(p.ErrorCode.BAD_REQUEST, "group_names must name attn_groups or state_groups")
         scheme = chunk_key_scheme(h["chunk_keys"]) if "chunk_keys" in h else None
         known = self.namespaces.admit(ns)
+        self.metrics.saw_namespace(ns)  # LMCache's failure counters of its model, at 0 from now
         self.queries.record_hello(ns, scheme)
         self.namespaces.record_hello(ns, known, alignment, chunk, self.config.min_chunk_size, world_size, replicated)
         if layout:
@@ -291,6 +292,10 @@ class CacheServer:
                                   f"a lookup of {len(hashes)} chunks x {copies} objects per chunk asks about "
                                   f"{len(hashes) * copies} objects; the maximum is {p.MAX_LOOKUP_OBJECTS}")
         held = p.field(h, "held", bool, default=False)
+        # optional: the request's cache salt, only for the cache_salt label (a keyed hash, capped)
+        salt = p.field(h, "cache_salt", (str, type(None)), default=None)
+        if salt is not None and len(salt) > p.MAX_NAMESPACE_CHARS:
+            raise p.ProtocolError(p.ErrorCode.BAD_REQUEST, f"cache_salt is over {p.MAX_NAMESPACE_CHARS} characters")
         owner = self._client
 
         def answer(l1_depth: int = 0, consulted: bool = False) -> Reply:
@@ -299,7 +304,7 @@ class CacheServer:
             if self.l2 is not None:
                 self.l2.count_answer(l1_depth, chunks, consulted)
             self.metrics.count_lookup(self.namespaces.chunk_size(ns), len(hashes), start, chunks,
-                                      l1_depth if consulted else None)
+                                      l1_depth if consulted else None, namespace=ns, salt=salt)
             if lease and chunks and lease_id is None:  # its objects alone are over the leased-bytes cap
                 self.metrics.limit_refusals.labels(limit="leased_bytes").inc()
             reply: dict[str, Any] = {"chunks": chunks, "lease_id": lease_id}
@@ -335,6 +340,7 @@ class CacheServer:
             places.append(place)
             if place is None:
                 payloads.append(hit[0])
+        self.metrics.count_get_misses(ns, found.count(False))
         reply: dict[str, Any] = {"found": found, "sums": sums}
         if region is not None:
             reply["shm"] = places
@@ -381,6 +387,7 @@ class CacheServer:
             self.segments.count(put_bytes=sum(n for _, n in spans))
         results = [self.store.put((ns, *key), frame, prev, s, parent).value
                    for key, frame, prev, s, parent in zip(keys, frames, prevs, sums, parents)]
+        self.metrics.count_put_no_space(ns, results.count(p.PutResult.NO_SPACE.value))
         if self.l2 is not None:  # write-through, asynchronous (cache_server.l2 says why)
             for key, frame, prev, s, parent, result in zip(keys, frames, prevs, sums, parents, results):
                 if result == p.PutResult.STORED.value:
