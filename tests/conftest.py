@@ -37,3 +37,85 @@ def sides(server):
     yield make
     for s in made:
         s.shutdown()
+
+
+# -- Tests that cannot depend on vLLM's version ---------------------------------------------
+#
+# `make test-vllm033` reruns the engine-free tests on vLLM 0.33; a test whose module, the
+# project modules it imports (at any depth, function-local imports included) and the
+# conftest fixtures it uses never import vLLM, the connector, the plugin or an engine helper
+# tests glm-cache-server alone and gives the same result on either: it is marked
+# `vllm_free` (found here from the sources, so a new import moves a test back) and runs once.
+
+import ast  # noqa: E402
+from functools import cache  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+_ROOT = Path(__file__).resolve().parent.parent
+_VLLM_SIDE = ("vllm", "connector", "glm5next_plugin", "validation.serving", "validation.sched_harness",
+              "validation.demo", "tests.engines", "tests.tiny_qwen3_next")
+# strings that start vLLM in another process (a command line, a notebook, the demo)
+_VLLM_WORDS = ("vllm", ".ipynb", "demo")
+
+
+def _imports(tree: ast.AST, package: str = "") -> set[str]:
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from the importing module's package
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([p for p in parts if p] + ([base] if base else []))
+            out.add(base)
+            out.update(f"{base}.{a.name}" for a in node.names)
+    return out
+
+
+def _file_of(module: str) -> Path | None:
+    for base in (_ROOT, _ROOT / "tests"):  # tests/ is on sys.path too ("from engines import")
+        path = base.joinpath(*module.split("."))
+        for candidate in (path.with_suffix(".py"), path / "__init__.py"):
+            if candidate.is_file():
+                return candidate
+    return None
+
+
+def _starts_vllm(tree: ast.AST) -> bool:
+    """A string (not a docstring) naming vLLM, a notebook or the demo: run elsewhere."""
+    docs = {id(n.body[0].value) for n in ast.walk(tree)
+            if isinstance(n, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+            and n.body and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+    return any(isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docs
+               and any(w in n.value.lower() for w in _VLLM_WORDS) for n in ast.walk(tree))
+
+
+@cache
+def _touches_vllm(module: str) -> bool:
+    if any(module == m or module.startswith(m + ".") or module.endswith("." + m) for m in _VLLM_SIDE) \
+            or module in ("engines", "tiny_qwen3_next"):
+        return True
+    path = _file_of(module)
+    if path is None:
+        return False  # a third-party module other than vLLM, or a name imported from a module
+    tree = ast.parse(path.read_text())
+    if path.parent.name != "cache_server" and _starts_vllm(tree):  # the server starts no engine
+        return True
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    return any(_touches_vllm(m) for m in _imports(tree, package) if m != module)
+
+
+@cache
+def _conftest_fixture_imports() -> dict[str, set[str]]:
+    tree = ast.parse(Path(__file__).read_text())
+    return {f.name: _imports(f) for f in tree.body if isinstance(f, ast.FunctionDef)}
+
+
+def pytest_collection_modifyitems(config, items):
+    fixtures = _conftest_fixture_imports()
+    for item in items:
+        module = "tests." + Path(str(item.fspath)).stem
+        used = [m for name in getattr(item, "fixturenames", ()) for m in fixtures.get(name, ())]
+        if not _touches_vllm(module) and not any(_touches_vllm(m) for m in used):
+            item.add_marker(pytest.mark.vllm_free)
