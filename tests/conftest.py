@@ -91,19 +91,38 @@ def _starts_vllm(tree: ast.AST) -> bool:
                and any(w in n.value.lower() for w in _VLLM_WORDS) for n in ast.walk(tree))
 
 
+def _direct_vllm(module: str) -> bool:
+    return (any(module == m or module.startswith(m + ".") or module.endswith("." + m) for m in _VLLM_SIDE)
+            or module in ("engines", "tiny_qwen3_next"))
+
+
 @cache
-def _touches_vllm(module: str) -> bool:
-    if any(module == m or module.startswith(m + ".") or module.endswith("." + m) for m in _VLLM_SIDE) \
-            or module in ("engines", "tiny_qwen3_next"):
-        return True
+def _edges(module: str) -> tuple[bool, frozenset[str]]:
+    """(the module itself names vLLM, the modules it imports), from its source."""
+    if _direct_vllm(module):
+        return True, frozenset()
     path = _file_of(module)
     if path is None:
-        return False  # a third-party module other than vLLM, or a name imported from a module
+        return False, frozenset()  # a third-party module other than vLLM, or a name in a module
     tree = ast.parse(path.read_text())
     if path.parent.name != "cache_server" and _starts_vllm(tree):  # the server starts no engine
-        return True
+        return True, frozenset()
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
-    return any(_touches_vllm(m) for m in _imports(tree, package) if m != module)
+    return False, frozenset(_imports(tree, package))
+
+
+@cache
+def _touches_vllm(module: str) -> bool:
+    """Whether ``module`` or anything it imports, at any depth, names vLLM."""
+    seen, todo = {module}, [module]
+    while todo:
+        direct, imports = _edges(todo.pop())
+        if direct:
+            return True
+        for m in imports - seen:
+            seen.add(m)
+            todo.append(m)
+    return False
 
 
 @cache
