@@ -28,7 +28,6 @@ import json
 import random
 import re
 import time
-import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from typing import Any
@@ -37,6 +36,7 @@ import pytest
 
 from testing.server_process import ServerProcess
 from tests.engines import random_prompt
+from tests.test_pd_proxy import _get, _post  # the proxy's raw HTTP helpers (status, JSON)
 from validation.serving import VllmServer, complete, metric_sum, post_json, scrape_metrics
 
 pytestmark = pytest.mark.engine
@@ -203,23 +203,6 @@ def proxied(pd):
     with PdProxy(prefill.base_url, decode.base_url, decode_usage=True) as proxy:
         complete(proxy.url, random_prompt(C + 9, 99), 2, cache_salt="warm-pd")
         yield {"prefill": prefill, "decode": decode, "proxy": proxy}
-
-
-def _post(url: str, data: bytes, timeout_s: float = 120.0) -> tuple[int, Any]:
-    req = urllib.request.Request(url, data=data, method="POST", headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout_s) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read() or b"{}")
-
-
-def _get(url: str) -> tuple[int, Any]:
-    try:
-        with urllib.request.urlopen(url, timeout=30) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read() or b"{}")
 
 
 def _external_hits(engine) -> float:
