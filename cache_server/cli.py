@@ -14,6 +14,7 @@ import zmq
 from cache_server.auth import (MIN_L2_SECRET_CHARS, TokenFileError, is_loopback, lmcache_api_keys,
                                lmcache_key_variables, read_token_file, world_readable)
 from cache_server.lmcache_compat import unhonoured_lmcache_env
+from cache_server.lmcache_surface import env_hint, refusal
 from cache_server.http import start_http
 from cache_server.config import GIB, MIB, PUT_OBJECTS_BOUND, ServerConfig
 from cache_server.server import CacheServer
@@ -209,6 +210,9 @@ def _return_freed_payloads_to_the_os() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = build_parser()
+    lmcache_flag = refusal(sys.argv[1:] if argv is None else argv, ap._option_string_actions)
+    if lmcache_flag is not None:  # LMCache's server flag we do not take: say what to use instead
+        ap.error(lmcache_flag)
     args = ap.parse_args(argv)  # invalid values exit 2 with argparse's message
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     _return_freed_payloads_to_the_os()
@@ -327,8 +331,8 @@ def _auth_token(ap: argparse.ArgumentParser, args: argparse.Namespace,
             logger.warning("%s is set and ignored: %s takes precedence, as in LMCache", name,
                            name.replace("_HTTP_", "_"))
         else:
-            logger.warning("%s is set and not honoured: glm-cache-server does not read it (see "
-                           "docs/migrating-from-lmcache.md for its equivalent)", name)
+            logger.warning("%s is set and not honoured: glm-cache-server does not read it (%s; "
+                           "docs/lmcache-surface.md)", name, env_hint(name))
     keys: list[tuple[str, str]] = []
     if args.auth_token_file is not None:
         try:
