@@ -25,6 +25,22 @@ from typing import Any
 from testing.children import popen_tied
 from testing.server_process import free_port
 
+# What vLLM's CPU platform writes into the environment of a process that builds an engine
+# config (vllm/platforms/cpu.py, check_and_update_config): after an in-process engine (a
+# test's vllm.LLM) they would reach every later `vllm serve` child and pick for it what its
+# own config would not. VLLM_SSM_CONV_STATE_LAYOUT in particular: "SD" there, where an
+# engine with NixlConnector needs (and picks itself) "DS". A child gets the user's value only.
+_WRITTEN_BY_VLLM = ("VLLM_SSM_CONV_STATE_LAYOUT", "TORCHINDUCTOR_COMPILE_THREADS",
+                    "VLLM_DISABLE_SHARED_EXPERTS_STREAM", "TORCHINDUCTOR_CPP_DYNAMIC_THREADS")
+_USER_ENV = {k: os.environ[k] for k in _WRITTEN_BY_VLLM if k in os.environ}
+
+
+def user_environment() -> dict[str, str]:
+    """This process's environment without what an in-process vLLM engine wrote into it."""
+    env = {k: v for k, v in os.environ.items() if k not in _WRITTEN_BY_VLLM}
+    env.update(_USER_ENV)
+    return env
+
 
 def connector_config(server_url: str, module_path: bool = False, **extra: Any) -> str:
     """The ``--kv-transfer-config`` JSON that wires vLLM to a glm-cache-server. The plugin
@@ -50,7 +66,7 @@ class VllmServer:
         if kv_transfer_config:
             self.args += ["--kv-transfer-config", kv_transfer_config]
         # Dev mode exposes POST /reset_prefix_cache, which validation needs.
-        self.env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_TARGET_DEVICE": "cpu",
+        self.env = {**user_environment(), "VLLM_SERVER_DEV_MODE": "1", "VLLM_TARGET_DEVICE": "cpu",
                     "PYTHONUNBUFFERED": "1", **(env or {})}
         self.log_path = Path(log_path) if log_path else Path(tempfile.mkdtemp(prefix="vllm-serve-")) / "vllm.log"
         self.proc: subprocess.Popen[bytes] | None = None
