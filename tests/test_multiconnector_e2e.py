@@ -146,6 +146,13 @@ def _engine(ckpt: Any, kv_transfer_config: str, log_path: Any) -> VllmServer:
                       env={"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}, log_path=log_path)
 
 
+def _warm_up(e: VllmServer) -> None:
+    """One short request (no whole chunk: nothing saved or loaded): the connector looks up and
+    saves only once the workers have named their weights, in the output of the first step
+    after a start or a reset (connector.identity)."""
+    complete(e.base_url, random_prompt(5, 5), max_tokens=1)
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """Both orders, one engine at a time, on one server; what each request changed."""
@@ -160,10 +167,12 @@ def runs(tmp_path_factory):
         e = _engine(ckpt, _multi([_glm(srv.url, "kv_both"), NIXL]), tmp / "glm_first.log")
         e.start(progress=False)
         try:
+            _warm_up(e)
             s0 = Snapshot(srv, e)
             cold = complete(e.base_url, PROMPT, max_tokens=TOKENS, cache_salt=SALT)
             s1 = _settled(srv, e, s0)
             assert e.reset_prefix_cache()
+            _warm_up(e)
             warm = complete(e.base_url, PROMPT, max_tokens=TOKENS, cache_salt=SALT)
             s2 = _settled(srv, e, s1)
             # NIXL's producer side on the same request our connector saves
@@ -182,12 +191,14 @@ def runs(tmp_path_factory):
         e = _engine(ckpt, _multi([NIXL, _glm(srv.url, GLM_ROLE_NIXL_FIRST)]), tmp / "nixl_first.log")
         e.start(progress=False)
         try:
+            _warm_up(e)
             s0 = Snapshot(srv, e)
             cold = complete(e.base_url, PROMPT, max_tokens=TOKENS, cache_salt="cold-nixl-first")
             s1 = _settled(srv, e, s0, timeout_s=5.0)
             first = complete(e.base_url, PROMPT, max_tokens=TOKENS, cache_salt=SALT)
             s2 = _settled(srv, e, s1, timeout_s=5.0)
             assert e.reset_prefix_cache()
+            _warm_up(e)
             again = complete(e.base_url, PROMPT, max_tokens=TOKENS, cache_salt=SALT)
             s3 = _settled(srv, e, s2, timeout_s=5.0)
             out["nixl_first"] = {"cold": cold, "first": first, "again": again, "cold_delta": _delta(s1, s0),
