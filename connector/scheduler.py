@@ -530,19 +530,26 @@ class SchedulerSide:
         ``chain_chunks`` whole chunks: its prompt less the last token is what the prefill
         instance computed (:mod:`connector.handoff`). None where no hand-off is made."""
         request = state.request
-        if (not state.remote_prefill or not self._strict_prefix or self.keys.lookahead
-                or getattr(request, "mm_features", None) or request.num_tokens != request.num_prompt_tokens):
+        if not state.remote_prefill or not self._strict_prefix or request.num_tokens != request.num_prompt_tokens:
+            return None
+        named = self._handoff_named(state, request.num_tokens - 1)
+        return named[0] if named is not None and named[2] == chain_chunks else None
+
+    def _handoff_named(self, state: RequestState, m: int) -> tuple[bytes, bytes | None, int] | None:
+        """``(key, parent key, whole chunks)`` of the hand-off of ``state``'s first ``m``
+        tokens, the same on both sides (the prefill's prompt is the decode's less its last
+        token); None where none is made: a drafter's lookahead, images, an empty tail, or no
+        chain keys that far (connector.handoff)."""
+        if self.keys.lookahead or getattr(state.request, "mm_features", None):
             return None
         C = self._geometry.chunk_size
-        m = request.num_tokens - 1
         whole, tail = handoff_span(m, C)
-        if tail == 0 or whole != chain_chunks:
-            return None
         keys = self._keys_of(state, whole)
-        if len(keys) < whole:
+        if tail == 0 or len(keys) < whole:
             return None
-        tokens = request_tokens(request, m)
-        return handoff_key(keys[whole - 1] if whole else None, list(tokens[whole * C:m]), request.cache_salt)
+        parent = keys[whole - 1] if whole else None
+        tail_tokens = list(request_tokens(state.request, m)[whole * C:m])
+        return handoff_key(parent, tail_tokens, state.request.cache_salt), parent, whole
 
     def _handoff_saves(self, state: RequestState) -> list[ObjectMove]:
         """A prefill-side request (``do_remote_decode``) has computed its prompt: its
@@ -552,20 +559,16 @@ class SchedulerSide:
         request = state.request
         m = request.num_prompt_tokens
         cap = state.save_limit()
-        if self.keys.lookahead or getattr(request, "mm_features", None) or (cap is not None and cap < m):
+        named = None if cap is not None and cap < m else self._handoff_named(state, m)
+        if named is None:
             return []
+        key, parent, whole = named
         geo = self._geometry
         C = geo.chunk_size
-        whole, tail = handoff_span(m, C)
-        keys = self._keys_of(state, whole)
-        if tail == 0 or len(keys) < whole:
-            return []
         manager = self.kv_cache_manager
         assert manager is not None
         block_ids = manager.get_block_ids(request.request_id)
         null_id = manager.block_pool.null_block.block_id
-        parent = keys[whole - 1] if whole else None
-        key = handoff_key(parent, list(request_tokens(request, m)[whole * C:m]), request.cache_salt)
         moves: list[ObjectMove] = []
         for g in geo.attn_groups:
             per_chunk = C // g.block_size
