@@ -8,6 +8,7 @@ socket otherwise (another host, no /dev/shm, ``--no-shm``, or ``shm=False`` here
 from __future__ import annotations
 
 import array
+import hashlib
 import itertools
 import logging
 import sys
@@ -36,6 +37,19 @@ logger = logging.getLogger("vllm.glm_cache_client")
 # server for one that wants a token: on a mechanism mismatch the side that sees it first
 # closes, and the other often learns no reason (libzmq retries every 100 ms).
 HANDSHAKES_FAILED = 3
+
+
+def label_salt(salt: str) -> str:
+    """A request's cache salt as sent for the lookup counters' label: itself when it is
+    short and plain UTF-8, else its SHA-256 in hex (a client's salt never makes the
+    lookup itself fail; distinct salts keep distinct labels)."""
+    if isinstance(salt, str) and len(salt) <= p.MAX_NAMESPACE_CHARS:
+        try:
+            salt.encode("utf-8")
+            return salt
+        except UnicodeEncodeError:
+            pass
+    return "sha256:" + hashlib.sha256(str(salt).encode("utf-8", "surrogatepass")).hexdigest()
 
 
 class CacheClient:
@@ -297,35 +311,39 @@ class CacheClient:
 
     def lookup(self, namespace: str, hashes: Sequence[bytes], attn_groups: Sequence[int],
                state_groups: Sequence[int], world_size: int = 1, start_chunk: int = 0,
-               lease: bool = True, replicated_groups: Sequence[int] = ()) -> tuple[int, int | None]:
+               lease: bool = True, replicated_groups: Sequence[int] = (),
+               cache_salt: str | None = None) -> tuple[int, int | None]:
         """Deepest resumable chunk count of the prefix ``hashes`` and the lease on it;
-        ``replicated_groups`` need their rank-0 copy only."""
+        ``replicated_groups`` need their rank-0 copy only. ``cache_salt`` (the request's,
+        already in the hashes) only labels the lookup counters (as a keyed hash)."""
         reply = self._lookup(namespace, hashes, attn_groups, state_groups, world_size, start_chunk,
-                             lease, replicated_groups, held=False)
+                             lease, replicated_groups, held=False, cache_salt=cache_salt)
         return reply["chunks"], reply["lease_id"]
 
     def lookup_held(self, namespace: str, hashes: Sequence[bytes], attn_groups: Sequence[int],
                     state_groups: Sequence[int], world_size: int = 1, start_chunk: int = 0,
-                    lease: bool = True, replicated_groups: Sequence[int] = ()
-                    ) -> tuple[int, int | None, int | None, bool]:
+                    lease: bool = True, replicated_groups: Sequence[int] = (),
+                    cache_salt: str | None = None) -> tuple[int, int | None, int | None, bool]:
         """:meth:`lookup`, plus what need not be sent again: how many chunks from chunk 0
         the server holds all attention objects of (every group and rank; None from a
         server that does not report it), and whether it holds every state object at
         chunk ``start_chunk - 1``."""
         reply = self._lookup(namespace, hashes, attn_groups, state_groups, world_size, start_chunk,
-                             lease, replicated_groups, held=True)
+                             lease, replicated_groups, held=True, cache_salt=cache_salt)
         held = reply.get("held")
         return (reply["chunks"], reply["lease_id"], held if isinstance(held, int) else None,
                 reply.get("start_state") is True)
 
     def _lookup(self, namespace: str, hashes: Sequence[bytes], attn_groups: Sequence[int],
                 state_groups: Sequence[int], world_size: int, start_chunk: int, lease: bool,
-                replicated_groups: Sequence[int], held: bool) -> dict[str, Any]:
+                replicated_groups: Sequence[int], held: bool, cache_salt: str | None = None) -> dict[str, Any]:
         header = {"op": "lookup", "ns": namespace, "hashes": list(hashes), "attn_groups": list(attn_groups),
                   "state_groups": list(state_groups), "world_size": world_size, "start_chunk": start_chunk,
                   "lease": lease, "replicated_groups": list(replicated_groups)}
         if held:
             header["held"] = True
+        if cache_salt:
+            header["cache_salt"] = label_salt(cache_salt)
         return self.request(header)[0]
 
     def query(self, model: str, token_ids: Sequence[int] | None = None, *, cache_salt: str | None = None,

@@ -245,7 +245,7 @@ def start_http(server: CacheServer, host: str, port: int, metrics_only: bool = F
                     self._error(404, f"no such endpoint {path}; this port (--prometheus-port) serves /metrics only")
                 return
             if path == "/healthcheck":
-                self._send(200, "application/json", b'{"status": "ok"}')
+                self._json(200, {"status": "healthy"})  # LMCache's body
             elif path == "/":  # LMCache's static liveness payload, open as there
                 self._json(200, {"status": "ok", "service": "glm-cache-server"})
             elif path in VERSION_PATHS:  # LMCache's version routes (behind the key there too)

@@ -622,7 +622,7 @@ _NO_SUCH = "no such machinery here: answered 404"
 # message that names our equivalent (501 for /quota); "not applicable": 404 (see why).
 HTTP_ROUTES: dict[str, tuple[str, str]] = {
     "GET /": _a("a static liveness payload, open without a key as in LMCache"),
-    "GET /healthcheck": _a('liveness, open without a key (the body is {"status": "ok"}; LMCache\'s says healthy)'),
+    "GET /healthcheck": _a('liveness, open without a key (the body is {"status": "healthy"}, as LMCache\'s)'),
     "GET /status": _a("LMCache's fields (is_healthy, engine_type, chunk_size, storage_manager.*, "
                       "cache_context_meta) beside ours"),
     "GET /version": _a("our version and commit"),

@@ -6,13 +6,14 @@ the defaults and the table in ``docs/operating.md`` (:func:`settings_table`) all
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 from vllm.logger import init_logger
 
-from cache_server.auth import TokenFileError, read_token_file
+from cache_server.auth import TokenFileError, lmcache_api_keys, read_token_file
 from connector.lmcache_settings import translate
 
 if TYPE_CHECKING:
@@ -146,7 +147,8 @@ class Settings:
     auth_token_file: str | None = setting(
         "auth_token_file", None, _optional_path,
         "file holding the server's `--auth-token-file` token, read once at start-up; an unusable file, "
-        "or a token the server refuses, means no external cache (logged), never a request without it")
+        "or a token the server refuses, means no external cache (logged), never a request without it. "
+        "Unset: LMCache's `LMCACHE_API_KEY_FILE` / `LMCACHE_API_KEY` in the engine's environment, if set")
     transfer_cpus: str | tuple[int, ...] = setting(
         "transfer_cpus", "auto", cpu_setting,
         "CPU engines: where the worker's transfer threads run: `auto` (the engine's CPUs the model is "
@@ -208,13 +210,23 @@ def settings_table() -> str:
 
 
 def auth_token_from_config(get: Any) -> str | None:
-    """The token named by ``auth_token_file`` (None if the key is absent or empty).
+    """The token named by ``auth_token_file``, else LMCache's key variables in the environment
+    (None if neither is set).
 
     ``get`` is ``KVTransferConfig.get_from_extra_config``. Raises :class:`TokenFileError`
     with the path and the reason when the file cannot be used.
     """
     path = _optional_path(get("auth_token_file", None), "auth_token_file")
-    return None if path is None else read_token_file(path)
+    if path is not None:
+        return read_token_file(path)
+    # LMCache's habit: the key in the engine's environment (LMCACHE_API_KEY_FILE or
+    # LMCACHE_API_KEY, the legacy LMCACHE_HTTP_API_KEY[_FILE] when those are unset), the
+    # same variables glm-cache-server reads; several different keys are refused.
+    keys = {key for _, key in lmcache_api_keys((), os.environ)}
+    if len(keys) > 1:
+        raise TokenFileError("LMCACHE_API_KEY_FILE and LMCACHE_API_KEY hold different keys; "
+                             "a client sends one (set one of them, or auth_token_file)")
+    return keys.pop() if keys else None
 
 
 def refuse_decode_saves_with_draft_rows(settings: Settings, draft_method: str | None, lookahead: int) -> None:

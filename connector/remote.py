@@ -171,9 +171,11 @@ class RemoteCache:
         (after which it gives up and the back-off starts) plus a little scheduling slack."""
         return self.link.timeout_s * 1.25 + 0.05
 
-    def lookup(self, namespace: str, hashes: list[bytes], start: int, lease: bool) -> Future[LookupAnswer]:
-        """Look ``hashes`` up from chunk ``start`` on the lookup thread."""
-        return self._lookup_pool.submit(self._lookup_io, namespace, hashes, start, lease)
+    def lookup(self, namespace: str, hashes: list[bytes], start: int, lease: bool,
+               cache_salt: str | None = None) -> Future[LookupAnswer]:
+        """Look ``hashes`` up from chunk ``start`` on the lookup thread (``cache_salt``, already
+        in the hashes, labels the server's lookup counters)."""
+        return self._lookup_pool.submit(self._lookup_io, namespace, hashes, start, lease, cache_salt)
 
     def probe(self, namespace: str, first: list[bytes], tokens: Sequence[int], C: int,
               cache_salt: str | None, n_chunks: int) -> Future[LookupAnswer]:
@@ -181,7 +183,8 @@ class RemoteCache:
         thread (see :meth:`_probe_io`)."""
         return self._lookup_pool.submit(self._probe_io, namespace, first, tokens, C, cache_salt, n_chunks)
 
-    def _lookup_io(self, namespace: str, hashes: list[bytes], start: int, lease: bool) -> LookupAnswer:
+    def _lookup_io(self, namespace: str, hashes: list[bytes], start: int, lease: bool,
+                   cache_salt: str | None = None) -> LookupAnswer:
         """One lookup RPC (skipped while the link backs off)."""
         if not self.link.usable():
             return LookupAnswer(error=ConnectionError("server in back-off"))
@@ -192,7 +195,7 @@ class RemoteCache:
                 [g.group_id for g in geo.attn_groups],
                 [g.group_id for g in geo.state_groups],
                 self._world_size, start, lease=lease,
-                replicated_groups=self.replicated_groups(),
+                replicated_groups=self.replicated_groups(), cache_salt=cache_salt,
             )
         except CLIENT_ERRORS as e:
             self.link.failed("lookup", e)
@@ -206,13 +209,13 @@ class RemoteCache:
         cold request hashes its chunks as they are saved). Yes, or a server that does not
         say: hash the prefix here and look it up as usual; the keys travel back with the
         answer."""
-        probe = self._lookup_io(namespace, first, 0, lease=False)
+        probe = self._lookup_io(namespace, first, 0, False, cache_salt)
         if probe.error is not None:
             return probe
         if probe.held == 0:
             return LookupAnswer(0, None, 0, False)
         hashes = extend_chunk_hashes(list(first), tokens, C, cache_salt, max_chunks=n_chunks)
-        return replace(self._lookup_io(namespace, hashes, 0, lease=True), hashes=hashes)
+        return replace(self._lookup_io(namespace, hashes, 0, True, cache_salt), hashes=hashes)
 
     def release_when_answered(self, future: Future[LookupAnswer]) -> None:
         """A lookup no longer wanted: release the lease it got (or will get)."""

@@ -495,7 +495,7 @@ class SchedulerSide:
         if state.handoff_key is not None:
             chain = max_chunks - 1
             return self.remote.lookup(self.namespace, self._keys_of(state, chain)[:chain] + [state.handoff_key],
-                                      start, want_load)
+                                      start, want_load, request.cache_salt)
         hashes = self._keys_of(state, max_chunks, memo_only=True)
         if (not hashes and start == 0 and want_load and max_chunks >= PROBE_MIN_CHUNKS
                 and not self.keys.lookahead):
@@ -507,7 +507,7 @@ class SchedulerSide:
             return self.remote.probe(self.namespace, first, request_tokens(request, max_chunks * C), C,
                                      request.cache_salt, max_chunks)
         hashes = self._keys_of(state, max_chunks)[:max_chunks]
-        return self.remote.lookup(self.namespace, hashes, start, want_load)
+        return self.remote.lookup(self.namespace, hashes, start, want_load, request.cache_salt)
 
     def _prefill_saves_pending(self, state: RequestState, depth: int, asked: int) -> bool:
         """A decode-side request whose prefill instance planned saves ``glm_chunks`` deep

@@ -246,7 +246,7 @@ def test_http_status_and_clear_need_the_bearer_token(server, good):
 
 def test_http_healthcheck_and_metrics_stay_open(server, good):
     code, _, body = http(server.http_url + "/healthcheck")
-    assert code == 200 and json.loads(body) == {"status": "ok"}
+    assert code == 200 and json.loads(body) == {"status": "healthy"}
     code, _, body = http(server.http_url + "/metrics")
     assert code == 200 and b"glm_cache_objects" in body
     # The refusal counters are exported from the start.

@@ -162,8 +162,24 @@ def test_full_prompt_hit_without_strict_prefix_diverges_and_is_never_saved(llm, 
     assert all(diverged), f"non-strict full hits should drift from cold: {diverged}"
 
 
-def test_different_cache_salt_gets_no_hit(llm):
+def _salted_lookups(server, salt: str | None) -> float:
+    """The server's LMCache-labelled lookup count under ``salt``'s (hashed) label."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from cache_server.metrics import salt_label
+
+    with urllib.request.urlopen(server.http_url + "/metrics", timeout=5) as r:
+        text = r.read().decode()
+    label = salt_label(salt)
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == "lmcache_mp_lookups_requests_total" and s.labels.get("cache_salt") == label)
+
+
+def test_different_cache_salt_gets_no_hit(llm, server):
     prompt = _prompt(700, seed=7)
+    salted_before = _salted_lookups(server, "tenant-a")
     _run(llm, [prompt], salt="tenant-a", max_tokens=4)
     llm.reset_prefix_cache()
     (other,) = _run(llm, [prompt], salt="tenant-b", max_tokens=4)
@@ -171,6 +187,10 @@ def test_different_cache_salt_gets_no_hit(llm):
     llm.reset_prefix_cache()
     (same,) = _run(llm, [prompt], salt="tenant-a", max_tokens=4)
     assert same[2] == _strict_hit(700)
+    # the connector tells the server each lookup's salt, for LMCache's cache_salt label
+    # (a keyed hash there, never the salt in clear)
+    assert _salted_lookups(server, "tenant-a") - salted_before >= 2
+    assert _salted_lookups(server, "tenant-b") >= 1
 
 
 def test_concurrent_requests_reload_their_own_prefixes(llm):

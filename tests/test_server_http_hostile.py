@@ -128,7 +128,7 @@ def test_idle_connections_are_closed_at_the_timeout_and_their_threads_end(server
         for s in socks:
             s.close()
     assert metric(server, "http_timeout") >= len(socks)
-    assert request(server, "GET", "/healthcheck") == (200, {"status": "ok"})
+    assert request(server, "GET", "/healthcheck") == (200, {"status": "healthy"})
 
 
 def test_slow_loris_is_cut_while_still_trickling(server):
@@ -173,7 +173,7 @@ def test_a_flood_of_connections_costs_at_most_the_bound_in_threads_and_probes_ge
             assert base <= threads(s) <= base + BOUND + 4  # + shed connections' threads on their way out
             assert settle(s, base + BOUND) <= base + BOUND
             t0 = time.monotonic()
-            assert request(s, "GET", "/healthcheck") == (200, {"status": "ok"})
+            assert request(s, "GET", "/healthcheck") == (200, {"status": "healthy"})
             assert time.monotonic() - t0 < 1.0
             assert metric(s, "http_shed") >= 300 - BOUND
             # the shed ones were closed by the server, not left hanging (their timeout is 60 s)
@@ -182,7 +182,7 @@ def test_a_flood_of_connections_costs_at_most_the_bound_in_threads_and_probes_ge
             for sock in socks:
                 sock.close()
         assert settle(s, base) == base
-        assert request(s, "GET", "/healthcheck") == (200, {"status": "ok"})
+        assert request(s, "GET", "/healthcheck") == (200, {"status": "healthy"})
 
 
 @pytest.mark.parametrize("content_type", ["text/plain", "text/plain;charset=UTF-8",

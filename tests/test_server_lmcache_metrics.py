@@ -15,7 +15,7 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from cache_server.client import CacheClient
+from cache_server.client import CacheClient, label_salt
 from cache_server.metrics import MAX_MODEL_LABELS, MAX_SALT_LABELS, salt_label
 from testing.server_process import ServerProcess
 
@@ -202,3 +202,21 @@ def test_salt_label_is_keyed_by_the_servers_token():
                    samples(scrape(s, TOKEN), "lmcache_mp_lookups_requests_total").items()}
         keyed = salt_label("tenant-a", TOKEN.encode())
         assert lookups == {keyed: 1, "none": 0} and keyed != salt_label("tenant-a")
+
+
+def test_clients_send_any_salt_without_failing_the_lookup():
+    """Our client puts the request's salt in the lookup for the label; a salt over the
+    protocol's limit or not plain UTF-8 (a client's, so hostile) travels as its SHA-256 and
+    the lookup still answers. (Its own server: the module's has its salt labels capped.)"""
+    long_salt, odd_salt = "x" * 5000, "tenant-\udc80"
+    assert label_salt("tenant-c") == "tenant-c"
+    assert label_salt(long_salt).startswith("sha256:") and label_salt(odd_salt) != label_salt(long_salt)
+    with ServerProcess("--separate-object-groups", "--l1-size-gb", "0.01") as s, \
+            CacheClient(s.url, timeout_s=10.0) as c:
+        c.hello(ENGINE_NS, ALIGNMENT, attn_groups=[0], state_groups=[1])
+        hs = hashes(3, 2)
+        store_prefix(c, ENGINE_NS, hs, 1024, 128)
+        for salt in ("tenant-c", long_salt, odd_salt):
+            assert c.lookup(ENGINE_NS, hs, [0], [1], lease=False, cache_salt=salt) == (2, None)
+        lookups = {dict(k)["cache_salt"]: v for k, v in samples(scrape(s), "lmcache_mp_lookups_requests_total").items()}
+    assert lookups == {"none": 0, **{salt_label(label_salt(x)): 1 for x in ("tenant-c", long_salt, odd_salt)}}

@@ -182,7 +182,7 @@ def test_interleaved_garbage_and_valid_requests_on_two_connections(server, clien
 def test_http_endpoints(server, client):
     client.put(NS, [(bytes(32), 0, 0, b"x" * 10), (bytes(32), 1, 0, b"y" * 20)])
     client.lookup(NS, [bytes(32)], [0], [1], lease=False)
-    assert http_json(server.http_url + "/healthcheck") == (200, {"status": "ok"})
+    assert http_json(server.http_url + "/healthcheck") == (200, {"status": "healthy"})
     code, status = http_json(server.http_url + "/status")
     assert code == 200
     assert status["objects"] == 2 and status["bytes_by_group"] == {"0": 10, "1": 20}
