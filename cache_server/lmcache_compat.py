@@ -63,18 +63,29 @@ SERVED: dict[str, tuple[str, str]] = {
         "histogram (with --l2)"),
 }
 
-# LMCache names on its dashboard that we do not serve, and why.
+# LMCache names on its dashboard that we do not serve, and why: keys are glob patterns of
+# full series names, space-separated (validation/lmcache_dashboard.py reads them per panel).
+_ENGINE_SIDE = "GPU<->CPU copies happen in the engine's workers, not in our server"
 LEFT_OUT: dict[str, str] = {
-    "lmcache_mp_l0_l1_*_throughput_GB_per_second": ("GPU<->CPU copies happen in the engine's workers, not in "
-                                                     "our server (vllm:glm_cache_loaded_bytes_total is the engine's)"),
+    "lmcache_mp_l0_l1_*_throughput_GB_per_second* lmcache_mp_num_submitted_* lmcache_mp_num_finished_*": (
+        _ENGINE_SIDE + " (vllm:glm_cache_loaded_bytes_total and _saved_bytes_total are the engine's)"),
     "lmcache_mp_num_chunks_loaded_total": "engine-side in LMCache; ours is vllm:glm_cache_loaded_objects_total",
+    "lmcache_mp_l0_block_*": "vLLM's GPU blocks are vLLM's: the server never sees them",
     "lmcache_mp_l2_usage_bytes": "we do not ask the L2 store how much it holds",
-    "lmcache_mp_l2_store_submitted_* / _l2_load_completed_requests_total": (
-        "we count objects written and promoted, not L2 tasks"),
+    "lmcache_mp_l2_store_submitted_* lmcache_mp_l2_prefetch_load_submitted_* "
+    "lmcache_mp_l2_prefetch_lookup_objects_chunks_total": (
+        "no L2 task queue to submit to: writes go out in pipelined batches (counted as completed tasks) and "
+        "promotions read in the lookup; glm_cache_l2_queue_bytes is what waits"),
+    "lmcache_mp_l2_prefetch_failure_chunks_total": (
+        "L2 read failures are counted per kind, not per chunk: glm_cache_l2_errors_total{kind} and "
+        "glm_cache_l2_timeouts_total"),
+    "lmcache_mp_num_inflight_l2_* lmcache_mp_active_prefetch_jobs lmcache_mp_inflight_load_memory_usage_bytes": (
+        "no in-flight job table: a promotion runs inside its lookup, writes in one writer thread"),
     "lmcache_mp_l1_eviction_loop_*": "no eviction loop: we evict inline on put",
-    "lmcache_mp_l1_chunk_* / l0_block_* lifecycle histograms, real_reuse_gap": "not measured",
-    "lmcache_mp_event_bus_*, num_inflight_*, active_prefetch_jobs, transfer_phase_*": "no such machinery",
-    "lmcache_mp_lookup_prompt_tokens_total, lookup_request_hit_tokens_total": (
+    "lmcache_mp_l1_chunk_* lmcache_mp_real_reuse_gap_*": "object lifetimes and reuse gaps are not measured",
+    "lmcache_mp_event_bus_*": "no event bus: counters are read at scrape time",
+    "lmcache_mp_transfer_phase_*": "no DMA phases: the server touches no GPU",
+    "lmcache_mp_lookup_prompt_tokens_total lmcache_mp_lookup_request_hit_tokens_total": (
         "the lookup carries chunk hashes only, not the prompt length or the engine's own hit"),
     "lmcache_blend_*": "no CacheBlend",
 }

@@ -353,11 +353,18 @@ class ServerMetrics:
                               f"lmcache_mp.l2_{kind}_throughput", ["l2_name"], registry=self.registry,
                               buckets=L2_THROUGHPUT_BUCKETS).labels(l2_name=label)
                 for op, kind in (("set", "store"), ("get", "load"))}
+        # LMCache's L2 task counters: one task per round trip (the L2 IOPS panel)
+        tasks = {op: Counter(f"lmcache_mp_l2_{kind}_completed_requests", f"L2 {kind} tasks completed (one per "
+                             "pipelined round trip), as LMCache's", ["l2_name"],
+                             registry=self.registry).labels(l2_name=label)
+                 for op, kind in (("set", "store"), ("get", "load"))}
 
         def observe(op: str, seconds: float, nbytes: int) -> None:
             latency.labels(op=op).observe(seconds)
             if op in rate and nbytes and seconds > 0:
                 rate[op].observe(nbytes / seconds / 1e9)
+            if op in tasks:
+                tasks[op].inc()
 
         return observe
 

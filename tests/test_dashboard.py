@@ -16,12 +16,11 @@ from cache_server.client import CacheClient
 from testing.redis_nodes import RedisNodes
 from testing.server_process import ServerProcess
 from l2_fixtures import l2_args, require_store
+from validation.lmcache_dashboard import metric_names
 
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD = ROOT / "docs" / "dashboards" / "glm-cache-server.json"
 STATS = ROOT / "connector" / "stats.py"
-PROMQL_WORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "and", "or", "unless",
-                "offset"}
 
 
 def dashboard_exprs() -> list[tuple[str, str]]:
@@ -32,23 +31,6 @@ def dashboard_exprs() -> list[tuple[str, str]]:
             yield from walk(p.get("panels", []))
     doc = json.loads(DASHBOARD.read_text())
     return [(p["title"], t["expr"]) for p in walk(doc["panels"]) for t in p.get("targets", [])]
-
-
-def metric_names(expr: str) -> set[str]:
-    """The metric names a PromQL expression selects (not functions, label names or keywords)."""
-    s = re.sub(r'"(?:[^"\\]|\\.)*"', "", expr)  # strings
-    s = re.sub(r"\{[^}]*\}", "", s)  # label matchers
-    s = re.sub(r"\[[^\]]*\]", "", s)  # range selectors
-    s = re.sub(r"\b(by|without|on|ignoring)\s*\([^)]*\)", "", s)  # grouping labels
-    names = set()
-    for m in re.finditer(r"[A-Za-z_:][A-Za-z0-9_:]*", s):
-        after = s[m.end():].lstrip()
-        if m.group() in PROMQL_WORDS or after.startswith("("):
-            continue
-        if m.start() and (s[m.start() - 1].isdigit() or s[m.start() - 1] == "."):
-            continue  # the exponent of a number such as 1e9
-        names.add(m.group())
-    return names
 
 
 def exported_names(text: str) -> set[str]:

@@ -1,0 +1,236 @@
+"""LMCache's official Grafana dashboard against a real glm-cache-server: which panels show data.
+
+The panels and PromQL of LMCache's published dashboard are in
+``tests/fixtures/lmcache_dashboard.json`` (written down from LMCache's repository: lmcache-cli
+does not install it). This starts a real glm-cache-server (with a Redis L2 tier when
+redis-server is installed), drives traffic through our client (puts past the budget, so
+evictions and L2 writes; lookups that hit, miss and promote from L2; salted lookups; reads of
+present and absent objects; puts refused for room), scrapes ``/metrics`` before and after, and
+evaluates each panel's queries the way Prometheus would see the two scrapes:
+
+- **data**: every series a query reads exists, and what it plots moved (a rate's counter grew,
+  a gauge is not 0);
+- **flat**: the series exist but nothing moved in this run;
+- **none**: a series it reads is not exported here (``cache_server.lmcache_compat.LEFT_OUT``
+  says why); a panel whose queries end in ``or vector(0)`` then still draws a flat 0.
+
+``python validation/lmcache_dashboard.py`` prints the Markdown table the migration page carries;
+``tests/test_lmcache_dashboard.py`` checks that the page's table is this run's."""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import re
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from cache_server.client import CacheClient  # noqa: E402
+from cache_server.lmcache_compat import LEFT_OUT  # noqa: E402
+from testing.redis_nodes import RedisNodes, store_binaries  # noqa: E402
+from testing.server_process import ServerProcess  # noqa: E402
+
+FIXTURE = ROOT / "tests" / "fixtures" / "lmcache_dashboard.json"
+PROMQL_WORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "and", "or", "unless",
+                "offset", "vector"}
+NS = "GLM-5-0123456789abcdef"  # as an engine names its namespace: <model>-<16 hex>
+Samples = dict[str, list[tuple[dict[str, str], float]]]
+
+
+def metric_names(expr: str) -> set[str]:
+    """The metric names a PromQL expression selects (not functions, label names or keywords)."""
+    s = re.sub(r'"(?:[^"\\]|\\.)*"', "", expr)  # strings
+    s = re.sub(r"\{[^}]*\}", "", s)  # label matchers
+    s = re.sub(r"\[[^\]]*\]", "", s)  # range selectors
+    s = re.sub(r"\b(by|without|on|ignoring)\s*\([^)]*\)", "", s)  # grouping labels
+    names = set()
+    for m in re.finditer(r"[A-Za-z_:][A-Za-z0-9_:]*", s):
+        after = s[m.end():].lstrip()
+        if m.group() in PROMQL_WORDS or after.startswith("("):
+            continue
+        if m.start() and (s[m.start() - 1].isdigit() or s[m.start() - 1] == "."):
+            continue  # the exponent of a number such as 1e9
+        names.add(m.group())
+    return names
+
+
+def parse(text: str) -> Samples:
+    """An exposition's samples: name -> [(labels, value)]."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: Samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out.setdefault(s.name, []).append((dict(s.labels), s.value))
+    return out
+
+
+def scrape(url: str) -> Samples:
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        return parse(r.read().decode())
+
+
+def _matchers(expr: str, name: str) -> dict[str, str]:
+    """The equality matchers written right after ``name`` in ``expr`` (``{phase="staging"}``)."""
+    m = re.search(re.escape(name) + r"\{([^}]*)\}", expr)
+    return dict(re.findall(r'(\w+)\s*=\s*"([^"]*)"', m.group(1))) if m else {}
+
+
+def _series(samples: Samples, name: str, matchers: dict[str, str]) -> dict[tuple, float]:
+    return {tuple(sorted(labels.items())): v for labels, v in samples.get(name, [])
+            if all(labels.get(k) == v for k, v in matchers.items())}
+
+
+def query_status(expr: str, before: Samples, after: Samples) -> tuple[str, list[str]]:
+    """``data``, ``flat`` or ``none`` for one query, and the names it reads that are absent."""
+    names = sorted(metric_names(expr))
+    missing = [n for n in names if not _series(after, n, _matchers(expr, n))]
+    if missing:
+        return "none", missing
+    moved = []
+    for n in names:
+        now, then = _series(after, n, _matchers(expr, n)), _series(before, n, _matchers(expr, n))
+        if re.search(r"(rate|increase|irate)\(\s*" + re.escape(n) + r"\b", expr):
+            moved.append(any(v > then.get(k, 0.0) for k, v in now.items()))
+        else:
+            moved.append(any(v != 0 for v in now.values()))
+    return ("data" if all(moved) else "flat"), []
+
+
+def reason(name: str) -> str | None:
+    """Why ``name`` is not served here (:data:`LEFT_OUT`, keyed by glob patterns)."""
+    for patterns, why in LEFT_OUT.items():
+        if any(fnmatch.fnmatchcase(name, p) for p in patterns.split()):
+            return why
+    return None
+
+
+@dataclass
+class Panel:
+    row: str
+    title: str
+    status: str  # data, flat, none, traces
+    why: str
+
+
+def panels() -> Iterator[dict]:
+    yield from json.loads(FIXTURE.read_text())["panels"]
+
+
+def evaluate(before: Samples, after: Samples) -> list[Panel]:
+    out = []
+    for p in panels():
+        if not p["exprs"]:
+            out.append(Panel(p["row"], p["title"], "none", "Tempo traces (TraceQL): no OpenTelemetry tracing here"))
+            continue
+        results = [query_status(e, before, after) for e in p["exprs"]]
+        statuses = {s for s, _ in results}
+        status = "data" if "data" in statuses else "flat" if "flat" in statuses else "none"
+        missing = sorted({n for _, names in results for n in names})
+        whys = []
+        for n in missing:
+            why = reason(n) or f"{n}: not exported (no reason recorded)"
+            if why not in whys:
+                whys.append(why)
+        why = "; ".join(whys)
+        if status == "none" and all(e.rstrip().endswith("or vector(0)") for e in p["exprs"]):
+            why += " (its `or vector(0)` draws a flat 0)"
+        elif status != "none" and missing:
+            why = "some queries: " + why
+        out.append(Panel(p["row"], p["title"], status, why))
+    return out
+
+
+def drive(c: CacheClient, server: ServerProcess, l2: bool) -> None:
+    """Traffic every panel we can serve has something to show from."""
+    c.hello(NS, 128, attn_groups=[0], state_groups=[1])
+
+    def prefix(seed: int, n: int) -> list[bytes]:
+        return [(seed << 32 | i).to_bytes(32, "big") for i in range(n)]
+
+    def store(hs: list[bytes], attn: int = 200_000, state: int = 50_000) -> list[str]:
+        return c.put(NS, [(x, 0, 0, bytes(attn)) for x in hs] + [(hs[-1], 1, 0, bytes(state))])
+
+    first = prefix(1, 3)
+    store(first)
+    for seed in range(2, 8):  # past the budget: evictions, and (with L2) writes there
+        store(prefix(seed, 3))
+    if l2:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not _moved(scrape(server.http_url),
+                                                         "lmcache_mp_l2_store_completed_objects_chunks_total"):
+            time.sleep(0.1)
+    c.lookup(NS, first, [0], [1], lease=False)  # evicted from L1: promoted from L2 when there is one
+    last = prefix(7, 3)
+    c.lookup(NS, last, [0], [1], lease=False, cache_salt="tenant-a")  # an L1 hit
+    c.lookup(NS, prefix(99, 2), [0], [1], lease=False)  # a miss
+    c.get(NS, [(last[0], 0, 0), (b"\x01" * 32, 0, 0)])  # a read and a read of an absent object
+    hs = prefix(8, 4)
+    store(hs)
+    c.lookup(NS, hs, [0], [1])  # leased: held while the next put needs room
+    c.put(NS, [(x, 0, 0, bytes(600_000)) for x in prefix(9, 2)])  # no room: allocation failures
+
+
+def _moved(samples: Samples, name: str) -> bool:
+    return any(v > 0 for _, v in samples.get(name, []))
+
+
+def run() -> tuple[list[Panel], bool]:
+    """Start a server (and Redis where it is installed), drive it, evaluate every panel."""
+    l2 = store_binaries() is not None
+    with ExitStack() as stack:
+        args = ["--separate-object-groups", "--l1-size-gb", "0.002", "--max-leased-fraction", "0.95",
+                "--max-object-size-mb", "1"]
+        if l2:
+            redis = stack.enter_context(RedisNodes(1, cluster=False, maxmemory_mb=32))
+            secret = stack.enter_context(_secret_file())
+            args += ["--l2", redis.url, "--l2-secret-file", secret]
+        server = stack.enter_context(ServerProcess(*args))
+        c = stack.enter_context(CacheClient(server.url, timeout_s=10.0))
+        before = scrape(server.http_url)
+        drive(c, server, l2)
+        after = scrape(server.http_url)
+    return evaluate(before, after), l2
+
+
+class _secret_file:
+    def __enter__(self) -> str:
+        import os
+        import tempfile
+
+        fd, self.path = tempfile.mkstemp(prefix="glm-l2-secret-")
+        with os.fdopen(fd, "w") as f:
+            f.write("lmcache-dashboard-run-l2-secret-0123456789\n")
+        return self.path
+
+    def __exit__(self, *exc: object) -> None:
+        Path(self.path).unlink(missing_ok=True)
+
+
+def markdown(result: list[Panel]) -> str:
+    counts = {s: sum(p.status == s for p in result) for s in ("data", "flat", "none")}
+    lines = [f"{counts['data']} of {len(result)} panels show data, {counts['flat']} are flat, "
+             f"{counts['none']} cannot show data here.", "",
+             "| row | panel | here | why |", "| --- | --- | --- | --- |"]
+    lines += [f"| {p.row} | {p.title} | {p.status} | {p.why} |" for p in result]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    result, l2 = run()
+    if not l2:
+        print("(no redis-server on PATH: the L2 panels ran without an L2 tier)", file=sys.stderr)
+    sys.stdout.write(markdown(result))
+
+
+if __name__ == "__main__":
+    main()
