@@ -13,7 +13,7 @@ LMCache's separate scrape port does.
 LMCache's MP server paths are served too, so its CLI (``lmcache ping|describe kvcache``,
 ``lmcache kvcache clear``) works here: /status carries the fields LMCache's has
 (:func:`cache_server.lmcache_compat.status_fields`) beside ours, /config is /conf,
-/clear-cache is /cache/clear, and POST /cache/clear takes LMCache's body
+/clear-cache is an alias of /cache/clear, and POST /cache/clear takes LMCache's body
 ``{"tier": "l1"|"l2"|"all", "force": bool}`` with LMCache's meaning: without a body (or
 without ``tier``) it clears L1 only, and only the objects no lookup has leased (``force``
 removes those too); L2, which every server sharing the store reads, is cleared only when
@@ -58,7 +58,7 @@ logger = logging.getLogger("glm_cache_server.http")
 MAX_BODY_BYTES = 4096  # a clear's body: {"tier": ..., "force": ...}
 MAX_QUERY_BODY_BYTES = 5 << 20  # a router's query: 131072 token ids or 65536 hex hashes, as JSON
 QUERY_PATHS = {"/query": False, "/query_by_hash": True}  # the Mooncake KV Indexer RFC's (by_hash)
-CLEAR_PATHS = ("/cache/clear", "/clear-cache")  # ours, and LMCache's older path
+CLEAR_PATHS = ("/cache/clear", "/clear-cache")  # ours, and an alias of it
 CLEAR_TIERS = ("l1", "l2", "all")
 VERSION_PATHS = ("/version", "/lmc_version", "/commit_id")  # LMCache's
 COMMIT_ID = ""  # not recorded at install: /commit_id answers "" and /version "<version>-NA", as LMCache's would
