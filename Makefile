@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo demo-server test test-vllm033 bench clean
+.PHONY: setup demo demo-server lint test test-vllm033 bench clean
 
 setup:
 	@scripts/setup.sh
@@ -12,6 +12,11 @@ demo: setup
 
 demo-server: setup
 	$(PY) validation/demo_server.py
+
+# The lint gate CI runs first (seconds): pyflakes, pycodestyle and import order, as
+# pyproject.toml's [tool.ruff] sets them.
+lint: setup
+	$(VENV)/bin/ruff check .
 
 test: setup
 	$(PY) -m pytest -q -p no:cacheprovider --durations=15 tests

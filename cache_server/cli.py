@@ -11,12 +11,19 @@ from collections.abc import Callable, Mapping
 
 import zmq
 
-from cache_server.auth import (MIN_L2_SECRET_CHARS, TokenFileError, is_loopback, lmcache_api_keys,
-                               lmcache_key_variables, read_token_file, world_readable)
+from cache_server.auth import (
+    MIN_L2_SECRET_CHARS,
+    TokenFileError,
+    is_loopback,
+    lmcache_api_keys,
+    lmcache_key_variables,
+    read_token_file,
+    world_readable,
+)
+from cache_server.config import GIB, MIB, PUT_OBJECTS_BOUND, ServerConfig
+from cache_server.http import start_http
 from cache_server.lmcache_compat import unhonoured_lmcache_env
 from cache_server.lmcache_surface import env_hint, refusal
-from cache_server.http import start_http
-from cache_server.config import GIB, MIB, PUT_OBJECTS_BOUND, ServerConfig
 from cache_server.server import CacheServer
 
 logger = logging.getLogger("glm_cache_server")

@@ -26,8 +26,7 @@ import numpy as np
 
 from cache_server import protocol as p
 from cache_server.client_errors import CacheServerError, CacheServerUnavailable
-from cache_server.shm import (DATA_OFFSET, MAX_SEGMENTS_PER_CLIENT, ClientSegment, align_up, boot_id,
-                              memfd_supported, segment_id)
+from cache_server.shm import DATA_OFFSET, MAX_SEGMENTS_PER_CLIENT, ClientSegment, align_up, boot_id, memfd_supported, segment_id
 
 MIB = 1 << 20
 MAX_ABANDONED = 256  # ids kept for detaching; older ones the server drops when idle

@@ -45,8 +45,8 @@ from urllib.parse import parse_qs, urlparse, urlsplit
 
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from cache_server.auth import LMCACHE_KEY_HEADER, is_loopback, request_token_matches
 from cache_server import protocol as p
+from cache_server.auth import LMCACHE_KEY_HEADER, is_loopback, request_token_matches
 from cache_server.lmcache_compat import effective_config, status_fields
 from cache_server.prefix_query import parse_query
 

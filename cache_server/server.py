@@ -33,8 +33,8 @@ import zmq
 
 from cache_server import protocol as p
 from cache_server.config import ServerConfig
-from cache_server.metrics import ServerMetrics
 from cache_server.layout import copy_count
+from cache_server.metrics import ServerMetrics
 from cache_server.namespaces import NamespaceTable
 from cache_server.prefix_query import PrefixQuery, chunk_key_scheme, parse_query
 from cache_server.shm import GetRegion, SegmentTable, SizedSpan, owned_copy, put_spans

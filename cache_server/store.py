@@ -34,8 +34,17 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from cache_server.chunk_tree import UNKNOWN_PARENT, ChunkTree
-from cache_server.eviction import (DEFAULT_VALUE_ALPHA, EVICTION_POLICIES, OTHER, PLAIN, STATE, SUPERSEDED,
-                                   WORTHLESS, EvictionQueues, HeapItem)
+from cache_server.eviction import (
+    DEFAULT_VALUE_ALPHA,
+    EVICTION_POLICIES,
+    OTHER,
+    PLAIN,
+    STATE,
+    SUPERSEDED,
+    WORTHLESS,
+    EvictionQueues,
+    HeapItem,
+)
 from cache_server.layout import Layout, StoreKey, attention_depth, group_ranks, resume_depth
 from cache_server.leases import ANY_OWNER, LeaseTable
 from cache_server.protocol import PutResult

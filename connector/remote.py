@@ -19,6 +19,7 @@ from connector.config import Settings, logger
 from connector.geometry import Geometry, GeometryError
 from connector.keys import extend_chunk_hashes
 
+
 @dataclass
 class LookupAnswer:
     """What the lookup thread brings back (``error`` set: the server failed, serve cold)."""

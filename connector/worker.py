@@ -26,6 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransfe
 
 from cache_server.client import CLIENT_ERRORS, CacheClient, CacheServerUnavailable, unauthorized
 from connector.config import Settings, logger
+from connector.geometry import Geometry
 from connector.identity import LiveWeights, expected_token
 from connector.metadata import (
     SAVE_DROPPED,
@@ -39,7 +40,6 @@ from connector.metadata import (
     ObjectMove,
     SaveFailure,
 )
-from connector.geometry import Geometry
 
 if TYPE_CHECKING:
     import torch

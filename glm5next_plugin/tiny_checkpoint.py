@@ -468,7 +468,7 @@ def write_checkpoint(
     The MTP layer is the trained one (:func:`trained_mtp_state`) where it was trained on
     this target and ``trained_mtp`` is set, otherwise derived (:func:`mtp_state`)."""
     from safetensors.torch import save_file
-    from transformers import Glm5NextForConditionalGeneration, GenerationConfig
+    from transformers import GenerationConfig, Glm5NextForConditionalGeneration
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

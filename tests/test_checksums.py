@@ -11,8 +11,8 @@ import urllib.request
 import pytest
 
 from cache_server import protocol as p
-from testing.server_process import ServerProcess
 from cache_server.client import CacheClient, CacheServerError
+from testing.server_process import ServerProcess
 
 NS = "checksum-test"
 KEY = (b"\x07" * 32, 1, 0)

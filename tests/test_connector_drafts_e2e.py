@@ -27,9 +27,9 @@ import time
 
 import pytest
 
-from tests.engines import connector_engine, random_prompt
 from testing.draft_recorder import log_lines, read_drafts
 from testing.server_process import ServerProcess
+from tests.engines import connector_engine, random_prompt
 
 pytestmark = pytest.mark.engine
 
@@ -221,8 +221,9 @@ def test_control_without_the_lookahead_rule_the_fork_drafts_differ(tmp_path_fact
     the external cache). B then resumes at 2C on A's rows and its drafts are not a cold B's
     (measured: 2 and 3 of 64 steps differ at these two forks): without the lookahead rule the
     fork test above would fail."""
-    from glm5next_plugin import tiny_checkpoint
     from vllm import LLM
+
+    from glm5next_plugin import tiny_checkpoint
 
     ckpt = tmp_path_factory.mktemp("tiny_mtp_control")
     tiny_checkpoint.main([str(ckpt), "--seed", "3"])

@@ -26,11 +26,11 @@ import time
 import uuid
 
 import pytest
-
-from testing.server_process import ServerProcess
-from cache_server.client import CacheClient
 from engines import connector_engine
 from tiny_qwen3_next import BLOCK_SIZE, make_tiny_qwen3_next
+
+from cache_server.client import CacheClient
+from testing.server_process import ServerProcess
 
 pytestmark = pytest.mark.engine
 
@@ -209,11 +209,11 @@ def test_concurrent_requests_reload_their_own_prefixes(llm):
     local = _run(llm, prompts, salt="batch", max_tokens=16)  # vLLM's own prefix cache
     llm.reset_prefix_cache()
     reloaded = _run(llm, prompts, salt="batch", max_tokens=16)
-    for p, c, l, r in zip(prompts, cold, local, reloaded):
+    for p, c, loc, r in zip(prompts, cold, local, reloaded):
         assert c[2] == 0
-        assert l[2] == r[2] == _strict_hit(len(p)), f"length {len(p)}"
-        assert r[0] == l[0] == c[0], f"length {len(p)}: continuation differs"
-        assert r[1] == pytest.approx(l[1], abs=1e-6), f"length {len(p)}"
+        assert loc[2] == r[2] == _strict_hit(len(p)), f"length {len(p)}"
+        assert r[0] == loc[0] == c[0], f"length {len(p)}: continuation differs"
+        assert r[1] == pytest.approx(loc[1], abs=1e-6), f"length {len(p)}"
 
 
 def test_corrupt_objects_fail_the_load_and_recompute(llm, server):

@@ -11,9 +11,7 @@ compared one at a time (see test_connector_e2e.py for why).
 
 from __future__ import annotations
 
-
 import pytest
-
 from engines import assert_boundary_reloads_equal_cold, generate_one, random_prompt, tiny_glm_engine
 
 pytestmark = pytest.mark.engine

@@ -6,9 +6,9 @@ from __future__ import annotations
 import time
 
 import pytest
+from engines import connector_engine, generate_one, random_prompt
 
 from cache_server.client import CacheClient
-from engines import connector_engine, generate_one, random_prompt
 from glm5next_plugin import tiny_checkpoint
 from testing.server_process import ServerProcess
 

@@ -9,10 +9,10 @@ import time
 from types import SimpleNamespace
 
 import pytest
+from engines import connector_engine, generate_one, random_prompt
 
 from cache_server.client import CacheClient
 from connector.identity import UnnamedWeights, engine_identity, weights_digest
-from engines import connector_engine, generate_one, random_prompt
 from glm5next_plugin import tiny_checkpoint
 
 C = 256

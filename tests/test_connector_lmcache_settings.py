@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 
 from testing.server_process import ServerProcess
-
 from tests.engines import random_prompt
 
 

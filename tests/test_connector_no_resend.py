@@ -15,10 +15,10 @@ from __future__ import annotations
 import time
 
 import pytest
+from engines import random_prompt, tiny_glm_engine
 
 from cache_server.client import CacheClient
 from testing.vllm_keys import vllm_chunk_keys
-from engines import random_prompt, tiny_glm_engine
 
 pytestmark = pytest.mark.engine
 

@@ -9,10 +9,10 @@ import random
 import time
 
 import pytest
-
-from testing.server_process import ServerProcess, free_port
 from engines import connector_engine
 from tiny_qwen3_next import BLOCK_SIZE, make_tiny_qwen3_next
+
+from testing.server_process import ServerProcess, free_port
 
 pytestmark = pytest.mark.engine
 

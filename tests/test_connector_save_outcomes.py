@@ -19,10 +19,10 @@ import threading
 import time
 
 import pytest
-
-from testing.server_process import ServerProcess
-from cache_server.client import CacheClient
 from engines import generate_one, random_prompt, tiny_glm_engine
+
+from cache_server.client import CacheClient
+from testing.server_process import ServerProcess
 
 pytestmark = pytest.mark.engine
 

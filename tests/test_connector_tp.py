@@ -21,11 +21,11 @@ import time
 import urllib.request
 
 import pytest
-
-from testing.server_process import ServerProcess
-from cache_server.client import CacheClient
 from engines import connector_engine
+
+from cache_server.client import CacheClient
 from glm5next_plugin import tiny_checkpoint
+from testing.server_process import ServerProcess
 
 pytestmark = pytest.mark.engine
 

@@ -11,7 +11,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from testing.server_process import ServerProcess
 from cache_server.client import CacheClient
 from connector.config import Settings
 from connector.geometry import CacheGroup, Geometry, LayerPage
@@ -26,6 +25,7 @@ from connector.metadata import (
 )
 from connector.saves import MAX_SAVE_RETRIES, SavePlanner
 from connector.worker import WorkerSide, batches
+from testing.server_process import ServerProcess
 from testing.worker_loads import wait_load
 
 vkv = pytest.importorskip("vllm.v1.kv_cache_interface")

@@ -13,9 +13,9 @@ import textwrap
 
 import pytest
 
-from testing.server_process import ServerProcess
 from connector.config import Settings, cpu_setting
 from connector.worker import _pool, spare_cpus
+from testing.server_process import ServerProcess
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -11,11 +11,11 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from l2_fixtures import l2_args, require_store
 
 from cache_server.client import CacheClient
 from testing.redis_nodes import RedisNodes
 from testing.server_process import ServerProcess
-from l2_fixtures import l2_args, require_store
 from validation.lmcache_dashboard import metric_names
 
 ROOT = Path(__file__).resolve().parent.parent

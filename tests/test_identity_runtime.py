@@ -20,6 +20,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from engines import connector_engine, generate_one, random_prompt
 from torch import nn
 
 from cache_server.client import CacheClient
@@ -36,7 +37,6 @@ from connector.identity import (
 from connector.keys import chunk_hashes, model_numerics_version, numerics_version_of
 from connector.metadata import GlmConnectorMetadata, GlmWorkerMeta, LoadJob, ObjectMove
 from connector.worker import WorkerSide
-from engines import connector_engine, generate_one, random_prompt
 from glm5next_plugin import tiny_checkpoint
 from testing.worker_loads import wait_load
 from validation.sched_harness import Blocks, request, weights_dir
@@ -109,10 +109,11 @@ def test_the_numerics_version_is_in_the_namespace(sides, monkeypatch):
     """The connector reads NUMERICS_VERSION from the package of the model class vLLM
     resolves (the plugin's classes, the MTP drafter's too; vLLM's own models have none), and
     engines whose model code has another version share no namespace."""
+    from vllm.model_executor.models.qwen3_next import Qwen3NextForCausalLM
+
     import glm5next_plugin
     from glm5next_plugin.model import Glm5NextForConditionalGeneration
     from glm5next_plugin.mtp import Glm5NextMTPModel
-    from vllm.model_executor.models.qwen3_next import Qwen3NextForCausalLM
 
     mine = f"glm5next_plugin/{glm5next_plugin.NUMERICS_VERSION}"
     assert numerics_version_of(Glm5NextForConditionalGeneration) == mine

@@ -36,8 +36,8 @@ from typing import Any
 
 import pytest
 
-from testing.server_process import ServerProcess, free_port
 from connector.events import RECHECK_S, VERIFY_DELAYS_S
+from testing.server_process import ServerProcess, free_port
 from tests.engines import random_prompt
 from validation.serving import VllmServer, complete, connector_config, post_json
 

@@ -13,12 +13,12 @@ import time
 import uuid
 
 import pytest
-
-from testing.server_process import ServerProcess, free_port
-from cache_server.client import CacheClient
 from engines import connector_engine
 from l2_fixtures import l2_args, start_cluster, wait_written
 from tiny_qwen3_next import BLOCK_SIZE, make_tiny_qwen3_next
+
+from cache_server.client import CacheClient
+from testing.server_process import ServerProcess, free_port
 
 pytestmark = pytest.mark.engine
 

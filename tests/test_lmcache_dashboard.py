@@ -9,8 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from l2_fixtures import require_store
+
 from validation import lmcache_dashboard as dash
 
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "migrating-from-lmcache.md"

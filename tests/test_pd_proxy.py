@@ -37,7 +37,6 @@ import pytest
 from validation.pd_proxy import MAX_PROMPT_TOKENS, BadRequest, PdProxy, check_body, decode_params, prefill_body
 
 
-
 def _post(url: str, data: bytes, timeout_s: float = 120.0) -> tuple[int, Any]:
     req = urllib.request.Request(url, data=data, method="POST", headers={"Content-Type": "application/json"})
     try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from glm5next_plugin import kda, sparse_mla, tiny_checkpoint
 from glm5next_plugin.model import cast_for_inference, check_supported, load_by_name
 from glm5next_plugin.standalone import StandaloneLM as _Standalone

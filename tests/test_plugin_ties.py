@@ -21,10 +21,10 @@ from __future__ import annotations
 import random
 
 import pytest
-
-from testing.server_process import ServerProcess
 from engines import connector_engine
+
 from glm5next_plugin import tiny_checkpoint
+from testing.server_process import ServerProcess
 
 pytestmark = pytest.mark.engine
 

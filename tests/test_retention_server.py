@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from testing.server_process import ServerProcess
 from cache_server.client import CacheClient
 from connector.keys import chunk_hashes
+from testing.server_process import ServerProcess
 
 MIB = 1 << 20
 

@@ -12,8 +12,8 @@ import pytest
 import zmq
 
 from cache_server import protocol as p
-from testing.server_process import ServerProcess
 from cache_server.client import CacheClient, CacheServerError, CacheServerUnavailable
+from testing.server_process import ServerProcess
 
 NS = "limits-ns"
 KIB, MIB = 1 << 10, 1 << 20

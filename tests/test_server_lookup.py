@@ -16,11 +16,11 @@ import random
 import time
 
 import pytest
+from l2_fixtures import l2_args, require_store, wait_written
 
 from cache_server import protocol as p
 from cache_server.client import CacheClient, CacheServerError
 from connector.keys import block_hash_keys, chunk_hashes, parent_of
-from l2_fixtures import l2_args, require_store, wait_written
 from testing.redis_nodes import RedisNodes
 from testing.server_process import ServerProcess
 
@@ -297,6 +297,7 @@ def test_real_connector_saves_what_a_router_query_finds(tmp_path_factory, engine
     request's salt) finds the strict prefix the connector stored: 2 chunks of 256 (the 88
     tokens after them are a partial chunk). Token ids alone cannot name such chunks: 400."""
     from engines import generate_one, random_prompt, tiny_glm_engine
+
     from testing.vllm_keys import vllm_hashed_request
 
     llm = tiny_glm_engine(tmp_path_factory, engine_server.url, 256)

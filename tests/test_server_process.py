@@ -13,10 +13,10 @@ import msgpack
 import pytest
 import zmq
 
-from testing.server_process import ServerProcess, free_port
-from cache_server.protocol import PROTOCOL_VERSION
 from cache_server.client import CacheClient, CacheServerError, CacheServerUnavailable
+from cache_server.protocol import PROTOCOL_VERSION
 from connector.keys import chunk_hashes
+from testing.server_process import ServerProcess, free_port
 
 NS = "test-ns"
 MAX_OBJECT = 1 << 20  # 1 MiB, so the oversize test stays cheap

@@ -14,10 +14,10 @@ import time
 import numpy as np
 import pytest
 
-from testing.server_process import ServerProcess, free_port
 from cache_server import protocol as p
-from cache_server.shm import DATA_OFFSET
 from cache_server.client import CacheClient, CacheServerError, CacheServerUnavailable
+from cache_server.shm import DATA_OFFSET
+from testing.server_process import ServerProcess, free_port
 
 NS = "shm-test"
 

@@ -19,8 +19,16 @@ import pytest
 from cache_server import protocol as p
 from cache_server import shm as shm_mod
 from cache_server.client import CacheClient, CacheServerError, CacheServerUnavailable
-from cache_server.shm import (DATA_OFFSET, MAX_BYTES_PER_CLIENT, MAX_SEGMENTS, MAX_SEGMENTS_PER_CLIENT, NONCE_BYTES,
-                              SEALS, boot_id, segment_id)
+from cache_server.shm import (
+    DATA_OFFSET,
+    MAX_BYTES_PER_CLIENT,
+    MAX_SEGMENTS,
+    MAX_SEGMENTS_PER_CLIENT,
+    NONCE_BYTES,
+    SEALS,
+    boot_id,
+    segment_id,
+)
 from testing.server_process import ServerProcess
 
 NS = "shm-hostile"

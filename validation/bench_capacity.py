@@ -54,10 +54,10 @@ from dataclasses import dataclass, field
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from testing.server_process import ServerProcess  # noqa: E402
 from cache_server.client import CacheClient  # noqa: E402
 from connector.geometry import strict_prefix_chunks  # noqa: E402
 from connector.keys import chunk_hashes  # noqa: E402
+from testing.server_process import ServerProcess  # noqa: E402
 
 GB = 1e9
 GIB = 1 << 30

@@ -36,9 +36,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from testing.server_process import ServerProcess  # noqa: E402
 from cache_server.client import CacheClient  # noqa: E402
 from connector.keys import chunk_hashes  # noqa: E402
+from testing.server_process import ServerProcess  # noqa: E402
 
 PROMPT_TOKENS = 300_000
 C_PROD = 1152

@@ -71,7 +71,6 @@ import random
 import statistics
 import sys
 import tempfile
-import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor

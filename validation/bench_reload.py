@@ -42,12 +42,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from testing.server_process import ServerProcess  # noqa: E402
 from cache_server.client import CacheClient  # noqa: E402
 from connector.config import Settings  # noqa: E402
+from connector.keys import chunk_hashes  # noqa: E402
 from connector.metadata import GlmConnectorMetadata, LoadJob, ObjectMove  # noqa: E402
 from connector.worker import batches  # noqa: E402
-from connector.keys import chunk_hashes  # noqa: E402
+from testing.server_process import ServerProcess  # noqa: E402
 
 
 def mem_available() -> int:

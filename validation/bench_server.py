@@ -59,9 +59,9 @@ from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from testing.server_process import ServerProcess, free_port  # noqa: E402
 from cache_server import protocol as p  # noqa: E402
 from cache_server.client import CacheClient  # noqa: E402
+from testing.server_process import ServerProcess, free_port  # noqa: E402
 
 MB = 1_000_000
 NS = "bench"

@@ -22,10 +22,10 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from testing.server_process import ServerProcess  # noqa: E402
+from cache_server.client import CacheClient  # noqa: E402
 from cache_server.protocol import PutResult  # noqa: E402
 from cache_server.store import ObjectStore  # noqa: E402
-from cache_server.client import CacheClient  # noqa: E402
+from testing.server_process import ServerProcess  # noqa: E402
 
 NS = "bench"
 OBJECT_BYTES = 64

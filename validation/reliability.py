@@ -41,9 +41,9 @@ import zmq
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from testing.server_process import ServerProcess, free_port  # noqa: E402
 from cache_server.auth import PLAIN_USERNAME  # noqa: E402
 from cache_server.client import CacheClient, CacheServerError  # noqa: E402
+from testing.server_process import ServerProcess, free_port  # noqa: E402
 from testing.vllm_keys import vllm_chunk_keys  # noqa: E402
 
 MIB = 1 << 20
