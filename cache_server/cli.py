@@ -92,8 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--l1-state-share", type=_open_fraction, default=d.l1_state_share, metavar="FRACTION",
                     help="give the state groups of engines that declared them a separate share of "
                          "--l1-size-gb, in (0, 1); default: one budget for all (measured better)")
-    ap.add_argument("--separate-object-groups", action="store_true", default=d.separate_object_groups,
-                    help="store one object per cache group (required for hybrid KDA/Mamba models)")
+    ap.add_argument("--separate-object-groups", action=argparse.BooleanOptionalAction, default=d.separate_object_groups,
+                    help="store one object per cache group, required for hybrid KDA/Mamba models (on by default; "
+                         "--no-separate-object-groups, as LMCache's, turns it off)")
     ap.add_argument("--max-object-size-mb", type=_positive_float, default=None, metavar="MIB",
                     help=f"largest object accepted, in MiB (default {d.max_object_bytes / MIB:g}, or the whole "
                          "budget if smaller)")

@@ -33,7 +33,7 @@ class ServerConfig:
     min_chunk_size: int = 256
     l1_size_bytes: int = 1 * GIB
     max_object_bytes: int = 256 * MIB
-    separate_object_groups: bool = False
+    separate_object_groups: bool = True  # every model this project serves needs it
     lease_ttl_s: float = 60.0
     eviction_policy: str = "value"  # cache_server.store: "value" (recency and value per byte) or "LRU"
     l1_state_share: float | None = None  # share of l1_size_bytes for state groups; None: one budget

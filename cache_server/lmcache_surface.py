@@ -406,7 +406,8 @@ SERVER_FLAGS: dict[str, tuple[str, str]] = {
     "--eviction-policy": _a("LRU as LMCache's (in our retention classes); our default is value; ARC, "
                             "IsolatedLRU and noop are refused by argparse's choices"),
     "--separate-object-groups": _a("one object per cache group, required for hybrid models in both"),
-    "--no-separate-object-groups": _r("leave out --separate-object-groups (off by default, as LMCache)"),
+    "--no-separate-object-groups": _a("one object per chunk, as LMCache's (ours is on by default: every model "
+                                      "this project serves is hybrid)"),
     "--max-workers": _r("--workers N (threads answering requests)"),
     "--max-cpu-workers": _r("--workers N (one pool of threads answers every request)"),
     "--max-gpu-workers": _r("--workers N; " + _NO_GPU),

@@ -84,7 +84,8 @@ SAMPLES = {"--host": ("127.0.0.2", "host"), "--http-host": ("127.0.0.3", "http_h
            "--http-port": ("8081", "http_port"), "--prometheus-port": ("9090", "prometheus_port"),
            "--chunk-size": ("512", "chunk_size"), "--l1-size-gb": ("2.5", "l1_size_gb"),
            "--eviction-policy": ("LRU", "eviction_policy"), "--api-key-file": ("/k", "api_key_file"),
-           "--http-api-key-file": ("/k", "api_key_file"), "--separate-object-groups": (None, "separate_object_groups")}
+           "--http-api-key-file": ("/k", "api_key_file"), "--separate-object-groups": (None, "separate_object_groups"),
+           "--no-separate-object-groups": (False, "separate_object_groups")}
 
 
 def test_every_accepted_flag_parses_with_lmcaches_value(table):
@@ -92,9 +93,9 @@ def test_every_accepted_flag_parses_with_lmcaches_value(table):
     assert sorted(accepted) == sorted(SAMPLES)
     for flag in accepted:
         value, dest = SAMPLES[flag]
-        args = build_parser().parse_args([flag] + ([value] if value is not None else []))
+        args = build_parser().parse_args([flag] + ([value] if isinstance(value, str) else []))
         got = getattr(args, dest)
-        want = {"/k": ["/k"], None: True}.get(value, value)
+        want = {"/k": ["/k"], None: True, False: False}.get(value, value)
         assert got == want or str(got) == value or got == type(got)(value), (flag, got)
 
 

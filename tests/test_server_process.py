@@ -113,6 +113,10 @@ def test_prev_link_marks_the_older_state_superseded(server, client):
 
 def test_group_ids_need_separate_object_groups():
     with ServerProcess("--l1-size-gb", "0.01") as s, CacheClient(s.url, timeout_s=5) as c:
+        assert c.hello(NS, 16)["separate_object_groups"] is True  # on by default
+        assert c.put(NS, [(bytes(32), 1, 0, b"x")]) == ["stored"]
+    with ServerProcess("--l1-size-gb", "0.01", "--no-separate-object-groups") as s, \
+            CacheClient(s.url, timeout_s=5) as c:
         assert c.hello(NS, 16)["separate_object_groups"] is False
         assert c.put(NS, [(bytes(32), 0, 0, b"x")]) == ["stored"]
         with pytest.raises(CacheServerError) as e:
