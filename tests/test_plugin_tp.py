@@ -42,6 +42,9 @@ TP_LOGPROB_TOL = 2e-4
 # threads instead of processes, same partial sums: measured max |diff| 5.1e-5 (300 tokens).
 THREADED_LOGPROB_TOL = 2e-4
 PROMPT_LENGTHS = (700, 37)
+# a pool choice closer than this (relative gap of the last kept and best dropped index score)
+# may go either way under another summation order (float32 sums differ ~1e-6 relative)
+NEAR_TIE = 1e-3
 
 
 @pytest.fixture(scope="module")
@@ -228,10 +231,12 @@ def _run_engine(ckpt, tp: int) -> dict:
     try:
         sizes = llm.collective_rpc("glm_layer_sizes")
         llm.collective_rpc("glm_record_mla_rows")
+        llm.collective_rpc("glm_record_pool_choices")
         sp = SamplingParams(max_tokens=12, temperature=0.0, logprobs=0, prompt_logprobs=1, ignore_eos=True)
         prompts = [_ids(n, seed=n) for n in PROMPT_LENGTHS]
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
         rows = llm.collective_rpc("glm_mla_rows")
+        choices = llm.collective_rpc("glm_pool_choices")[0]  # the indexer is replicated: rank 0's
     finally:
         llm.llm_engine.engine_core.shutdown()
         del llm
@@ -245,7 +250,7 @@ def _run_engine(ckpt, tp: int) -> dict:
                 "token_logprobs": [lp[t].logprob for t, lp in zip(gen.token_ids, gen.logprobs)],
             }
         )
-    return {"sizes": sizes, "rows": rows, "outputs": results}
+    return {"sizes": sizes, "rows": rows, "choices": choices, "outputs": results}
 
 
 @pytest.fixture(scope="module")
@@ -277,18 +282,47 @@ def test_tp2_engine_shards_heads_and_intermediate_per_rank(tp1, tp2):
         assert s["mlp_gate_proj"] == [64, 64]  # intermediate 128 split in two
 
 
+def _flipped_rows(tp1: dict, tp2: dict) -> list[tuple[int, float]]:
+    """(position, TP 1's relative gap) of every sparse query row, in any MLA layer, that kept
+    other pools at TP 2 than at TP 1. Both engines schedule the same steps, so their
+    selections come call for call."""
+    assert len(tp1["choices"]) == len(tp2["choices"]) > 0
+    flips = []
+    for a, b in zip(tp1["choices"], tp2["choices"]):
+        assert a["positions"] == b["positions"]
+        for pos, ca, cb, gap in zip(a["positions"], a["chosen"], b["chosen"], a["gaps"]):
+            if sorted(ca) != sorted(cb):
+                flips.append((pos, gap))
+    return flips
+
+
 @pytest.mark.engine
 def test_tp2_prompt_logprobs_and_greedy_tokens_match_tp1(tp1, tp2):
+    """TP 2 gives TP 1's log-probs up to summation order. Where a query row's pool choice was
+    a near tie at TP 1 (relative gap under NEAR_TIE between the last kept and best dropped
+    score), the other summation order may keep the other pool: that row and what follows it
+    may differ (the CI machine once saw 0.056 at one row of 699). Every row before the first
+    flip must agree within the tolerance, and the first flip must be such a near tie."""
+    flips = _flipped_rows(tp1, tp2)
+    first_flip = min((pos for pos, _ in flips), default=None)
+    if flips:  # the first one, in its first layer, must be a near tie (later ones may follow from it)
+        gap = next(g for pos, g in flips if pos == first_flip)
+        assert gap < NEAR_TIE, (first_flip, gap, flips[:8])
+    long_n = max(PROMPT_LENGTHS)  # sparse rows are the long prompt's only (the short one keeps every pool)
     for n, a, b in zip(PROMPT_LENGTHS, tp1["outputs"], tp2["outputs"]):
         assert len(a["prompt"]) == len(b["prompt"]) == n - 1
+        # prompt_logprobs[1:][i] is token i+1, predicted from query row i
+        upto = n - 1 if n != long_n or first_flip is None else min(n - 1, first_flip)
         diffs = []
-        for ea, eb in zip(a["prompt"], b["prompt"]):
+        for ea, eb in zip(a["prompt"][:upto], b["prompt"][:upto]):
             shared = ea.keys() & eb.keys()  # the prompt token; the top-1 token when both agree
             assert shared, (n, ea, eb)
             diffs += [abs(ea[t] - eb[t]) for t in shared]
-        assert max(diffs) < TP_LOGPROB_TOL, (n, max(diffs))
-        assert a["tokens"] == b["tokens"]
-        assert max(abs(x - y) for x, y in zip(a["token_logprobs"], b["token_logprobs"])) < TP_LOGPROB_TOL
+        assert len(diffs) >= min(n - 1, 128), (n, upto)  # the dense regime is always compared
+        assert max(diffs) < TP_LOGPROB_TOL, (n, max(diffs), first_flip)
+        if n != long_n or first_flip is None:
+            assert a["tokens"] == b["tokens"]
+            assert max(abs(x - y) for x, y in zip(a["token_logprobs"], b["token_logprobs"])) < TP_LOGPROB_TOL
 
 
 @pytest.mark.engine

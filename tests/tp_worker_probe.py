@@ -70,3 +70,38 @@ class PluginTPProbe:
         """Every recorded row per layer, in the order written (plain lists: any fp32 value
         survives the RPC exactly)."""
         return {name: torch.cat(parts).float().tolist() for name, parts in sorted(self._glm_rows.items())}
+
+    def glm_record_pool_choices(self) -> None:
+        """Start recording, for every query row that chooses among more pools than it keeps
+        (the sparse rows), its position, the pools it kept and how close the choice was: the
+        relative gap between the last kept and the best dropped score (0 is a tie). Summation
+        order differs between TP sizes, so a choice this close may go either way."""
+        from glm5next_plugin import sparse_mla
+
+        self._glm_choices: list[dict[str, list]] = []
+        select_pools, top_pool_set = sparse_mla.select_pools, sparse_mla.top_pool_set
+        gaps: list[torch.Tensor] = []
+
+        def recording_top_pool_set(scores: torch.Tensor, keep: int) -> torch.Tensor:
+            best = scores.topk(keep + 1, dim=-1).values  # every row here sees more than keep pools
+            gaps.append((best[:, keep - 1] - best[:, keep]) / best[:, keep - 1].abs().clamp(min=1e-30))
+            return top_pool_set(scores, keep)
+
+        def recording_select_pools(index_q, head_weights, pooled, positions, kpool, topk, *args, **kw):
+            gaps.clear()
+            chosen = select_pools(index_q, head_weights, pooled, positions, kpool, topk, *args, **kw)
+            sparse = ((positions + 1) // kpool).clamp(max=pooled.shape[0]) > topk // kpool
+            if sparse.any():
+                self._glm_choices.append({
+                    "positions": positions[sparse].tolist(),
+                    "chosen": chosen[sparse].tolist(),
+                    "gaps": torch.cat(gaps).tolist(),
+                })
+            return chosen
+
+        sparse_mla.top_pool_set = recording_top_pool_set
+        sparse_mla.select_pools = recording_select_pools
+
+    def glm_pool_choices(self) -> list[dict[str, list]]:
+        """What :meth:`glm_record_pool_choices` recorded, call by call (layers in order)."""
+        return self._glm_choices
