@@ -45,7 +45,7 @@ from connector.geometry import (
     model_row_parts,
     resolve_geometry,
 )
-from connector.keys import model_cache_row_format, model_numerics_version
+from connector.namespace import model_cache_row_format, model_numerics_version
 from connector.scheduler import SchedulerSide
 from connector.stats import SCHEDULER_KEYS, DeltaReporter, GlmCachePromMetrics, GlmCacheStats
 from connector.worker import WorkerSide

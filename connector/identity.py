@@ -1,7 +1,7 @@
 """What an object's bytes depend on beyond the cache geometry: the weights, the model's
 configuration (quantization and overrides included), and the engine that computed them
 (vLLM's version, the device family its kernels ran on). All of it joins the namespace
-(:func:`connector.keys.engine_fingerprint`), so objects computed by other weights or
+(:func:`connector.namespace.engine_fingerprint`), so objects computed by other weights or
 another engine are never found.
 
 The weights are named by their content, sampled: a checkpoint replaced at the same path (a

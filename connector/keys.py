@@ -1,9 +1,9 @@
-"""Chunk keys and the engine's namespace: what names a cached object.
+"""Chunk keys: what names a chunk of a request's prefix.
 
-An object is found under (namespace, chunk key, group, rank). The namespace fingerprints
-the engine (:func:`engine_fingerprint`); a chunk key names the chunk's whole prefix, from
-one of two schemes (:func:`choose_key_scheme`): vLLM's own block hash at the chunk's end,
-or LMCache's blake3 hash chain over whole chunks of token ids, below.
+An object is found under (namespace, chunk key, group, rank); the namespace is
+:mod:`connector.namespace`. A chunk key names the chunk's whole prefix, from one of two
+schemes (chosen by :func:`connector.namespace.choose_key_scheme`): vLLM's own block hash at
+the chunk's end, or LMCache's blake3 hash chain over whole chunks of token ids, below.
 
 ``h_0 = NONE_HASH`` and ``h_i = blake3(h_{i-1} || tokens of chunk i as big-endian uint32)``,
 where ``NONE_HASH = blake3(int64_be(0) || uint32_be(0))`` (LMCache's ``hash_func((0, (0,),
@@ -27,25 +27,20 @@ reaches also name its processed pixels (:mod:`connector.media`).
 from __future__ import annotations
 
 import array
-import hashlib
-import json
 import struct
 import sys
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from blake3 import blake3
 
 from connector.media import media_keys
 
 if TYPE_CHECKING:
-    from vllm.config import VllmConfig
-    from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
-    from connector.geometry import Geometry
+    from connector.namespace import KeyScheme
 
 NONE_HASH: bytes = blake3(struct.pack(">q", 0) + struct.pack(">I", 0)).digest()
 _SALT_TAG = b"cache_salt:"
@@ -159,104 +154,6 @@ def lookahead_keys(plain: Sequence[bytes], token_ids: Sequence[int], chunk_size:
 def parent_of(hashes: list[bytes], k: int) -> bytes | None:
     """The chunk key before chunk ``k`` of a chain (None for the first chunk)."""
     return hashes[k - 1] if k > 0 else None
-
-
-def uncacheable_reason(request: Any, keys_name_media: bool = False) -> str | None:
-    """Why a request's KV must not be shared through the cache, or None.
-
-    Images/video are placeholder tokens whose KV depends on the pixels: cached only where
-    the keys name them (``keys_name_media``: vLLM's block hashes, which carry each item's
-    identifier and offset, see :mod:`connector.media`), not under the token chain. LoRA
-    adapters (other weights, which vLLM's key names by adapter name and path only) and
-    prompt embeddings (no token ids; the plugin has neither) are not cached: fail closed
-    rather than keyed by something partial."""
-    if getattr(request, "mm_features", None) and not keys_name_media:
-        return "multimodal inputs"
-    if getattr(request, "lora_request", None) is not None:
-        return "a LoRA adapter"
-    if getattr(request, "prompt_embeds", None) is not None:
-        return "prompt embeddings"
-    return None
-
-
-# vLLM's block hash algorithms whose hashes we trust to name a prefix
-# (vllm.config.cache.PrefixCachingHashAlgo): collision resistant, and the same in every
-# process (a fixed seed, or PYTHONHASHSEED).
-_CRYPTO_BLOCK_HASHES = frozenset({"sha256", "sha256_cbor"})
-
-
-def hash_block_size(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> int | None:
-    """The token span of ``request.block_hashes`` (vLLM sets it on the scheduler's KV
-    cache config at start-up); None where unknown, and None unless vLLM hashes blocks
-    with a cryptographic hash: with ``xxhash`` a block-hash collision would hand one
-    prompt another's chunk keys, and so its KV from the shared cache on every replica,
-    not only a wrong local prefix hit."""
-    algo = getattr(vllm_config.cache_config, "prefix_caching_hash_algo", None)
-    if algo not in _CRYPTO_BLOCK_HASHES:
-        return None
-    size = getattr(kv_cache_config, "hash_block_size", None)
-    return size if isinstance(size, int) and size > 0 else None
-
-
-@dataclass(frozen=True)
-class KeyScheme:
-    """Where this engine's chunk keys come from.
-
-    ``span`` is None for the token chain; otherwise keys are vLLM's block hashes, one per
-    ``span`` tokens, taken at chunk ends. ``identity`` is what those keys depend on (None
-    for the token chain), for the namespace."""
-
-    span: int | None = None
-    identity: dict[str, Any] | None = None
-
-
-def choose_key_scheme(wanted: str, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
-                      block: int, logger: Any) -> KeyScheme:
-    """``chunk_keys: vllm`` (and ``auto`` where usable): chunk k's key is vLLM's block
-    hash at the chunk's end (``request.block_hashes``, which vLLM's engine computes for
-    every request on arrival whenever a KV connector is configured: a sha256 chain over
-    the whole prefix, with the cache salt, LoRA and multimodal inputs as extra keys).
-    Nothing is hashed by us, at admission or on save.
-
-    Those hashes are the same in every process only for vLLM's cryptographic algorithms
-    (their NONE_HASH seed is fixed, or PYTHONHASHSEED), and their bytes depend on the
-    algorithm, the seed, the block span, vLLM's hashing code (its version) and Python's
-    pickle (its version): all go into the namespace, so engines that would compute other
-    keys for the same tokens never share objects. Elsewhere (``xxhash`` algorithms, a
-    block span that does not divide the block) the connector says why and keeps the
-    token chain."""
-    if wanted == "lmcache":
-        return KeyScheme()
-    import vllm
-
-    algo = getattr(vllm_config.cache_config, "prefix_caching_hash_algo", None)
-    span = hash_block_size(vllm_config, kv_cache_config)
-    why = None
-    if span is None or block % span:
-        why = (f"prefix_caching_hash_algo {algo!r} (usable: {sorted(_CRYPTO_BLOCK_HASHES)}), block hash "
-               f"span {getattr(kv_cache_config, 'hash_block_size', None)!r} (must divide {block})")
-    else:
-        try:  # vLLM 0.32's names; a version without them keeps the token chain
-            from vllm.utils.hashing import get_hash_fn_by_name
-            from vllm.v1.core.kv_cache_utils import resolve_none_hash_seed
-
-            seed = resolve_none_hash_seed(get_hash_fn_by_name(algo))
-        except (ImportError, AttributeError, ValueError) as e:
-            why = f"cannot tell vLLM {vllm.__version__}'s block hash seed: {e}"
-    if why is not None:
-        log = logger.warning if wanted == "vllm" else logger.info
-        log("GlmCacheConnector: chunk keys hash token ids (chunk_keys=%s; vLLM's block hashes not usable: %s)",
-            wanted, why)
-        return KeyScheme()
-    logger.info("GlmCacheConnector: chunk keys are vLLM's block hashes (%s, every %d tokens)", algo, span)
-    return KeyScheme(span, {
-        "scheme": "vllm-block-hashes",
-        "algo": algo,
-        "seed": hashlib.sha256(str(seed).encode()).hexdigest()[:16],
-        "span": span,
-        "vllm": vllm.__version__,
-        "python": f"{sys.version_info[0]}.{sys.version_info[1]}",
-    })
 
 
 class ChunkMemo:
@@ -390,95 +287,3 @@ class ChunkKeys:
             done = len(hashes)
             hashes.extend(computed[done:])
             self.memo.remember(hashes, request, C, done, self._hash_span)
-
-
-def engine_fingerprint(
-    vllm_config: VllmConfig,
-    kv_cache_config: KVCacheConfig,
-    geometry: Geometry,
-    row_format: str | None = None,
-    chunk_keys: dict[str, Any] | None = None,
-    identity: dict[str, Any] | None = None,
-) -> str:
-    """Namespace for this engine's cache entries: bytes are only valid for an engine with
-    the same model, dtypes, cache group geometry, block sizes, parallel layout and cache
-    row format (``row_format``: :func:`model_cache_row_format`; None, and then left out of
-    the digest, for models that declare none). The chunk size is left out: it is
-    negotiated per namespace, and keys already depend on it. ``chunk_keys`` describes a
-    key scheme other than the default token chain (:attr:`KeyScheme.identity`); None
-    leaves the digest as the token chain's. ``identity`` is what else the bytes depend on:
-    the weights, the model config, vLLM's version and the device family
-    (:func:`connector.identity.engine_identity`)."""
-    model_config = vllm_config.model_config
-    parallel = vllm_config.parallel_config
-    cache_config = vllm_config.cache_config
-    desc = {
-        "model": model_config.model,
-        "revision": model_config.revision,
-        "dtype": str(model_config.dtype),
-        "kv_cache_dtype": str(cache_config.cache_dtype),
-        "mamba_cache_dtype": str(getattr(cache_config, "mamba_cache_dtype", None)),
-        "mamba_ssm_cache_dtype": str(getattr(cache_config, "mamba_ssm_cache_dtype", None)),
-        "kv_cache_layout": str(getattr(kv_cache_config, "kv_cache_layout", None)),
-        "tp": parallel.tensor_parallel_size,
-        "pp": parallel.pipeline_parallel_size,
-        "dcp": parallel.decode_context_parallel_size,
-        "groups": [
-            [
-                g.group_id,
-                g.name,
-                g.vllm_group,
-                g.is_state,
-                g.block_size,
-                [[p.name, p.page_bytes, p.dtype, p.states_per_page, p.rows, p.row_stride, p.row_offset]
-                 for p in g.layers],
-            ]
-            for g in geometry.groups
-        ],
-        "group_tokens_per_block": list(geometry.group_tokens_per_block),
-    }
-    if row_format is not None:
-        desc["cache_row_format"] = row_format
-    if chunk_keys is not None:
-        desc["chunk_keys"] = chunk_keys
-    if identity is not None:
-        desc["identity"] = identity
-    digest = hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).hexdigest()[:16]
-    name = str(model_config.served_model_name or model_config.model).rstrip("/")
-    return f"{name.split('/')[-1]}-{digest}"
-
-
-def model_cache_row_format(vllm_config: VllmConfig) -> str | None:
-    """The cache-row format the engine's model class declares (class attribute
-    ``kv_cache_row_format``), or None when it declares none (vLLM's own models).
-
-    A model whose page sizes stay the same while what the bytes mean changes (the GLM
-    plugin storing pool keys in its rows) declares a new format, so that objects saved by
-    other code land in another namespace and are never loaded into this one. Read from
-    the class vLLM resolves for the model config (cached by vLLM; importing the class
-    builds nothing), so the scheduler sees it without the model's layers."""
-    from vllm.model_executor.model_loader.utils import get_model_cls
-
-    fmt = getattr(get_model_cls(vllm_config.model_config), "kv_cache_row_format", None)
-    return None if fmt is None else str(fmt)
-
-
-def numerics_version_of(model_cls: type) -> str | None:
-    """``"<package>/<NUMERICS_VERSION>"`` for a model class whose top-level package
-    declares ``NUMERICS_VERSION`` (glm5next_plugin does: :mod:`glm5next_plugin.version`);
-    None for the rest (vLLM's own models: vLLM's version names their code)."""
-    package = str(getattr(model_cls, "__module__", "") or "").split(".")[0]
-    version = getattr(sys.modules.get(package), "NUMERICS_VERSION", None) if package else None
-    return None if version is None else f"{package}/{version}"
-
-
-def model_numerics_version(vllm_config: VllmConfig) -> str | None:
-    """The numerics version of the code that computes this engine's cache bytes: the
-    package of the model class vLLM resolves for the model config (the GLM plugin's
-    ``NUMERICS_VERSION``, bumped whenever its outputs change), or None for models whose
-    package declares none. It joins the namespace, so a rolling upgrade to plugin code that
-    computes other KV never shares objects with the old code (the row format alone, which
-    :func:`model_cache_row_format` reads, changes only when the rows' layout does)."""
-    from vllm.model_executor.model_loader.utils import get_model_cls
-
-    return numerics_version_of(get_model_cls(vllm_config.model_config))

@@ -46,35 +46,22 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from connector.admission import uncacheable_reason
 from connector.config import (
     SchedulerBlockAligner,
     Settings,
     logger,
-    refuse_decode_saves_with_draft_rows,
     require_recompute_on_load_failure,
 )
 from connector.events import ServerEvents
 from connector.geometry import Geometry, strict_prefix_chunks
 from connector.handoff import CHUNKS_PARAM, HANDOFF_PARAM, HANDOFF_RETRY_S, handoff_key, handoff_span, pd_flags
-from connector.identity import (
-    NO_DRAFTS,
-    Unnameable,
-    WeightsView,
-    check_nameable,
-    engine_identity,
-    runtime_identity,
-)
-from connector.keys import (
-    ChunkKeys,
-    choose_key_scheme,
-    engine_fingerprint,
-    hash_block_size,
-    request_tokens,
-    uncacheable_reason,
-)
+from connector.identity import WeightsView
+from connector.keys import ChunkKeys, request_tokens
 from connector.lmcache_settings import request_params
-from connector.media import MediaLedger, MediaUnnamed, media_identity, request_items, unvouched_from
+from connector.media import MediaLedger, MediaUnnamed, request_items, unvouched_from
 from connector.metadata import GlmConnectorMetadata, GlmWorkerMeta, LoadJob, ObjectMove
+from connector.namespace import Namespace
 from connector.remote import LookupAnswer, RemoteCache
 from connector.requests import Hit, Lookup, Requests, RequestState
 from connector.saves import SavePlanner, owned
@@ -132,41 +119,18 @@ class SchedulerSide:
         self._align_block_size = SchedulerBlockAligner(vllm_config, geometry)
         parallel = vllm_config.parallel_config
         world_size = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
-        span = hash_block_size(vllm_config, kv_cache_config)
-        scheme = choose_key_scheme(settings.chunk_keys, vllm_config, kv_cache_config,
-                                   geometry.scheduler_block_size, logger)
-        try:
-            drafts = check_nameable(vllm_config)
-            identity = engine_identity(vllm_config.model_config, drafts, getattr(vllm_config, "load_config", None))
-        except Unnameable as e:  # what identity cannot name is not cached
-            logger.error("GlmCacheConnector: %s; serving without the external cache", e)
-            drafts, identity = NO_DRAFTS, None
+        # the namespace: key scheme, weights, engine, drafts, media (connector.namespace)
+        self._names = names = Namespace(vllm_config, kv_cache_config, settings, geometry, row_format, numerics)
         self._trust_media_ids = settings.trust_media_ids
-        media = media_identity(vllm_config.model_config, settings.trust_media_ids)
-        if media is not None and identity is not None:  # a multimodal model: the processor's settings too
-            identity["media"] = media
-        refuse_decode_saves_with_draft_rows(settings, drafts.method, drafts.lookahead)
-        if drafts.method is not None:
-            logger.info("GlmCacheConnector: %s drafts (k=%d) %s", drafts.method, drafts.num_speculative_tokens,
-                        f"cached: chunk keys cover the {drafts.lookahead} token(s) after each chunk, the draft "
-                        "is in the namespace" if drafts.lookahead else "write no cache rows: keys and namespace "
-                        "as without drafts")
         # a drafter's lookahead joins every chunk key (connector.keys.lookahead_keys)
-        self.keys = ChunkKeys(scheme, span, drafts.lookahead)
-        self._drafts = drafts
-        if numerics is not None and identity is not None:  # the model code's numerics version
-            identity["numerics"] = numerics
-        # the model's cache-row format, the key scheme, the weights and the engine join the
-        # namespace; the weights as the workers report them at run time (_weights_report)
-        self._identity = identity
-        self._fingerprint_of = lambda ident: engine_fingerprint(vllm_config, kv_cache_config, geometry, row_format,
-                                                                chunk_keys=scheme.identity, identity=ident)
+        self.keys = ChunkKeys(names.scheme, names.hash_span, names.drafts.lookahead)
+        self._drafts = names.drafts
         self._weights = WeightsView(world_size)
         self._stale_map: Any = None  # vLLM's prefix-cache map holding blocks of replaced weights
         self._last_map: Any = None  # that map at the last step
         self._prev_map: Any = None  # and at the step before
         self._reset_fresh = False  # the last reset replaced it
-        self._fingerprint = self._namespace_of(self._weights.tokens)
+        self._fingerprint = self._names.of(self._weights.tokens)
         self.namespace = ""  # set by each handshake; "" while none succeeded
         self._logged_geometry: Geometry | None = None
         self._requests = Requests()
@@ -185,12 +149,10 @@ class SchedulerSide:
                 "GlmCacheConnector: strict_prefix=false (diagnosis only): full-prompt hits apply the last "
                 "token to the KDA state twice and outputs drift; this engine loads but never saves"
             )
-        disabled = settings.auth_broken or refused_layout is not None or identity is None
+        disabled = settings.auth_broken or refused_layout is not None or names.identity is None
         self.remote = RemoteCache(settings, disabled, world_size,
                                   lambda: self._geometry, lambda: self._fingerprint, self._apply_hello)
-        # told at hello, so the server can name chunks for routers' queries (cache_server.prefix_query)
-        self.remote.chunk_keys = {"scheme": "lmcache" if scheme.span is None else "vllm", "span": scheme.span,
-                                  "lookahead": drafts.lookahead}
+        self.remote.chunk_keys = names.chunk_keys()  # told at hello (cache_server.prefix_query)
         # KV events for routers: what the server can resume, published by vLLM (connector.events)
         self.events = ServerEvents(vllm_config, kv_cache_config, lambda: self._geometry,
                                    lambda ns, keys: self.remote.lookup(ns, keys, 0, False))
@@ -926,11 +888,6 @@ class SchedulerSide:
                     "keeps its objects; lookups and saves wait until the workers have named their weights again")
         return True
 
-    def _namespace_of(self, tokens: tuple[str | None, ...]) -> str | None:
-        """The namespace for the workers' weights ``tokens`` (None: the weights cannot be named)."""
-        identity = runtime_identity(self._identity, tokens)
-        return None if identity is None else self._fingerprint_of(identity)
-
     def _block_map(self) -> Any:
         """vLLM's prefix-cache map (a new object after each reset of its prefix cache)."""
         return getattr(getattr(self.kv_cache_manager, "block_pool", None), "cached_block_hash_to_block", None)
@@ -983,7 +940,7 @@ class SchedulerSide:
         self._weights_changed(new, answered_reset)
 
     def _weights_changed(self, tokens: tuple[str | None, ...], answered_reset: bool) -> None:
-        before, self._fingerprint = self._fingerprint, self._namespace_of(tokens)
+        before, self._fingerprint = self._fingerprint, self._names.of(tokens)
         under_way = 0
         for state in self._requests.values():
             if state.bypass is None and (state.scheduled or state.load_in_flight):

@@ -14,7 +14,7 @@ from connector.geometry import (
     resolve_geometry,
     strict_prefix_chunks,
 )
-from connector.keys import engine_fingerprint
+from connector.namespace import engine_fingerprint
 from connector.vllm_compat import align_mode_flags, mamba_cache_mode_flag_honoured
 
 vkv = pytest.importorskip("vllm.v1.kv_cache_interface")
@@ -170,7 +170,7 @@ def test_plugin_model_declares_its_row_format_to_the_connector(tmp_path):
     from vllm.config import ModelConfig
     from vllm.plugins import load_general_plugins
 
-    from connector.keys import model_cache_row_format
+    from connector.namespace import model_cache_row_format
     from glm5next_plugin import tiny_checkpoint
     from glm5next_plugin.mla_layer import CACHE_ROW_FORMAT, sparse_mla_backend
 

@@ -17,7 +17,7 @@ def _request(**kwargs):
 
 
 def test_plain_and_salted_requests_are_cacheable():
-    from connector.keys import uncacheable_reason
+    from connector.admission import uncacheable_reason
 
     assert uncacheable_reason(_request()) is None
     assert uncacheable_reason(_request(cache_salt="tenant-a")) is None
@@ -26,14 +26,14 @@ def test_plain_and_salted_requests_are_cacheable():
 def test_lora_requests_are_not_cached():
     from vllm.lora.request import LoRARequest
 
-    from connector.keys import uncacheable_reason
+    from connector.admission import uncacheable_reason
 
     lora = LoRARequest(lora_name="adapter", lora_int_id=1, lora_path="/nonexistent")
     assert uncacheable_reason(_request(lora_request=lora)) == "a LoRA adapter"
 
 
 def test_prompt_embeddings_are_not_cached():
-    from connector.keys import uncacheable_reason
+    from connector.admission import uncacheable_reason
 
     req = _request(prompt_token_ids=None, prompt_embeds=torch.zeros(64, 8))
     assert uncacheable_reason(req) == "prompt embeddings"
@@ -42,7 +42,7 @@ def test_prompt_embeddings_are_not_cached():
 def test_multimodal_requests_are_cached_only_where_keys_name_media():
     from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
 
-    from connector.keys import uncacheable_reason
+    from connector.admission import uncacheable_reason
 
     feature = MultiModalFeatureSpec(data=None, modality="image", identifier="img-0",
                                     mm_position=PlaceholderRange(offset=4, length=16))

@@ -34,8 +34,9 @@ from connector.identity import (
     check_weights_source,
     weights_digest,
 )
-from connector.keys import chunk_hashes, model_numerics_version, numerics_version_of
+from connector.keys import chunk_hashes
 from connector.metadata import GlmConnectorMetadata, GlmWorkerMeta, LoadJob, ObjectMove
+from connector.namespace import model_numerics_version, numerics_version_of
 from connector.worker import WorkerSide
 from glm5next_plugin import tiny_checkpoint
 from testing.worker_loads import wait_load
