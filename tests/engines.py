@@ -89,3 +89,15 @@ class CacheGroupProbe:
 
         groups = self.model_runner.kv_cache_config.kv_cache_groups  # type: ignore[attr-defined]
         return ["state" if isinstance(g.kv_cache_spec, MambaSpec) else "attention" for g in groups]
+
+
+# vLLM's engine client waits 5 s for the engine core to exit after SIGTERM and then kills it;
+# on CPU the core never exits sooner (it waits on its worker process, which does not exit on
+# its own), so every stop cost 5 s. The core's own teardown (abort, leave its loop) takes
+# well under a second; tests that need what an engine saved wait for it before stopping.
+STOP_GRACE_S = 1.0
+
+
+def stop_engine(llm: Any) -> None:
+    """Stop an in-process ``vllm.LLM``'s engine core and worker (idempotent)."""
+    llm.llm_engine.engine_core.shutdown(timeout=STOP_GRACE_S)

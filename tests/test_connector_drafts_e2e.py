@@ -26,6 +26,7 @@ from __future__ import annotations
 import time
 
 import pytest
+from engines import stop_engine
 
 from testing.draft_recorder import log_lines, read_drafts
 from testing.server_process import ServerProcess
@@ -63,7 +64,7 @@ def llm(tmp_path_factory, server, draft_log):
         speculative_config=MTP,
         scheduler_cls="testing.draft_recorder.DraftRecorder", additional_config={"draft_log": str(draft_log)})
     yield engine
-    engine.llm_engine.engine_core.shutdown()
+    stop_engine(engine)
     del engine
 
 
@@ -245,6 +246,6 @@ def test_control_without_the_lookahead_rule_the_fork_drafts_differ(tmp_path_fact
             assert polluted_b["tokens"] == cold_b["tokens"], "drafts never change greedy output"
             differing.append(sum(x != y for x, y in zip(polluted_b["drafts"], cold_b["drafts"])))
     finally:
-        engine.llm_engine.engine_core.shutdown()
+        stop_engine(engine)
         del engine
     assert all(n > 0 for n in differing), f"steps whose drafts differ from a cold B: {differing}"

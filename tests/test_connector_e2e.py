@@ -26,7 +26,7 @@ import time
 import uuid
 
 import pytest
-from engines import connector_engine
+from engines import connector_engine, stop_engine
 from tiny_qwen3_next import BLOCK_SIZE, make_tiny_qwen3_next
 
 from cache_server.client import CacheClient
@@ -60,6 +60,7 @@ def llm(model_dir, server):
     engine = connector_engine(model_dir, server.url, connector={"timeout_s": TIMEOUT_S, "retry_after_s": 2.0},
                               seed=0, disable_log_stats=False, block_size=BLOCK_SIZE)  # metrics on: the connector's counters
     yield engine
+    stop_engine(engine)
     del engine
 
 
@@ -157,7 +158,7 @@ def test_full_prompt_hit_without_strict_prefix_diverges_and_is_never_saved(llm, 
             assert asked[0] == cold[0] and asked[1] == cold[1]
             diverged.append(loose[0] != cold[0] or abs(loose[1] - cold[1]) > 1e-3)
     finally:
-        loose_engine.llm_engine.engine_core.shutdown()
+        stop_engine(loose_engine)
         del loose_engine
     assert all(diverged), f"non-strict full hits should drift from cold: {diverged}"
 

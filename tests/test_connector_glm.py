@@ -12,7 +12,7 @@ compared one at a time (see test_connector_e2e.py for why).
 from __future__ import annotations
 
 import pytest
-from engines import assert_boundary_reloads_equal_cold, generate_one, random_prompt, tiny_glm_engine
+from engines import assert_boundary_reloads_equal_cold, generate_one, random_prompt, stop_engine, tiny_glm_engine
 
 pytestmark = pytest.mark.engine
 
@@ -27,6 +27,7 @@ _prompt = random_prompt
 def llm(tmp_path_factory, server):
     engine = tiny_glm_engine(tmp_path_factory, server.url, C)
     yield engine
+    stop_engine(engine)
     del engine
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from engines import connector_engine, generate_one, random_prompt
+from engines import connector_engine, generate_one, random_prompt, stop_engine
 
 from cache_server.client import CacheClient
 from glm5next_plugin import tiny_checkpoint
@@ -96,7 +96,7 @@ def test_a_chunk_size_change_mid_run_never_mixes_grids(tmp_path, capfd):
             hits.append(cached)
         assert max(hits) == 2 * C * ((3800 - 1) // (2 * C))  # the new grid's saves resume
     finally:
-        llm.llm_engine.engine_core.shutdown()
+        stop_engine(llm)
         first.stop()
         if second is not None:
             second.stop()

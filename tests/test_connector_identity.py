@@ -9,7 +9,7 @@ import time
 from types import SimpleNamespace
 
 import pytest
-from engines import connector_engine, generate_one, random_prompt
+from engines import connector_engine, generate_one, random_prompt, stop_engine
 
 from cache_server.client import CacheClient
 from connector.identity import UnnamedWeights, engine_identity, weights_digest
@@ -139,7 +139,7 @@ def test_new_weights_at_the_same_path_never_resume_from_the_old_ones(tmp_path, s
         time.sleep(0.2)
     held = _objects(server.url)
     assert held >= 1500 // C  # the old engine's prefix is on the server
-    llm.llm_engine.engine_core.shutdown()
+    stop_engine(llm)
     del llm
     gc.collect()
 
@@ -155,6 +155,6 @@ def test_new_weights_at_the_same_path_never_resume_from_the_old_ones(tmp_path, s
         assert new == cold
         assert new != old  # the weights differ enough that a resume would have shown
     finally:
-        llm.llm_engine.engine_core.shutdown()
+        stop_engine(llm)
         del llm
         gc.collect()

@@ -15,6 +15,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from engines import stop_engine
 
 from testing.server_process import ServerProcess
 from tests.engines import random_prompt
@@ -186,6 +187,7 @@ def walkthrough(tmp_path_factory):
     try:
         yield llm, server, ports["--prometheus-port"]
     finally:
+        stop_engine(llm)
         del llm
         server.stop()
         mp.undo()

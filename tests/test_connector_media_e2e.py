@@ -14,6 +14,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from engines import stop_engine
 from PIL import Image
 
 from tests.engines import tiny_glm_engine
@@ -42,6 +43,7 @@ def _prompt(before: int, after: int, seed: int) -> list[int]:
 def llm(tmp_path_factory, server):
     engine = tiny_glm_engine(tmp_path_factory, server.url, C, limit_mm_per_prompt={"image": 1})
     yield engine
+    stop_engine(engine)
     del engine
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from engines import random_prompt, tiny_glm_engine
+from engines import random_prompt, stop_engine, tiny_glm_engine
 
 from cache_server.client import CacheClient
 from testing.vllm_keys import vllm_chunk_keys
@@ -33,6 +33,7 @@ _prompt = random_prompt
 def llm(tmp_path_factory, server):
     engine = tiny_glm_engine(tmp_path_factory, server.url, C, worker_extension_cls="engines.CacheGroupProbe")
     yield engine
+    stop_engine(engine)
     del engine
 
 

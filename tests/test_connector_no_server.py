@@ -9,7 +9,7 @@ import random
 import time
 
 import pytest
-from engines import connector_engine
+from engines import connector_engine, stop_engine
 from tiny_qwen3_next import BLOCK_SIZE, make_tiny_qwen3_next
 
 from testing.server_process import ServerProcess, free_port
@@ -35,6 +35,7 @@ def llm(tmp_path_factory, port):
     engine = connector_engine(model_dir, f"tcp://127.0.0.1:{port}",
                               connector={"timeout_s": 1.0, "retry_after_s": RETRY_S}, block_size=BLOCK_SIZE)
     yield engine
+    stop_engine(engine)
     del engine
 
 

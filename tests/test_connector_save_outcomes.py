@@ -19,7 +19,7 @@ import threading
 import time
 
 import pytest
-from engines import generate_one, random_prompt, tiny_glm_engine
+from engines import generate_one, random_prompt, stop_engine, tiny_glm_engine
 
 from cache_server.client import CacheClient
 from testing.server_process import ServerProcess
@@ -50,6 +50,7 @@ def server():
 def llm(tmp_path_factory, server):
     engine = tiny_glm_engine(tmp_path_factory, server.url, C, disable_log_stats=False)  # metrics on
     yield engine
+    stop_engine(engine)
     del engine
 
 

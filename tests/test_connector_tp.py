@@ -21,7 +21,7 @@ import time
 import urllib.request
 
 import pytest
-from engines import connector_engine
+from engines import connector_engine, stop_engine
 
 from cache_server.client import CacheClient
 from glm5next_plugin import tiny_checkpoint
@@ -59,7 +59,7 @@ def llm(tmp_path_factory, server):
                                   max_num_batched_tokens=C, prefix_cache_retention_interval=C, seed=0,
                                   speculative_config=MTP)
     yield engine
-    engine.llm_engine.engine_core.shutdown()
+    stop_engine(engine)
 
 
 def _run(llm, prompt, salt, max_tokens=32):

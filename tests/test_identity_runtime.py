@@ -20,7 +20,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from engines import connector_engine, generate_one, random_prompt
+from engines import connector_engine, generate_one, random_prompt, stop_engine
 from torch import nn
 
 from cache_server.client import CacheClient
@@ -506,7 +506,7 @@ def engine(tmp_path_factory, server):
         _settle(server.url)
         yield SimpleNamespace(llm=llm, a=a, b=b, a0=a0)
     finally:
-        llm.llm_engine.engine_core.shutdown()
+        stop_engine(llm)
         del llm
         gc.collect()
 

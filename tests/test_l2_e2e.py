@@ -13,7 +13,7 @@ import time
 import uuid
 
 import pytest
-from engines import connector_engine
+from engines import connector_engine, stop_engine
 from l2_fixtures import l2_args, start_cluster, wait_written
 from tiny_qwen3_next import BLOCK_SIZE, make_tiny_qwen3_next
 
@@ -68,6 +68,7 @@ def llm(tmp_path_factory, cluster):
                               seed=0, block_size=BLOCK_SIZE)
     first.stop()
     yield engine
+    stop_engine(engine)
     del engine
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engines import stop_engine
 
 from glm5next_plugin import tiny_checkpoint
 
@@ -45,7 +46,7 @@ def llm(ckpt):
     )
     yield engine
     # stop the engine-core process now, not from a finalizer at interpreter exit
-    engine.llm_engine.engine_core.shutdown()
+    stop_engine(engine)
     del engine
 
 

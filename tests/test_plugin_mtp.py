@@ -30,6 +30,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
+from engines import stop_engine
 from safetensors.torch import load_file
 
 import glm5next_plugin
@@ -516,7 +517,7 @@ def _greedy(ckpt, prompts: list[list[int]], max_tokens: int, **engine_args):
         (groups,) = llm.collective_rpc("kv_cache_group_names")
         return [o.outputs[0] for o in outs], draft_cls, groups
     finally:
-        llm.llm_engine.engine_core.shutdown()
+        stop_engine(llm)
         del llm
 
 

@@ -17,6 +17,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from engines import stop_engine
 
 from glm5next_plugin import mamba_cpu
 from glm5next_plugin.kda_layer import KDAStateLayer
@@ -176,7 +177,7 @@ def _greedy_run(ckpt, prompts: list[list[int]], max_tokens: int, **engine_args) 
         counters = {m.name: getattr(m, "value", None) for m in llm.get_metrics() if "spec_decode" in m.name}
         return [list(o.outputs[0].token_ids) for o in outs], counters
     finally:
-        llm.llm_engine.engine_core.shutdown()
+        stop_engine(llm)
         del llm
 
 

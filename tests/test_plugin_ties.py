@@ -21,7 +21,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from engines import connector_engine
+from engines import connector_engine, stop_engine
 
 from glm5next_plugin import tiny_checkpoint
 from testing.server_process import ServerProcess
@@ -55,7 +55,7 @@ def one_shot(ckpt):
     engine = LLM(model=str(ckpt), dtype="float32", gpu_memory_utilization=0.15, max_model_len=4096,
                  max_num_batched_tokens=4096, enable_prefix_caching=True, enforce_eager=True, seed=0)
     yield engine
-    engine.llm_engine.engine_core.shutdown()
+    stop_engine(engine)
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +63,7 @@ def chunked(ckpt):
     with ServerProcess("--separate-object-groups", "--chunk-size", str(N), "--l1-size-gb", "1") as srv:
         engine = connector_engine(ckpt, srv.url, dtype="float32", max_num_batched_tokens=N, seed=0)
         yield engine
-        engine.llm_engine.engine_core.shutdown()
+        stop_engine(engine)
 
 
 def _generate(llm, prompt: list[int], salt: str | None = None, prompt_logprobs: bool = False):

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
+from engines import stop_engine
 from torch import nn
 
 from glm5next_plugin import tiny_checkpoint
@@ -238,7 +239,7 @@ def _run_engine(ckpt, tp: int) -> dict:
         rows = llm.collective_rpc("glm_mla_rows")
         choices = llm.collective_rpc("glm_pool_choices")[0]  # the indexer is replicated: rank 0's
     finally:
-        llm.llm_engine.engine_core.shutdown()
+        stop_engine(llm)
         del llm
     results = []
     for o in outs:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from engines import stop_engine
 from PIL import Image
 
 from glm5next_plugin import tiny_checkpoint
@@ -186,7 +187,7 @@ def llm(ckpt):
         seed=0,
     )
     yield engine
-    engine.llm_engine.engine_core.shutdown()
+    stop_engine(engine)
     del engine
 
 

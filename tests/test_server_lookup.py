@@ -16,6 +16,7 @@ import random
 import time
 
 import pytest
+from engines import stop_engine
 from l2_fixtures import l2_args, require_store, wait_written
 
 from cache_server import protocol as p
@@ -320,6 +321,7 @@ def test_real_connector_saves_what_a_router_query_finds(tmp_path_factory, engine
         status, got = post(engine_server, "/query", {"model": model, "token_ids": prompt}, token=None)
         assert status == 400 and "seq_hashes" in got["error"]
     finally:
+        stop_engine(llm)
         del llm
 
 

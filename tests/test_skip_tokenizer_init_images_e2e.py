@@ -30,6 +30,7 @@ import random
 import shutil
 
 import pytest
+from engines import stop_engine
 
 from testing.server_process import ServerProcess
 from tests.engines import connector_engine
@@ -70,6 +71,7 @@ def llm(tmp_path_factory):
                                   max_num_batched_tokens=C, prefix_cache_retention_interval=C, seed=0,
                                   limit_mm_per_prompt={"image": 1}, mm_processor_cache_gb=0)
         yield engine
+        stop_engine(engine)
         del engine
 
 
