@@ -175,14 +175,15 @@ def _event_hash(h: Any) -> Any:
 class ServerEvents:
     """The connector's KV events (scheduler side). ``lookup(namespace, keys)`` returns a
     future of the server's :class:`~connector.remote.LookupAnswer` for ``keys`` from chunk 0
-    without a lease; ``geometry()`` the current geometry."""
+    without a lease; ``geometry`` the engine's, on the current session's grid (the scheduler
+    sets it with each session)."""
 
     def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
-                 geometry: Callable[[], Geometry],
+                 geometry: Geometry,
                  lookup: Callable[[str, list[bytes]], Future[LookupAnswer]]) -> None:
         self.enabled = events_enabled(vllm_config)
         self._kv_cache_config = kv_cache_config
-        self._geometry = geometry
+        self.geometry = geometry
         self._lookup = lookup
         self._groups: list[_Group] | None = None
         self._hash_block_size = getattr(kv_cache_config, "hash_block_size", None)
@@ -286,7 +287,7 @@ class ServerEvents:
 
     def _groups_now(self) -> list[_Group]:
         if self._groups is None:
-            self._groups = attention_groups(self._geometry(), self._kv_cache_config)
+            self._groups = attention_groups(self.geometry, self._kv_cache_config)
         return self._groups
 
     def _track(self, request: Request, keys: list[bytes], namespace: str) -> _Chain | None:
@@ -321,7 +322,7 @@ class ServerEvents:
             from vllm.v1.core.kv_cache_utils import to_event_extra_keys
         except ImportError:  # older vLLM: extra keys as they are
             to_event_extra_keys = lambda x: x  # noqa: E731
-        C = self._geometry().chunk_size
+        C = self.geometry.chunk_size
         groups = self._groups_now()
         missing = [k for k, key in enumerate(keys) if key not in self._chunks]
         if not missing:

@@ -30,7 +30,7 @@ import array
 import struct
 import sys
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from blake3 import blake3
@@ -272,10 +272,17 @@ class ChunkKeys:
             done = len(hashes)
             self.memo.extend(hashes, request, C, n_chunks, self._hash_span)
             if not memo_only:
-                extend_chunk_hashes(hashes, request_tokens(request, n_chunks * C), C, request.cache_salt,
-                                    max_chunks=n_chunks)
+                self.chain(request, C, n_chunks)(hashes)
                 self.memo.remember(hashes, request, C, done, self._hash_span)
         return hashes
+
+    @staticmethod
+    def chain(request: Request, C: int, n_chunks: int) -> Callable[[list[bytes]], list[bytes]]:
+        """What extends a token chain of ``request`` (its first keys) to ``n_chunks`` keys,
+        in place: the one place the request's cache salt enters its keys. The tokens are
+        taken now; the hashing may run on another thread (the lookup thread's probe)."""
+        tokens, salt = request_tokens(request, n_chunks * C), request.cache_salt
+        return lambda hashes: extend_chunk_hashes(hashes, tokens, C, salt, max_chunks=n_chunks)
 
     def adopt(self, hashes: list[bytes], request: Request, C: int, computed: list[bytes]) -> None:
         """Take keys computed elsewhere (the lookup thread) for the same chain. The lookup

@@ -1,6 +1,7 @@
 """The scheduler side's conversation with glm-cache-server: handshake and chunk-size
 negotiation, back-off after failures, lookups and probes on a background thread, lease
-releases on another.
+releases on another. A handshake that succeeds is handed to the scheduler as a
+:class:`Session` (namespace, chunk size, grid): the scheduler never writes into the link.
 
 Nothing here makes the scheduler thread wait on the network after start-up: a question
 whose answer has not come yet is answered "not yet" (``None``), and the hooks ask again
@@ -9,15 +10,31 @@ next step."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Literal
 
-from cache_server.client import CLIENT_ERRORS, CacheClient, unauthorized
+from cache_server.client import CacheClient
+from cache_server.client_errors import CLIENT_ERRORS, unauthorized
 from connector.config import Settings, logger
 from connector.geometry import Geometry, GeometryError
-from connector.keys import extend_chunk_hashes
+
+
+@dataclass(frozen=True)
+class Session:
+    """A handshake that succeeded: the namespace it was made under, the server's reply,
+    and the engine's geometry on the chunk grid the server negotiated. Lookups, loads and
+    saves are planned under one session; a new one (after a failure, a restart, a change of
+    weights) may come with another chunk size."""
+
+    namespace: str
+    geometry: Geometry
+    hello: dict[str, Any]
+
+    @property
+    def chunk_size(self) -> int:
+        return self.geometry.chunk_size
 
 
 @dataclass
@@ -67,7 +84,7 @@ class ServerLink:
         self.disabled = disabled
         self._down_until = 0.0
         self._refused_logged = False
-        self.hello: dict[str, Any] | None = None
+        self.session: Session | None = None  # the last handshake's, while the server is not known to have failed
 
     def usable(self) -> bool:
         return not self.disabled and time.monotonic() >= self._down_until
@@ -94,64 +111,85 @@ class ServerLink:
             )
         self._down_until = time.monotonic() + self.retry_after_s
         # A restarted server has forgotten our namespace: handshake again next time.
-        self.hello = None
+        self.session = None
 
 
 class RemoteCache:
-    """The server, as the scheduler hooks ask it.
-
-    ``on_hello(hello)`` is called on the scheduler thread with each handshake's reply; it
-    may raise :class:`GeometryError` or ``KeyError`` to refuse it (a failed handshake)."""
+    """The server, as the scheduler hooks ask it, for the engine of ``geometry`` (its chunk
+    size is the server's to choose) under ``namespace`` (None: the engine cannot be named,
+    and nothing is asked)."""
 
     def __init__(self, settings: Settings, disabled: bool, world_size: int,
-                 geometry: Callable[[], Geometry], namespace: Callable[[], str],
-                 on_hello: Callable[[dict[str, Any]], None]) -> None:
+                 geometry: Geometry, namespace: str | None) -> None:
         self.link = ServerLink(settings.url, settings.timeout_s, settings.retry_after_s,
                                settings.auth_token, disabled)
         self._world_size = world_size
         self._geometry = geometry
         self._namespace = namespace
-        self._on_hello = on_hello
         self._releaser = ThreadPoolExecutor(max_workers=1, thread_name_prefix="glm-release")
         self._lookup_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="glm-lookup")
         self._handshake: tuple[Future[dict[str, Any]], float] | None = None  # (future, deadline)
         self.chunk_keys: dict[str, Any] | None = None  # how the engine names chunks, told at hello (routers' queries)
 
-    def connect(self) -> None:
+    @property
+    def session(self) -> Session | None:
+        """The current session (None: no handshake succeeded since the last failure)."""
+        return self.link.session
+
+    def connect(self) -> Session | None:
         """The start-up handshake, synchronous and bounded by the client timeout: a dead
         server costs start-up ``timeout_s`` once, then the back-off applies."""
         if self.link.usable():
             try:
-                self._on_hello(self._hello_io(self.link.client))
+                return self._open(self._hello_io(self.link.client))
             except (*CLIENT_ERRORS, GeometryError, KeyError) as e:
                 self.link.failed("handshake", e)
+        return None
+
+    def _open(self, hello: dict[str, Any]) -> Session:
+        """The session of a handshake's reply; GeometryError or KeyError refuse it (a
+        chunk size the engine's blocks do not divide, or none)."""
+        assert self._namespace is not None
+        session = Session(self._namespace, self._geometry.with_chunk_size(int(hello["chunk_size"])), hello)
+        self.link.session = session
+        return session
+
+    def rename(self, namespace: str | None) -> None:
+        """The engine's namespace changed (its weights did): the session and a handshake
+        under way name the old one; the next handshake is under ``namespace`` (None: the
+        weights cannot be named, and the server is not asked again)."""
+        self._namespace = namespace
+        self.link.session = None
+        self._handshake = None
+        if namespace is None:
+            self.link.disabled = True
 
     def usable(self) -> bool:
         return self.link.usable()
 
     def replicated_groups(self) -> list[int]:
         """Groups stored once for the whole TP group (``CacheGroup.replicated_across_tp``)."""
-        return [g.group_id for g in self._geometry().groups if g.replicated_across_tp]
+        return [g.group_id for g in self._geometry.groups if g.replicated_across_tp]
 
     def _hello_io(self, client: CacheClient) -> dict[str, Any]:
         """The handshake's network part (no state changes: safe on the lookup thread)."""
-        geo = self._geometry()
-        return client.hello(self._namespace(), geo.scheduler_block_size, self._world_size,
+        geo = self._geometry
+        return client.hello(self._namespace, geo.scheduler_block_size, self._world_size,
                             self.replicated_groups(),
                             attn_groups=[g.group_id for g in geo.attn_groups],
                             state_groups=[g.group_id for g in geo.state_groups],
                             group_names={g.group_id: g.name for g in geo.groups if g.name},
                             chunk_keys=self.chunk_keys)
 
-    def ready(self) -> bool | None:
-        """True when negotiated; None while a background handshake is under way; False
-        while the server is away (serve cold). Starts a handshake when one is needed."""
+    def ready(self) -> Session | Literal[False] | None:
+        """The session when negotiated; None while a background handshake is under way;
+        False while the server is away (serve cold). Starts a handshake when one is needed."""
         if self._handshake is not None:
             future, deadline = self._handshake
             if future.done():
                 self._handshake = None
                 try:
-                    self._on_hello(future.result())
+                    return self._open(future.result())
                 except (*CLIENT_ERRORS, GeometryError, KeyError) as e:
                     self.link.failed("handshake", e)
                     return False
@@ -159,8 +197,9 @@ class RemoteCache:
                 return None
             else:
                 return False  # its own timeout will end it; requests go on cold meanwhile
-        if self.link.hello is not None:
-            return True
+        session = self.link.session
+        if session is not None:
+            return session
         if not self.link.usable():
             return False
         self._handshake = (self._lookup_pool.submit(self._hello_io, self.link.lookup_client),
@@ -178,18 +217,18 @@ class RemoteCache:
         in the hashes, labels the server's lookup counters)."""
         return self._lookup_pool.submit(self._lookup_io, namespace, hashes, start, lease, cache_salt)
 
-    def probe(self, namespace: str, first: list[bytes], tokens: Sequence[int], C: int,
-              cache_salt: str | None, n_chunks: int) -> Future[LookupAnswer]:
+    def probe(self, namespace: str, first: list[bytes], rest: Callable[[list[bytes]], list[bytes]],
+              cache_salt: str | None) -> Future[LookupAnswer]:
         """Probe a prefix nobody here has hashed yet by its first chunk, on the lookup
         thread (see :meth:`_probe_io`)."""
-        return self._lookup_pool.submit(self._probe_io, namespace, first, tokens, C, cache_salt, n_chunks)
+        return self._lookup_pool.submit(self._probe_io, namespace, first, rest, cache_salt)
 
     def _lookup_io(self, namespace: str, hashes: list[bytes], start: int, lease: bool,
                    cache_salt: str | None = None) -> LookupAnswer:
         """One lookup RPC (skipped while the link backs off)."""
         if not self.link.usable():
             return LookupAnswer(error=ConnectionError("server in back-off"))
-        geo = self._geometry()
+        geo = self._geometry
         try:
             n, lease_id, held, start_state = self.link.lookup_client.lookup_held(
                 namespace, hashes,
@@ -203,19 +242,19 @@ class RemoteCache:
             return LookupAnswer(error=e)
         return LookupAnswer(n, lease_id, held, start_state)
 
-    def _probe_io(self, namespace: str, first: list[bytes], tokens: Sequence[int], C: int,
-                  cache_salt: str | None, n_chunks: int) -> LookupAnswer:
+    def _probe_io(self, namespace: str, first: list[bytes], rest: Callable[[list[bytes]], list[bytes]],
+                  cache_salt: str | None) -> LookupAnswer:
         """Is the first chunk's attention on the server (no lease)? No: nothing deeper can
-        resume either, and the other ``n_chunks - 1`` chunks are never hashed for it (a
-        cold request hashes its chunks as they are saved). Yes, or a server that does not
-        say: hash the prefix here and look it up as usual; the keys travel back with the
-        answer."""
+        resume either, and the other chunks are never hashed for it (a cold request hashes
+        its chunks as they are saved). Yes, or a server that does not say: hash the prefix
+        here (``rest`` extends the chain from ``first``: :meth:`connector.keys.ChunkKeys.chain`)
+        and look it up as usual; the keys travel back with the answer."""
         probe = self._lookup_io(namespace, first, 0, False, cache_salt)
         if probe.error is not None:
             return probe
         if probe.held == 0:
             return LookupAnswer(0, None, 0, False)
-        hashes = extend_chunk_hashes(list(first), tokens, C, cache_salt, max_chunks=n_chunks)
+        hashes = rest(list(first))
         return replace(self._lookup_io(namespace, hashes, 0, True, cache_salt), hashes=hashes)
 
     def release_when_answered(self, future: Future[LookupAnswer]) -> None:
@@ -248,7 +287,7 @@ class RemoteCache:
             pass
 
     def clear(self, namespace: str) -> bool:
-        if self.link.hello is None:
+        if self.link.session is None:
             return False
         try:
             self.link.client.clear(namespace)

@@ -11,8 +11,9 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from vllm.v1.request import Request
 
+    from connector.keys import ChunkKeys
     from connector.media import MediaItem
-    from connector.remote import LookupAnswer
+    from connector.remote import LookupAnswer, Session
 
 
 @dataclass
@@ -25,13 +26,16 @@ class Hit:
     local_tokens: int
     held: int = 0  # attention chunks [0, held) the server already holds (all groups, ranks)
     start_state: bool = False  # the server holds the states at chunk start_chunk - 1
-    chunk_size: int = 0  # the grid the hit is in
+    session: Session | None = None  # the server's session the hit is under (its chunk size: the hit's grid)
     # A PD hand-off (connector.handoff): its last "chunk" is the hand-off, and the resume
     # point is this token (inside chunk end_chunk - 1) instead of end_chunk * C.
     handoff_tokens: int | None = None
 
     def resume_tokens(self) -> int:
-        return self.end_chunk * self.chunk_size if self.handoff_tokens is None else self.handoff_tokens
+        if self.handoff_tokens is not None:
+            return self.handoff_tokens
+        assert self.session is not None
+        return self.end_chunk * self.session.chunk_size
 
     def whole_chunks(self) -> int:
         """The hit's chunks that are whole chunks of the chain (not the hand-off)."""
@@ -63,11 +67,11 @@ class RequestState:
     load_in_flight: bool = False  # a worker is writing a load into its blocks
     load_failed: bool = False  # vLLM recomputes it; offering the same hit again would loop
     finished: bool = False  # vLLM finished it while a load was in flight: kept for the report
-    # Chunk keys of the cacheable tokens so far, for chunk size ``keys_chunk_size``; with a
-    # drafter's lookahead, ``plain_keys`` are the key scheme's own keys they derive from.
+    # Chunk keys of the cacheable tokens so far, on the current session's grid (a new grid
+    # empties them: connector.scheduler.SchedulerSide._adopt); with a drafter's lookahead,
+    # ``plain_keys`` are the key scheme's own keys they derive from.
     keys: list[bytes] = field(default_factory=list)
     plain_keys: list[bytes] = field(default_factory=list)
-    keys_chunk_size: int = 0
     # Images: (first placeholder, digest) of each item, mixed into the keys of the chunks
     # they reach (connector.media); None until named (or for a text request), [] where the
     # keys are vLLM's block hashes as they are (trust_media_ids).
@@ -110,12 +114,11 @@ class RequestState:
         limits = [x for x in (self.offload_cap, self.media_limit) if x is not None]
         return min(limits) if limits else None
 
-    def keys_for(self, chunk_size: int) -> list[bytes]:
-        """The request's key list for ``chunk_size`` (a new server's chunk size starts a
-        new list: keys of another grid name other prefixes)."""
-        if self.keys_chunk_size != chunk_size:
-            self.keys, self.plain_keys, self.keys_chunk_size = [], [], chunk_size
-        return self.keys
+    def extend_keys(self, chunk_keys: ChunkKeys, chunk_size: int, n_chunks: int, memo_only: bool = False) -> list[bytes]:
+        """The request's chunk keys, extended to at least ``n_chunks`` where it has the
+        tokens (``memo_only``: only what is known or in the memo, nothing hashed)."""
+        return chunk_keys.extend(self.keys, self.request, chunk_size, n_chunks, memo_only, plain=self.plain_keys,
+                                 media=self.media)
 
     def within_wait(self, wait_s: float) -> bool:
         """True while the current admission is younger than ``wait_s`` (starting it now if

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 
     from connector.geometry import Geometry
+    from connector.keys import ChunkKeys
     from connector.requests import Hit, RequestState
 
 # Attention holes are saved again at most this many times per request, after a back-off
@@ -37,20 +38,16 @@ def owned(req_id: str, moves: list[ObjectMove]) -> list[ObjectMove]:
 
 
 class SavePlanner:
-    """Plans the saves of tracked requests and applies their outcomes.
+    """Plans the saves of tracked requests and applies their outcomes. Each plan is made
+    for the geometry (the session's chunk grid) it is given; requests' chunk keys are
+    extended with ``chunk_keys`` where a save needs them."""
 
-    ``keys(state, n)`` extends a request's chunk keys to ``n`` chunks where it can and
-    returns its key list."""
-
-    def __init__(self, geometry: Callable[[], Geometry], keys: Callable[[RequestState, int], list[bytes]],
-                 kv_cache_manager: Callable[[], KVCacheManager | None], save_decode: bool) -> None:
-        self._geometry = geometry
-        self._keys = keys
-        self._kv_cache_manager = kv_cache_manager
+    def __init__(self, chunk_keys: ChunkKeys, save_decode: bool) -> None:
+        self._chunk_keys = chunk_keys
         self._save_decode = save_decode
         self.stats: collections.Counter[str] = collections.Counter()  # see failed()
 
-    def cacheable_chunks(self, state: RequestState, computed: int) -> int:
+    def cacheable_chunks(self, state: RequestState, computed: int, C: int) -> int:
         """Whole chunks of this request that may be saved once ``computed`` tokens exist
         (at most the request's ``lmcache.max_offload_tokens``, in ``kv_transfer_params``,
         and never past an image whose rows vLLM's caches may hold under another content's
@@ -61,19 +58,18 @@ class SavePlanner:
         cap = state.save_limit()  # LMCache's lmcache.max_offload_tokens; an image not vouched for
         if cap is not None:
             limit = min(limit, cap)
-        n = min(computed, limit) // self._geometry().chunk_size
-        return min(n, len(self._keys(state, n)))
+        n = min(computed, limit) // C
+        return min(n, len(state.extend_keys(self._chunk_keys, C, n)))
 
-    def attention_saves(self, state: RequestState, computed: int) -> list[ObjectMove]:
-        n = self.cacheable_chunks(state, computed)
+    def attention_saves(self, state: RequestState, computed: int, geo: Geometry,
+                        manager: KVCacheManager | None) -> list[ObjectMove]:
+        C = geo.chunk_size
+        n = self.cacheable_chunks(state, computed, C)
         if n <= state.saved_chunks or state.saves_given_up or time.monotonic() < state.resave_at:
             return []
-        manager = self._kv_cache_manager()
         assert manager is not None
         block_ids = manager.get_block_ids(state.request.request_id)
         null_id = manager.block_pool.null_block.block_id
-        geo = self._geometry()
-        C = geo.chunk_size
         keys = state.keys
         moves: list[ObjectMove] = []
         for g in geo.attn_groups:
@@ -87,9 +83,8 @@ class SavePlanner:
         state.saved_chunks = n
         return moves
 
-    def state_saves(self, state: RequestState, entries: list[tuple[int, int, int]]) -> list[ObjectMove]:
+    def state_saves(self, state: RequestState, entries: list[tuple[int, int, int]], geo: Geometry) -> list[ObjectMove]:
         """States vLLM snapshots at block boundaries; we keep those at chunk boundaries."""
-        geo = self._geometry()
         C = geo.chunk_size
         moves: list[ObjectMove] = []
         prev_chunk = state.state_chunk
@@ -100,7 +95,7 @@ class SavePlanner:
             if boundary <= state.loaded_tokens:
                 continue  # came from the server
             k = boundary // C
-            if self.cacheable_chunks(state, boundary) < k:
+            if self.cacheable_chunks(state, boundary, C) < k:
                 continue
             if k > state.state_chunk:  # a newer state on this path: the previous one is superseded
                 prev_chunk, state.state_chunk = state.state_chunk, k
@@ -109,11 +104,10 @@ class SavePlanner:
             moves.append(ObjectMove(keys[k - 1], group.group_id, [block_id], prev, parent_of(keys, k - 1)))
         return moves
 
-    def local_state_resave(self, state: RequestState, blocks: KVCacheBlocks, hit: Hit) -> list[ObjectMove]:
+    def local_state_resave(self, state: RequestState, blocks: KVCacheBlocks, hit: Hit, geo: Geometry) -> list[ObjectMove]:
         """vLLM resumes from its local cache at a chunk boundary the server lacks (the
         server restarted or evicted it): offer that snapshot again, since no boundary
         offload will (the block was cached earlier). Attention chunks follow as usual."""
-        geo = self._geometry()
         C = geo.chunk_size
         local = hit.local_tokens
         if local == 0 or local % C or local // C <= hit.end_chunk:
@@ -121,7 +115,7 @@ class SavePlanner:
         if hit.start_chunk == local // C and hit.start_state:
             return []  # the lookup started there and found the states present: nothing lost
         k = local // C
-        if self.cacheable_chunks(state, local) < k:
+        if self.cacheable_chunks(state, local, C) < k:
             return []  # past the client's cap or an image not vouched for, or no key yet
         keys = state.keys
         moves = []
@@ -131,7 +125,7 @@ class SavePlanner:
                 moves.append(ObjectMove(keys[k - 1], g.group_id, [blk.block_id], parent=parent_of(keys, k - 1)))
         return moves
 
-    def failed(self, failures: list[SaveFailure], tracked: Callable[[str], RequestState | None]) -> None:
+    def failed(self, failures: list[SaveFailure], tracked: Callable[[str], RequestState | None], geo: Geometry) -> None:
         """Saves the workers report as not landed: move each request's saved depth back to
         its first attention hole, so that later steps save the holes again from the blocks
         the request still holds (after a back-off), or give its saves up cleanly.
@@ -141,7 +135,7 @@ class SavePlanner:
         interior state blocks alive, so that block may hold other bytes by now. The server
         then simply has no resume point there (a shallower hit, never a wrong one)."""
         self.stats["failed"] += len(failures)
-        attn_ids = {g.group_id for g in self._geometry().attn_groups}
+        attn_ids = {g.group_id for g in geo.attn_groups}
         by_req: dict[str, list[SaveFailure]] = {}
         for f in failures:
             by_req.setdefault(f.req_id, []).append(f)

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from connector.admission import uncacheable_reason
 from connector.config import (
@@ -62,7 +62,7 @@ from connector.lmcache_settings import request_params
 from connector.media import MediaLedger, MediaUnnamed, request_items, unvouched_from
 from connector.metadata import GlmConnectorMetadata, GlmWorkerMeta, LoadJob, ObjectMove
 from connector.namespace import Namespace
-from connector.remote import LookupAnswer, RemoteCache
+from connector.remote import LookupAnswer, RemoteCache, Session
 from connector.requests import Hit, Lookup, Requests, RequestState
 from connector.saves import SavePlanner, owned
 
@@ -131,7 +131,7 @@ class SchedulerSide:
         self._prev_map: Any = None  # and at the step before
         self._reset_fresh = False  # the last reset replaced it
         self._fingerprint = self._names.of(self._weights.tokens)
-        self.namespace = ""  # set by each handshake; "" while none succeeded
+        self._session: Session | None = None  # the server's, as last handed over (None: none under these weights)
         self._logged_geometry: Geometry | None = None
         self._requests = Requests()
         self._pending_loads: list[LoadJob] = []
@@ -141,8 +141,7 @@ class SchedulerSide:
         self._errors_unlogged: dict[str, int] = {}  # where -> errors since that line
         self._media_ledger = MediaLedger()  # what vLLM's caches hold under each media identifier
         self._logged_uncacheable: set[str] = set()
-        self._saves = SavePlanner(lambda: self._geometry, self._keys_of, lambda: self.kv_cache_manager,
-                                  settings.save_decode)
+        self._saves = SavePlanner(self.keys, settings.save_decode)
         self.save_stats = self._saves.stats
         if not self._strict_prefix:
             logger.warning(
@@ -150,21 +149,41 @@ class SchedulerSide:
                 "token to the KDA state twice and outputs drift; this engine loads but never saves"
             )
         disabled = settings.auth_broken or refused_layout is not None or names.identity is None
-        self.remote = RemoteCache(settings, disabled, world_size,
-                                  lambda: self._geometry, lambda: self._fingerprint, self._apply_hello)
+        self.remote = RemoteCache(settings, disabled, world_size, geometry, self._fingerprint)
         self.remote.chunk_keys = names.chunk_keys()  # told at hello (cache_server.prefix_query)
         # KV events for routers: what the server can resume, published by vLLM (connector.events)
-        self.events = ServerEvents(vllm_config, kv_cache_config, lambda: self._geometry,
+        self.events = ServerEvents(vllm_config, kv_cache_config, geometry,
                                    lambda ns, keys: self.remote.lookup(ns, keys, 0, False))
         self._events_map: Any = None  # vLLM's prefix-cache map at the last take_events
-        self.remote.connect()
+        session = self.remote.connect()
+        if session is not None:
+            self._adopt(session)
 
     # Handshake ---------------------------------------------------------------------------
 
-    def _apply_hello(self, hello: dict[str, Any]) -> None:
-        self._geometry = self._geometry.with_chunk_size(int(hello["chunk_size"]))
-        self.remote.link.hello = hello
-        self.namespace = self._fingerprint
+    @property
+    def namespace(self) -> str:
+        """The namespace of the current session; "" while no handshake succeeded under
+        the engine's current weights."""
+        return "" if self._session is None else self._session.namespace
+
+    def _ready(self) -> Session | Literal[False] | None:
+        """:meth:`RemoteCache.ready`: the server's session (taken over here when it is a
+        new one), None while a handshake is under way, False while the server is away."""
+        ready = self.remote.ready()
+        if ready and ready is not self._session:
+            self._adopt(ready)
+        return ready
+
+    def _adopt(self, session: Session) -> None:
+        """Work under a new session: its chunk size is the grid of every key, lookup, load
+        and save from now on."""
+        old_chunk = self._geometry.chunk_size
+        self._session, self._geometry = session, session.geometry
+        self.events.geometry = session.geometry
+        if session.chunk_size != old_chunk:  # keys of another grid name other prefixes
+            for state in self._requests.values():
+                state.keys, state.plain_keys = [], []
         previous = self._logged_geometry
         if self._geometry != previous:  # once, unless a new server differs
             logger.info("%s", self._geometry.log_line())
@@ -254,10 +273,7 @@ class SchedulerSide:
     def _keys_of(self, state: RequestState, n_chunks: int, memo_only: bool = False) -> list[bytes]:
         """The request's chunk keys, at least ``n_chunks`` of them where it has the tokens
         (``memo_only``: only what is known or in the memo, nothing hashed)."""
-        C = self._geometry.chunk_size
-        keys = state.keys_for(C)
-        return self.keys.extend(keys, state.request, C, n_chunks, memo_only, plain=state.plain_keys,
-                                media=state.media)
+        return state.extend_keys(self.keys, self._geometry.chunk_size, n_chunks, memo_only)
 
     def request_keys(self, request: Request, n_chunks: int) -> list[bytes]:
         """``request``'s chunk keys (at least ``n_chunks`` where it has the tokens)."""
@@ -391,7 +407,7 @@ class SchedulerSide:
             return self._cold(state)
         if self._skip_uncacheable(state) or state.skip_load:
             return self._cold(state)
-        C = self._geometry.chunk_size
+        C = ready.chunk_size  # the session's grid
         if self._strict_prefix:
             max_chunks = strict_prefix_chunks(request.num_tokens, C)
         else:
@@ -415,7 +431,7 @@ class SchedulerSide:
         if max_chunks == 0:
             return self._cold(state)
         start = start_chunk if want_load else 0
-        question = (self.namespace, C, start, max_chunks, want_load)
+        question = (ready.namespace, C, start, max_chunks, want_load)
         lookup = state.lookup
         if lookup is not None and lookup.answered_at is not None:
             if lookup.question == question and time.monotonic() - lookup.answered_at < REUSE_ANSWER_S:
@@ -439,7 +455,7 @@ class SchedulerSide:
         state.admission_started = None
         answer = lookup.future.result()
         if answer.hashes is not None:
-            self.keys.adopt(state.keys_for(C), request, C, answer.hashes)
+            self.keys.adopt(state.keys, request, C, answer.hashes)
         if answer.error is not None:
             state.lookup = None
             return 0, False
@@ -466,8 +482,7 @@ class SchedulerSide:
             # Not with a drafter's lookahead: the lookup thread hashes plain chains only.
             C = self._geometry.chunk_size
             first = self._keys_of(state, 1)[:1]
-            return self.remote.probe(self.namespace, first, request_tokens(request, max_chunks * C), C,
-                                     request.cache_salt, max_chunks)
+            return self.remote.probe(self.namespace, first, self.keys.chain(request, C, max_chunks), request.cache_salt)
         hashes = self._keys_of(state, max_chunks)[:max_chunks]
         return self.remote.lookup(self.namespace, hashes, start, want_load, request.cache_salt)
 
@@ -552,7 +567,9 @@ class SchedulerSide:
 
     def _use_answer(self, state: RequestState, answer: LookupAnswer, start: int,
                     num_computed_tokens: int) -> tuple[int, bool]:
-        C = self._geometry.chunk_size
+        session = self._session
+        assert session is not None  # answers are used only under a session
+        C = session.chunk_size
         n = answer.chunks
         held, handoff = answer.held_chunks(start), None
         if state.handoff_key is not None:  # the chain's chunks, then the hand-off
@@ -562,9 +579,9 @@ class SchedulerSide:
             held, n_chain = min(held, chain), min(n, chain)
         else:
             n_chain = n
-        state.hit = Hit(start, n, num_computed_tokens, held, answer.start_state, C, handoff)
+        state.hit = Hit(start, n, num_computed_tokens, held, answer.start_state, session, handoff)
         if start == 0 or (answer.held is not None and answer.held >= start):  # resumable from chunk 0
-            self.events.found(state.request, state.keys_for(C), n_chain, self.namespace)
+            self.events.found(state.request, state.keys, n_chain, self.namespace)
         resume = state.hit.resume_tokens()
         if resume <= num_computed_tokens or not self._loads:
             self._drop_lease(state)
@@ -637,7 +654,7 @@ class SchedulerSide:
         state.saved_chunks = max(state.saved_chunks, hit.held)  # (a hand-off's: its chain's)
         if num_external_tokens == 0:
             self._drop_lease(state)
-            self._pending_saves.extend(self._saves.local_state_resave(state, blocks, hit))
+            self._pending_saves.extend(self._saves.local_state_resave(state, blocks, hit, self._geometry))
             return
         resume = hit.local_tokens + num_external_tokens
         if state.handoff_key is not None:
@@ -662,8 +679,9 @@ class SchedulerSide:
         """The load of ``hit``, or a refused one where it cannot be loaded as planned."""
         req_id = state.request.request_id
         C = self._geometry.chunk_size
-        if hit.chunk_size != C:
-            return LoadJob(req_id, [], refused=f"the hit is in chunks of {hit.chunk_size}, the server's are now {C}")
+        if hit.session.chunk_size != C:
+            return LoadJob(req_id, [], refused=f"the hit is in chunks of {hit.session.chunk_size}, the server's are "
+                                               f"now {C}")
         if resume != hit.resume_tokens():
             return LoadJob(req_id, [], refused=f"vLLM took {resume - hit.local_tokens} external tokens, not "
                                                f"{hit.resume_tokens() - hit.local_tokens}")
@@ -711,7 +729,7 @@ class SchedulerSide:
             namespace=self.namespace, loads=self._pending_loads, saves=self._pending_saves
         )
         self._pending_loads, self._pending_saves = [], []
-        if not self._weights_meta(meta) or self.remote.link.hello is None:
+        if not self._weights_meta(meta) or self.remote.session is None:
             return meta
         if not self._strict_prefix or not self._stores:  # a non-strict engine's states may be wrong
             meta.saves = []
@@ -730,8 +748,8 @@ class SchedulerSide:
         for req_id, entries in offloads.items():
             state = self._scheduled(req_id)
             if state is not None:
-                meta.saves.extend(self._guarded(state, "save planning",
-                                                lambda: owned(req_id, self._saves.state_saves(state, entries)), []))
+                meta.saves.extend(self._guarded(state, "save planning", lambda: owned(
+                    req_id, self._saves.state_saves(state, entries, self._geometry)), []))
         return meta
 
     def _record_encodings(self, scheduler_output: SchedulerOutput) -> None:
@@ -757,7 +775,7 @@ class SchedulerSide:
         """A request's attention saves once ``end`` tokens are computed, first stopping its
         saves before any image it has reached whose identifier vouches for other content."""
         self._check_media(state, end)
-        return self._saves.attention_saves(state, end)
+        return self._saves.attention_saves(state, end, self._geometry, self.kv_cache_manager)
 
     def _check_media(self, state: RequestState, reached: int) -> None:
         """Stop ``state``'s saves before the first image among its first ``reached`` tokens
@@ -780,7 +798,7 @@ class SchedulerSide:
         worker_meta = connector_output.kv_connector_worker_meta
         self._weights_report(worker_meta)
         if isinstance(worker_meta, GlmWorkerMeta) and worker_meta.failed_saves:
-            self._saves.failed(worker_meta.failed_saves, self._scheduled)
+            self._saves.failed(worker_meta.failed_saves, self._scheduled, self._geometry)
         for req_id in set(connector_output.finished_recving or ()):
             state = self._requests.get(req_id)
             if state is not None:
@@ -833,8 +851,7 @@ class SchedulerSide:
         announced as deep as the server reports it resumable once the saves landed."""
         if not self.events.enabled or not state.scheduled or state.bypass is not None:
             return
-        C = self._geometry.chunk_size
-        keys = state.keys_for(C)[:max(state.saved_chunks, state.state_chunk)]
+        keys = state.keys[:max(state.saved_chunks, state.state_chunk)]
         self.events.saved(state.request, keys, min(state.saved_chunks, state.state_chunk), self.namespace)
 
     def events_pending(self) -> bool:
@@ -892,9 +909,9 @@ class SchedulerSide:
         """vLLM's prefix-cache map (a new object after each reset of its prefix cache)."""
         return getattr(getattr(self.kv_cache_manager, "block_pool", None), "cached_block_hash_to_block", None)
 
-    def _server_ready(self) -> bool | None:
-        """:meth:`RemoteCache.ready`, or None (not yet) while the weights are not known."""
-        return self.remote.ready() if self._weights.verified else None
+    def _server_ready(self) -> Session | Literal[False] | None:
+        """:meth:`_ready`, or None (not yet) while the weights are not known."""
+        return self._ready() if self._weights.verified else None
 
     def _weights_meta(self, meta: GlmConnectorMetadata) -> bool:
         """Name in the plan the weights it is made for; False (nothing saved this step)
@@ -960,11 +977,9 @@ class SchedulerSide:
         self._stale_map = None if (answered_reset and self._reset_fresh) or replaced else current
         self._saves.stats["weights_changes"] += 1
         self.events.forget_all("the weights changed in place")
-        self.namespace = ""  # a handshake under the new namespace sets it
-        self.remote.link.hello = None
-        self.remote._handshake = None  # one under way names the old namespace
+        self._session = None  # a handshake under the new namespace brings the next
+        self.remote.rename(self._fingerprint)
         if self._fingerprint is None:
-            self.remote.link.disabled = True
             logger.error("GlmCacheConnector: the weights changed and a worker cannot name them (%s); serving "
                          "without the external cache", tokens)
             return

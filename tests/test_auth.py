@@ -478,7 +478,7 @@ def test_connector_link_treats_a_refused_token_as_an_unusable_server_logged_once
             with pytest.raises(CacheServerError) as e:
                 link.client.hello(NS, 16)
             link.failed("handshake", e.value)
-            assert not link.usable() and link.hello is None
+            assert not link.usable() and link.session is None
     finally:
         logger.removeHandler(records)
         link.client.close()

@@ -242,7 +242,7 @@ def test_with_drafts_the_start_up_line_names_the_retention_flag(sides, caplog):
 
     def handshake(side):
         deadline = time.monotonic() + 10
-        while side.remote.ready() is not True:
+        while not side._ready():
             assert time.monotonic() < deadline, "no handshake"
             time.sleep(0.01)
 

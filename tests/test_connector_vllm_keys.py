@@ -57,7 +57,6 @@ def test_a_held_prompt_is_admitted_with_one_lookup_and_nothing_hashed(server, si
     """The server holds the prefix under block-hash keys (another replica saved it): one
     lookup answers it; no token is hashed (no probe, no chain)."""
     import connector.keys
-    import connector.remote
 
     side = sides()
     hashes = vllm_chunk_keys(PROMPT, C, C, "held")
@@ -69,8 +68,7 @@ def test_a_held_prompt_is_admitted_with_one_lookup_and_nothing_hashed(server, si
         def no_hashing(*a, **k):
             raise AssertionError("chunk keys hashed from token ids")
 
-        monkeypatch.setattr(connector.keys, "extend_chunk_hashes", no_hashing)
-        monkeypatch.setattr(connector.remote, "extend_chunk_hashes", no_hashing)
+        monkeypatch.setattr(connector.keys, "extend_chunk_hashes", no_hashing)  # the lookup thread's too (ChunkKeys.chain)
         out = _answer(side, request("held", PROMPT, "held", hash_block=C))
         assert out == (768, True)
         assert c.stats()["lookups"] == lookups + 1

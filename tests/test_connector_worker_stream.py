@@ -238,17 +238,18 @@ def test_worker_metadata_of_every_rank_is_kept_when_aggregated():
 def _scheduler_with(tracked_chunks: int):
     """A save planner and one tracked request of ``tracked_chunks`` saved chunks (only the
     save-outcome bookkeeping is exercised: no engine, no server)."""
-    from connector.keys import chunk_hashes
+    from connector.keys import ChunkKeys, chunk_hashes
+    from connector.namespace import KeyScheme
     from connector.requests import RequestState
 
     _, _, _, geo = _engine_cache()
     tokens = list(range(16, 16 + tracked_chunks * C + 5))
     req = SimpleNamespace(request_id="r", num_tokens=len(tokens), num_prompt_tokens=len(tokens),
                           all_token_ids=tokens, cache_salt=None)
-    t = RequestState(req, keys=chunk_hashes(tokens, C), keys_chunk_size=C, scheduled=True,
+    t = RequestState(req, keys=chunk_hashes(tokens, C), scheduled=True,
                      saved_chunks=tracked_chunks)
-    planner = SavePlanner(lambda: geo, lambda state, n: state.keys, lambda: None, save_decode=False)
-    return planner, t, lambda failures: planner.failed(failures, {"r": t}.get)
+    planner = SavePlanner(ChunkKeys(KeyScheme(), None), save_decode=False)
+    return planner, t, lambda failures: planner.failed(failures, {"r": t}.get, geo)
 
 
 def test_scheduler_moves_the_saved_depth_back_to_the_first_hole_and_backs_off():
@@ -258,7 +259,7 @@ def test_scheduler_moves_the_saved_depth_back_to_the_first_hole_and_backs_off():
           SaveFailure("r", t.keys[4], STATE, SAVE_NO_SPACE)])
     assert t.saved_chunks == 1 and t.save_retries == 1 and not t.saves_given_up
     assert t.resave_at > time.monotonic()
-    assert planner.attention_saves(t, 5 * C) == []  # backing off: nothing is re-sent yet
+    assert planner.attention_saves(t, 5 * C, _engine_cache()[3], None) == []  # backing off: nothing is re-sent yet
     # A failure of a save sent before that correction is the same incident: no new retry.
     fail([SaveFailure("r", t.keys[0], ATTN, SAVE_DROPPED)])
     assert t.saved_chunks == 0 and t.save_retries == 1
@@ -277,7 +278,7 @@ def test_scheduler_gives_up_after_bounded_retries_or_a_permanent_failure():
     t.resave_at = 0.0
     fail([SaveFailure("r", t.keys[2], ATTN, SAVE_NO_SPACE)])
     assert t.saves_given_up and t.saved_chunks == 2
-    assert planner.attention_saves(t, 4 * C) == []  # given up: never sent again
+    assert planner.attention_saves(t, 4 * C, _engine_cache()[3], None) == []  # given up: never sent again
 
     planner, t, fail = _scheduler_with(4)
     fail([SaveFailure("r", t.keys[3], ATTN, "too_large")])

@@ -333,7 +333,7 @@ def _report(side, reports: dict[int, tuple[int, str | None]]) -> None:
 
 def _handshake(side, limit_s: float = 10.0) -> str:
     deadline = time.monotonic() + limit_s
-    while side.remote.ready() is not True:
+    while not side._ready():
         assert time.monotonic() < deadline, "no handshake"
         time.sleep(0.01)
     return side.namespace
@@ -368,7 +368,7 @@ def test_the_scheduler_moves_to_the_namespace_its_workers_report(sides, server):
     side.update_state_after_alloc(under_way, blocks.allocate("under-way", 4), 0)
 
     _report(side, {0: (0, "d1")})
-    assert side.namespace == "" and side.remote.link.hello is None  # nothing is asked under the old name
+    assert side.namespace == "" and side.remote.session is None  # nothing is asked under the old name
     moved = _handshake(side)
     assert moved not in ("", start) and moved in CacheClient(server.url).stats()["namespaces"]
     assert side._requests["under-way"].bypass is not None

@@ -72,7 +72,7 @@ def _events(client: CacheClient, enabled: bool = True) -> ev.ServerEvents:
         return pool.submit(io)
 
     cfg = SimpleNamespace(kv_events_config=SimpleNamespace(enable_kv_cache_events=enabled))
-    return ev.ServerEvents(cfg, _kv_cache_config(), lambda: GEO, lookup)
+    return ev.ServerEvents(cfg, _kv_cache_config(), GEO, lookup)
 
 
 def _request(tokens: list[int], rid: str = "r", salt: str | None = None):
@@ -205,7 +205,7 @@ def test_a_server_away_does_not_keep_an_idle_engine_stepping(client):
     pool = ThreadPoolExecutor(1)
     away = lambda ns, keys: pool.submit(lambda: LookupAnswer(error=ConnectionError("server in back-off")))  # noqa: E731
     cfg = SimpleNamespace(kv_events_config=SimpleNamespace(enable_kv_cache_events=True))
-    events = ev.ServerEvents(cfg, _kv_cache_config(), lambda: GEO, away)
+    events = ev.ServerEvents(cfg, _kv_cache_config(), GEO, away)
     tokens = list(range(900, 900 + 2 * C + 1))
     events.saved(_request(tokens), chunk_hashes(tokens, C), 2, NS)
     assert events.pending()
