@@ -253,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--max-message-mb ({args.max_message_mb}) is below the maximum object size "
                  f"({config.max_object_bytes} bytes): a put of one such object could never arrive")
     if config.l2_url is not None:
-        from cache_server.l2 import L2Config, L2ConfigError
+        from cache_server.l2_config import L2Config, L2ConfigError
 
         try:
             L2Config.from_url(config.l2_url, allow_debug=config.debug_fault_hooks, secret=l2_secret)

@@ -23,7 +23,7 @@ from cache_server import protocol as p
 from cache_server.auth import AUTH_FIELD, PLAIN_USERNAME
 
 # The errors are part of this module's API too: callers import them from here.
-from cache_server.client_errors import CLIENT_ERRORS, CacheServerError, CacheServerUnavailable, unauthorized  # noqa: F401
+from cache_server.client_errors import CacheServerError, CacheServerUnavailable
 from cache_server.client_shm import MIB, ClientShm, get_region, write_payloads
 from cache_server.shm import ClientSegment, align_up
 

@@ -1,5 +1,5 @@
 """What a :class:`cache_server.client.CacheClient` call raises when the server cannot serve
-it; importable from ``cache_server.client`` too."""
+it."""
 
 from __future__ import annotations
 

@@ -62,10 +62,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cache_server import protocol as p
-from cache_server.l2_config import L2Config, L2ConfigError, redact_url  # noqa: F401 (importable from here)
+from cache_server.chunk_tree import UNKNOWN_PARENT
+from cache_server.l2_config import L2Config, L2ConfigError
 from cache_server.l2_values import HEADER_BYTES, decode_value, encode_value, mac_key, namespace_tag
-from cache_server.layout import group_ranks, resume_depth
-from cache_server.store import UNKNOWN_PARENT, ObjectStore, StoreKey
+from cache_server.layout import StoreKey, group_ranks, resume_depth
+from cache_server.store import ObjectStore
 
 logger = logging.getLogger("glm_cache_server.l2")
 

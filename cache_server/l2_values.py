@@ -37,7 +37,8 @@ import hmac
 from blake3 import blake3
 
 from cache_server import protocol as p
-from cache_server.store import UNKNOWN_PARENT, StoreKey
+from cache_server.chunk_tree import UNKNOWN_PARENT
+from cache_server.layout import StoreKey
 
 MAGIC = b"GL2\x04"
 MAC_BYTES = 32

@@ -32,13 +32,14 @@ from typing import Any
 import zmq
 
 from cache_server import protocol as p
+from cache_server.chunk_tree import UNKNOWN_PARENT
 from cache_server.config import ServerConfig
-from cache_server.layout import copy_count
+from cache_server.layout import Layout, copy_count
 from cache_server.metrics import ServerMetrics
 from cache_server.namespaces import NamespaceTable
 from cache_server.prefix_query import PrefixQuery, chunk_key_scheme, parse_query
 from cache_server.shm import GetRegion, SegmentTable, SizedSpan, owned_copy, put_spans
-from cache_server.store import UNKNOWN_PARENT, Layout, ObjectStore
+from cache_server.store import ObjectStore
 from cache_server.token_gate import TokenGate
 from cache_server.workers import Later, Reply, Waiting, work
 
@@ -528,7 +529,8 @@ def _make_l2(config: ServerConfig, metrics: ServerMetrics) -> Any:
     """The L2 tier of ``--l2`` with its metrics, or None."""
     if config.l2_url is None:
         return None
-    from cache_server.l2 import L2Config, L2Tier
+    from cache_server.l2 import L2Tier
+    from cache_server.l2_config import L2Config
 
     cfg = L2Config.from_url(config.l2_url, allow_debug=config.debug_fault_hooks, secret=config.l2_secret)
     tier = L2Tier(cfg, observe=metrics.observe_l2(cfg.cluster))

@@ -49,8 +49,7 @@ from cache_server.layout import Layout, StoreKey, attention_depth, group_ranks, 
 from cache_server.leases import ANY_OWNER, LeaseTable
 from cache_server.protocol import PutResult
 
-__all__ = ["DEFAULT_VALUE_ALPHA", "EVICTION_POLICIES", "UNKNOWN_PARENT", "Layout", "ObjectStore", "StoreCounters",
-           "StoreKey"]
+__all__ = ["ObjectStore", "StoreCounters"]
 
 Payload = bytes | memoryview
 

@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
-from cache_server.client import CLIENT_ERRORS, CacheClient, CacheServerUnavailable, unauthorized
+from cache_server.client import CacheClient
+from cache_server.client_errors import CLIENT_ERRORS, CacheServerUnavailable, unauthorized
 from connector.config import Settings, logger
 from connector.geometry import Geometry
 from connector.identity import LiveWeights, expected_token

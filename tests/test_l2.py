@@ -15,10 +15,11 @@ from l2_fixtures import L2_SECRET, l2_args, start_cluster, wait_written
 from redis.cluster import ClusterNode, RedisCluster
 
 from cache_server import protocol as p
+from cache_server.chunk_tree import UNKNOWN_PARENT
 from cache_server.client import CacheClient
-from cache_server.l2 import L2Config, L2ConfigError, L2Tier, redis_key
+from cache_server.l2 import L2Tier, redis_key
+from cache_server.l2_config import L2Config, L2ConfigError
 from cache_server.l2_values import HEADER_BYTES, MAGIC, decode_value, encode_value, mac_key, namespace_tag
-from cache_server.store import UNKNOWN_PARENT
 from testing.server_process import ServerProcess
 
 KEY_BYTES = mac_key(L2_SECRET.encode())

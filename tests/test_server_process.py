@@ -13,7 +13,8 @@ import msgpack
 import pytest
 import zmq
 
-from cache_server.client import CacheClient, CacheServerError, CacheServerUnavailable
+from cache_server.client import CacheClient
+from cache_server.client_errors import CacheServerError, CacheServerUnavailable
 from cache_server.protocol import PROTOCOL_VERSION
 from connector.keys import chunk_hashes
 from testing.server_process import ServerProcess, free_port

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from cache_server import protocol as p
-from cache_server.client import CacheClient, CacheServerError, CacheServerUnavailable
+from cache_server.client import CacheClient
+from cache_server.client_errors import CacheServerError, CacheServerUnavailable
 from cache_server.shm import DATA_OFFSET
 from testing.server_process import ServerProcess, free_port
 

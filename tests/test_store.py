@@ -443,7 +443,7 @@ def test_replicated_groups_need_only_the_rank_0_copy():
 
 # --- usable prefixes and value-aware retention -------------------------------------------
 
-from cache_server.store import Layout  # noqa: E402
+from cache_server.layout import Layout  # noqa: E402
 
 CHUNK = 100
 

@@ -27,7 +27,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cache_server import protocol as p  # noqa: E402
-from cache_server.l2 import L2Config, L2Tier  # noqa: E402
+from cache_server.l2 import L2Tier  # noqa: E402
+from cache_server.l2_config import L2Config  # noqa: E402
 from cache_server.l2_values import decode_value, encode_value, mac_key  # noqa: E402
 from testing.redis_nodes import RedisNodes  # noqa: E402
 from testing.server_process import free_port  # noqa: E402

@@ -17,7 +17,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from cache_server.store import Layout, ObjectStore  # noqa: E402
+from cache_server.layout import Layout  # noqa: E402
+from cache_server.store import ObjectStore  # noqa: E402
 
 CHUNKS, RANKS, OBJECT_BYTES = 13, 4, 64
 

@@ -42,7 +42,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from cache_server.auth import PLAIN_USERNAME  # noqa: E402
-from cache_server.client import CacheClient, CacheServerError  # noqa: E402
+from cache_server.client import CacheClient  # noqa: E402
+from cache_server.client_errors import CacheServerError  # noqa: E402
 from testing.server_process import ServerProcess, free_port  # noqa: E402
 from testing.vllm_keys import vllm_chunk_keys  # noqa: E402
 
@@ -480,9 +481,9 @@ def forged_l2_values(h: Harness) -> Row:
     from redis.cluster import ClusterNode, RedisCluster
 
     from cache_server import protocol as p
+    from cache_server.chunk_tree import UNKNOWN_PARENT
     from cache_server.l2 import redis_key
     from cache_server.l2_values import decode_value, encode_value, mac_key
-    from cache_server.store import UNKNOWN_PARENT
     from testing.redis_nodes import RedisNodes, store_binaries
 
     if store_binaries() is None:
