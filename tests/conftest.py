@@ -22,10 +22,10 @@ SERVER_CHUNK = 256  # the server fixture's minimum chunk
 
 @pytest.fixture()
 def sides(server):
-    """``sides(**kw)`` makes a real scheduler side (``validation.sched_harness``) on the module's
+    """``sides(**kw)`` makes a real scheduler side (``testing.sched_harness``) on the module's
     server, with a block of the server's minimum chunk unless ``block`` is given; all are
     shut down after the test."""
-    from validation.sched_harness import scheduler_side
+    from testing.sched_harness import scheduler_side
 
     made = []
 
@@ -52,7 +52,7 @@ from functools import cache  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 _ROOT = Path(__file__).resolve().parent.parent
-_VLLM_SIDE = ("vllm", "connector", "glm5next_plugin", "validation.serving", "validation.sched_harness",
+_VLLM_SIDE = ("vllm", "connector", "glm5next_plugin", "validation.serving", "testing.sched_harness",
               "validation.demo", "tests.engines", "tests.tiny_qwen3_next")
 # strings that start vLLM in another process (a command line, a notebook, the demo)
 _VLLM_WORDS = ("vllm", ".ipynb", "demo")

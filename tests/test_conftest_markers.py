@@ -17,4 +17,4 @@ def test_server_tests_are_vllm_free_and_the_rest_are_not():
 
 
 def test_a_fixture_that_imports_the_connector_counts():
-    assert "validation.sched_harness" in conftest._conftest_fixture_imports()["sides"]
+    assert "testing.sched_harness" in conftest._conftest_fixture_imports()["sides"]

@@ -16,7 +16,7 @@ import pytest
 
 from cache_server.client import CacheClient
 from connector.keys import chunk_hashes
-from validation.sched_harness import request, scheduler_side
+from testing.sched_harness import request, scheduler_side
 
 C = 256  # the shared server fixture's minimum chunk (conftest.py)
 TIMEOUT_S = 1.0

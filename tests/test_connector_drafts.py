@@ -8,7 +8,7 @@ exactly at a chunk boundary would share a row computed from the other continuati
 draft also joins the namespace; n-gram drafts cache nothing of theirs and change nothing.
 
 A real glm-cache-server process; the scheduler side is built without an engine from
-hand-made vLLM configs and real vLLM requests (validation/sched_harness.py); saves are
+hand-made vLLM configs and real vLLM requests (testing/sched_harness.py); saves are
 planned by the real scheduler side and stored as the worker side would store them."""
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from blake3 import blake3
 from connector.geometry import strict_prefix_chunks
 from connector.identity import check_nameable, draft_identity
 from connector.keys import chunk_hashes
+from testing import sched_harness as harness
+from testing.sched_harness import Blocks, drafts, request, step, store
 from testing.vllm_keys import vllm_chunk_keys
-from validation import sched_harness as harness
-from validation.sched_harness import Blocks, drafts, request, step, store
 
 C = 256  # the shared server fixture's minimum chunk (conftest.py)
 SCHEMES = ("lmcache", "vllm")  # the token chain, vLLM's block hashes

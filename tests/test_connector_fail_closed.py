@@ -8,7 +8,7 @@ from dataclasses import replace
 from types import SimpleNamespace
 
 from connector.requests import Hit
-from validation.sched_harness import request, scheduler_side
+from testing.sched_harness import request, scheduler_side
 
 C = 256
 

@@ -1,6 +1,6 @@
 """What a client sends cannot stop the engine or plant bytes under another image's name:
 the scheduler side's request handling, on a real glm-cache-server process, with real
-scheduler sides and real vLLM requests (validation/sched_harness.py).
+scheduler sides and real vLLM requests (testing/sched_harness.py).
 
 - Per-request values (``kv_transfer_params``) are parsed once, bounded and typed; nothing a
   client sends raises, and a hook that still raises on a request's data serves that
@@ -20,7 +20,7 @@ from collections.abc import Iterator, Mapping
 import pytest
 import torch
 
-from validation.sched_harness import Blocks, image_feature, request, step, store
+from testing.sched_harness import Blocks, image_feature, request, step, store
 
 C = 256  # the shared server fixture's minimum chunk (conftest.py)
 

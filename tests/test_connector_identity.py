@@ -72,7 +72,7 @@ def test_the_identity_names_config_quantization_overrides_and_the_engine(tmp_pat
 def test_weights_that_cannot_be_named_are_not_cached(tmp_path, server, monkeypatch):
     """No weight files where the model should be: the identity cannot name them, so the
     engine serves without the external cache (never under a partial name)."""
-    import validation.sched_harness as harness
+    import testing.sched_harness as harness
 
     with pytest.raises(UnnamedWeights):
         engine_identity(_model_config(tmp_path))
@@ -95,7 +95,7 @@ def test_drafts_are_cached_under_their_own_name_and_unnameable_drafters_are_refu
     keys. A drafter the identity cannot name (``custom_class``: any code; ``dflash``:
     fill-in drafting) serves without the external cache rather than under a partial
     name. (Keys and the rest: tests/test_connector_drafts.py.)"""
-    import validation.sched_harness as harness
+    import testing.sched_harness as harness
 
     made = []
 

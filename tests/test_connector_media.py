@@ -3,7 +3,7 @@ where it sits): the same image at the same place shares keys; another image, ano
 offset, another processor setting does not; a client's media id never reaches another
 client's KV unless the operator trusts the clients; the token chain leaves images uncached.
 
-A real glm-cache-server process; real scheduler sides (validation/sched_harness.py) and
+A real glm-cache-server process; real scheduler sides (testing/sched_harness.py) and
 real vLLM requests whose block hashes vLLM's own hasher computed with their images."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import logging
 import pytest
 import torch
 
-from validation.sched_harness import image_feature, request
+from testing.sched_harness import image_feature, request
 
 C = 256  # the shared server fixture's minimum chunk (conftest.py)
 PROMPT = list(range(16, 1016))  # 1000 tokens: strict prefix 3 chunks

@@ -2,7 +2,7 @@
 the way 0.33's GPU worker calls them (vllm/v1/worker/gpu_worker.py: ``sleep`` and
 ``discard`` call ``unregister_kv_caches`` before the memory goes, ``wake_up`` calls
 ``restore_kv_caches``), on the real GLM-5.3-Flash KV cache (native layout, TP 4) as vLLM
-places and views it (``validation/glm_flash_kv_layouts.py``). No engine, no server: the
+places and views it (``testing/glm_flash_kv_layouts.py``). No engine, no server: the
 worker's fetches are answered in-process."""
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from connector.config import Settings  # noqa: E402
 from connector.glm_connector import GlmCacheConnector  # noqa: E402
 from connector.metadata import GlmConnectorMetadata, LoadJob, ObjectMove  # noqa: E402
 from connector.worker import WorkerSide  # noqa: E402
+from testing import glm_flash_kv_layouts as L  # noqa: E402
 from testing.worker_loads import wait_load  # noqa: E402
-from validation import glm_flash_kv_layouts as L  # noqa: E402
 
 NS = "sleep-mode"
 

@@ -3,7 +3,7 @@ usable): nothing is hashed by the connector, at admission or on save.
 
 A real glm-cache-server process; the scheduler side is built without an engine from
 hand-made vLLM configs and real vLLM requests whose ``block_hashes`` vLLM's own block
-hasher computed (see validation/sched_harness.py). The end-to-end tests run engines with
+hasher computed (see testing/sched_harness.py). The end-to-end tests run engines with
 the default setting, so their reloads go through these keys."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import pytest
 
 from cache_server.client import CacheClient
 from connector.keys import chunk_hashes
+from testing.sched_harness import request
 from testing.vllm_keys import vllm_chunk_keys
-from validation.sched_harness import request
 
 C = 256  # the shared server fixture's minimum chunk (conftest.py)
 PROMPT = list(range(16, 1016))  # 1000 tokens: strict prefix 3 chunks (768)

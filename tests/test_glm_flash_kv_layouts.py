@@ -3,7 +3,7 @@ places and views it on CPU: the connector's per-layer geometry matches vLLM's pa
 save then load round trip is byte-exact for every cached group while every other byte
 (neighbouring pages, other blocks, padding) keeps its canary value.
 
-Fixture and the source of every shape: ``validation/glm_flash_kv_layouts.py``."""
+Fixture and the source of every shape: ``testing/glm_flash_kv_layouts.py``."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ pytest.importorskip("vllm.v1.kv_cache_interface")
 pytest.importorskip("transformers")
 
 from connector.kv_pages import PagedKVCache  # noqa: E402
-from validation import glm_flash_kv_layouts as L  # noqa: E402
+from testing import glm_flash_kv_layouts as L  # noqa: E402
 
 CASES = [(layout, tp) for layout in L.LAYOUTS for tp in L.TP_SIZES]
 

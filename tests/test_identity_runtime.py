@@ -39,8 +39,8 @@ from connector.metadata import GlmConnectorMetadata, GlmWorkerMeta, LoadJob, Obj
 from connector.namespace import model_numerics_version, numerics_version_of
 from connector.worker import WorkerSide
 from glm5next_plugin import tiny_checkpoint
+from testing.sched_harness import Blocks, request, weights_dir
 from testing.worker_loads import wait_load
-from validation.sched_harness import Blocks, request, weights_dir
 
 vkv = pytest.importorskip("vllm.v1.kv_cache_interface")
 
@@ -348,7 +348,7 @@ def _admit(side, req, computed: int = 0, limit_s: float = 10.0):
 
 
 def _step(side):
-    from validation.sched_harness import step
+    from testing.sched_harness import step
 
     return step(side, {})
 
@@ -386,7 +386,7 @@ def test_a_reset_keeps_the_servers_objects_and_waits_for_the_workers(sides, serv
     """vLLM's sleep and pause clear caches through reset_cache: the shared namespace keeps
     its objects (other replicas use them); until every worker has named its weights again
     nothing is looked up or saved, and the weights they name decide the namespace."""
-    from validation.sched_harness import store
+    from testing.sched_harness import store
 
     side = sides(chunk_keys="lmcache")
     start = side.namespace

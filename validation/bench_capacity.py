@@ -13,7 +13,7 @@ does not run on this machine); the driver plays vLLM's part:
   lookup, put with ``prev`` and ``parent``), its keys (:func:`connector.keys.chunk_hashes`),
   its strict-prefix rule (:func:`connector.geometry.strict_prefix_chunks`), and the object
   sizes per group of vLLM's native GLM-5.3-Flash at TP 4 (from
-  ``validation/glm_flash_kv_layouts.py``, the same numbers ``geometry_report`` prints:
+  ``testing/glm_flash_kv_layouts.py``, the same numbers ``geometry_report`` prints:
   block 1152 tokens (seed 003's), two attention object groups stored once (MLA latent,
   indexer cache), four KDA state groups per rank).
 * Imitated: the scheduler side's decisions, written out here the way
@@ -83,7 +83,7 @@ def native_tp4_sizes(block: int | None = None) -> Sizes:
     """``block`` None: vLLM's unified block as derived by the fixture for the served
     checkpoint (1152 at TP 4, as seed 003 logs it); else that many tokens a chunk,
     attention bytes scaled per token, the KDA state (one per block position) unchanged."""
-    from validation import glm_flash_kv_layouts as L
+    from testing import glm_flash_kv_layouts as L
 
     built = L.build("native", 4, num_blocks=1, cfg=L.text_config())
     geo = L.resolve(built)

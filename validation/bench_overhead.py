@@ -61,7 +61,7 @@ def bench_admission(reps: int) -> dict[str, float]:
 def _admission(reps: int, scheme: str) -> dict[str, float]:
     """The admission rows for one ``chunk_keys`` setting: "lmcache" (keys hashed from the
     token ids by us) or "vllm" (keys read off the block hashes vLLM computed on arrival)."""
-    from validation.sched_harness import request, scheduler_side
+    from testing.sched_harness import request, scheduler_side
 
     rng = random.Random(0)
     tokens = [rng.randrange(0, 150_000) for _ in range(PROMPT_TOKENS)]

@@ -5,7 +5,7 @@ glm-cache-server process into a real :class:`~connector.kv_pages.PagedKVCache` o
 KV cache vLLM builds for GLM-5.3-Flash (native layout, TP 4, the served checkpoint's
 ``index_kpool`` 4: unified block 1152 tokens as seed 003 logs it, MLA latent 11,264 B and
 kpool indexer 363 B per token, each its own object group, a 36.9 MB KDA state snapshot in 4
-groups; see ``validation/glm_flash_kv_layouts.py``). The chunk is one block, 1152 tokens,
+groups; see ``testing/glm_flash_kv_layouts.py``). The chunk is one block, 1152 tokens,
 as production runs it (C == N): 13.39 MB of attention a chunk, about 3.5 GB per rank at
 300k tokens.
 
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="use at most this fraction of MemAvailable (default 0.5)")
     args = ap.parse_args(argv)
 
-    from validation.glm_flash_kv_layouts import allocate, build, resolve
+    from testing.glm_flash_kv_layouts import allocate, build, resolve
 
     probe = build("native", 4, num_blocks=8)
     geo = resolve(probe)

@@ -3,7 +3,7 @@ load and save paths, for the plugin's layout (one cache row per token holds both
 
     python validation/bench_split.py [--tp 4] [--blocks 2] [--reps 20]
 
-The real GLM-5.3-Flash cache as vLLM groups and places it (``validation/glm_flash_kv_layouts.py``,
+The real GLM-5.3-Flash cache as vLLM groups and places it (``testing/glm_flash_kv_layouts.py``,
 plugin layout), on this machine's CPU. Two geometries of the same KV buffer:
 
 * split (what the connector does): the rows' parts the plugin declares
@@ -31,7 +31,7 @@ import torch  # noqa: E402
 
 from connector.geometry import resolve_geometry  # noqa: E402
 from connector.kv_pages import PagedKVCache  # noqa: E402
-from validation import glm_flash_kv_layouts as L  # noqa: E402
+from testing import glm_flash_kv_layouts as L  # noqa: E402
 
 
 def _best(fn, reps: int) -> float:

@@ -1,6 +1,6 @@
 """Per layout and TP size: vLLM's unified block, the cached groups, per-layer pages, and
 per-rank bytes per 1152-token chunk (attention) and per state snapshot (KDA), computed
-from the KV cache config vLLM builds for GLM-5.3-Flash (validation/glm_flash_kv_layouts.py);
+from the KV cache config vLLM builds for GLM-5.3-Flash (testing/glm_flash_kv_layouts.py);
 then memory plans for the recipes' GPUs (derived, not run: weights at FP8 from the
 parameter count of the fixture's text config: transformers' defaults with the served
 index_kpool; and what is left for vLLM's cache).
@@ -15,7 +15,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from validation import glm_flash_kv_layouts as L  # noqa: E402
+from testing import glm_flash_kv_layouts as L  # noqa: E402
 
 
 def _mb(n: float) -> str:

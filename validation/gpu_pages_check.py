@@ -36,7 +36,7 @@ from connector.kv_pages import PagedKVCache  # noqa: E402
 
 
 def export(path: Path, tp: int, num_blocks: int) -> None:
-    from validation import glm_flash_kv_layouts as layouts
+    from testing import glm_flash_kv_layouts as layouts
 
     out = {}
     for layout in layouts.LAYOUTS:
