@@ -35,8 +35,6 @@ from typing import TYPE_CHECKING
 
 from blake3 import blake3
 
-from connector.media import media_keys
-
 if TYPE_CHECKING:
     from vllm.v1.request import Request
 
@@ -149,6 +147,24 @@ def lookahead_keys(plain: Sequence[bytes], token_ids: Sequence[int], chunk_size:
         after = (j + 1) * chunk_size
         keys.append(blake3(tag + plain[j] + _pack_be_u32(token_ids[after:after + lookahead])).digest())
     return keys
+
+
+_MEDIA_TAG = b"glm-cache-media:"
+
+
+def media_keys(keys: Sequence[bytes], media: Sequence[tuple[int, bytes]], chunk_size: int,
+               start: int) -> list[bytes]:
+    """Keys of chunks ``start, start + 1, ...`` (``keys`` are the scheme's keys of those
+    chunks) with the media before each chunk's end mixed in: a chunk ending at or before
+    the first image keeps its key (its bytes are text only, shared with text prompts);
+    every later one becomes ``blake3(b"glm-cache-media:" || key || digest_1 || ...)`` over
+    the items whose first placeholder lies before the chunk's end."""
+    out = []
+    for i, key in enumerate(keys):
+        end = (start + i + 1) * chunk_size
+        before = [d for off, d in media if off < end]
+        out.append(blake3(_MEDIA_TAG + key + b"".join(before)).digest() if before else key)
+    return out
 
 
 def parent_of(hashes: list[bytes], k: int) -> bytes | None:
@@ -275,6 +291,13 @@ class ChunkKeys:
                 self.chain(request, C, n_chunks)(hashes)
                 self.memo.remember(hashes, request, C, done, self._hash_span)
         return hashes
+
+    def probe(self, hashes: list[bytes], request: Request, C: int, n_chunks: int,
+              media: Sequence[tuple[int, bytes]] | None = None) -> tuple[list[bytes], Callable[[list[bytes]], list[bytes]]]:
+        """For a probe of a prefix nobody here has hashed (:meth:`connector.remote.RemoteCache.probe`;
+        keys without a lookahead): the first chunk's key, extended into ``hashes`` here, and
+        what hashes the rest of the chain to ``n_chunks`` keys on the lookup thread."""
+        return self._extend_plain(hashes, request, C, 1, False, media)[:1], self.chain(request, C, n_chunks)
 
     @staticmethod
     def chain(request: Request, C: int, n_chunks: int) -> Callable[[list[bytes]], list[bytes]]:

@@ -13,7 +13,7 @@ its own image would resume from the other's KV. So, unless the operator says the
 clients are trusted (``trust_media_ids``), the connector names each image by what the
 encoder reads, its processed tensors (``pixel_values`` and grid), with its own digest, and
 mixes those digests into the key of every chunk at or after the image's first placeholder
-(:func:`media_keys`). A request whose processed tensors are not on the scheduler (vLLM's
+(:func:`connector.keys.media_keys`). A request whose processed tensors are not on the scheduler (vLLM's
 ``shm`` processor cache keeps them on the workers only) is not cached.
 
 The token-chain scheme (``chunk_keys: lmcache``) hashes token ids only, in which every
@@ -36,7 +36,6 @@ from typing import Any
 
 from blake3 import blake3
 
-_MEDIA_TAG = b"glm-cache-media:"
 # Processor configuration a checkpoint ships (transformers' file names).
 PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json")
 
@@ -196,18 +195,3 @@ def unvouched_from(items: Sequence[MediaItem], ledger: MediaLedger, reached: int
         if not from_server and not ledger.vouches(it):
             limit = it.offset if limit is None else min(limit, it.offset)
     return limit
-
-
-def media_keys(keys: Sequence[bytes], media: Sequence[tuple[int, bytes]], chunk_size: int,
-               start: int) -> list[bytes]:
-    """Keys of chunks ``start, start + 1, ...`` (``keys`` are the scheme's keys of those
-    chunks) with the media before each chunk's end mixed in: a chunk ending at or before
-    the first image keeps its key (its bytes are text only, shared with text prompts);
-    every later one becomes ``blake3(b"glm-cache-media:" || key || digest_1 || ...)`` over
-    the items whose first placeholder lies before the chunk's end."""
-    out = []
-    for i, key in enumerate(keys):
-        end = (start + i + 1) * chunk_size
-        before = [d for off, d in media if off < end]
-        out.append(blake3(_MEDIA_TAG + key + b"".join(before)).digest() if before else key)
-    return out

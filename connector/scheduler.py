@@ -46,7 +46,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
-from connector.admission import uncacheable_reason
+from connector.admission import AdmissionRules
 from connector.config import (
     SchedulerBlockAligner,
     Settings,
@@ -55,11 +55,10 @@ from connector.config import (
 )
 from connector.events import ServerEvents
 from connector.geometry import Geometry, strict_prefix_chunks
-from connector.handoff import CHUNKS_PARAM, HANDOFF_PARAM, HANDOFF_RETRY_S, handoff_key, handoff_span, pd_flags
+from connector.handoff import CHUNKS_PARAM, HANDOFF_PARAM, HANDOFF_RETRY_S, handoff_key, handoff_span
 from connector.identity import WeightsView
 from connector.keys import ChunkKeys, request_tokens
-from connector.lmcache_settings import request_params
-from connector.media import MediaLedger, MediaUnnamed, request_items, unvouched_from
+from connector.media import MediaLedger, unvouched_from
 from connector.metadata import GlmConnectorMetadata, GlmWorkerMeta, LoadJob, ObjectMove
 from connector.namespace import Namespace
 from connector.remote import LookupAnswer, RemoteCache, Session
@@ -81,8 +80,6 @@ if TYPE_CHECKING:
 # small lookup (about 0.4 ms) on the lookup thread.
 PROBE_MIN_CHUNKS = 4
 
-# Distinct unhonoured kv_transfer_params names said in the log (clients choose them).
-MAX_WARNED_PARAMS = 32
 # A request whose data raised in a hook is logged at most once this often (per hook).
 ERROR_LOG_INTERVAL_S = 60.0
 
@@ -126,7 +123,6 @@ class SchedulerSide:
         self.keys = ChunkKeys(names.scheme, names.hash_span, names.drafts.lookahead)
         self._drafts = names.drafts
         self._weights = WeightsView(world_size)
-        self._stale_map: Any = None  # vLLM's prefix-cache map holding blocks of replaced weights
         self._last_map: Any = None  # that map at the last step
         self._prev_map: Any = None  # and at the step before
         self._reset_fresh = False  # the last reset replaced it
@@ -136,13 +132,12 @@ class SchedulerSide:
         self._requests = Requests()
         self._pending_loads: list[LoadJob] = []
         self._pending_saves: list[ObjectMove] = []
-        self._warned_params: set[str] = set()  # kv_transfer_params keys said to be ignored (bounded)
         self._error_logged_at: dict[str, float] = {}  # where -> when a request error was last logged
         self._errors_unlogged: dict[str, int] = {}  # where -> errors since that line
         self._media_ledger = MediaLedger()  # what vLLM's caches hold under each media identifier
-        self._logged_uncacheable: set[str] = set()
         self._saves = SavePlanner(self.keys, settings.save_decode)
         self.save_stats = self._saves.stats
+        self._rules = AdmissionRules(names.scheme.span is not None, settings.trust_media_ids, self._saves.stats)
         if not self._strict_prefix:
             logger.warning(
                 "GlmCacheConnector: strict_prefix=false (diagnosis only): full-prompt hits apply the last "
@@ -279,60 +274,6 @@ class SchedulerSide:
         """``request``'s chunk keys (at least ``n_chunks`` where it has the tokens)."""
         return self._keys_of(self._requests.of(request), n_chunks)
 
-    def _skip_uncacheable(self, state: RequestState) -> bool:
-        """True for requests whose keys would not capture their inputs (logged once per
-        kind). Names a request's images on first sight (:mod:`connector.media`)."""
-        request = state.request
-        reason = uncacheable_reason(request, keys_name_media=self.keys.scheme.span is not None)
-        if reason is None and state.media is None and getattr(request, "mm_features", None):
-            try:  # trusted ids: vLLM's block hashes name the images as they are
-                if not self._trust_media_ids:
-                    state.media_items = request_items(request)
-                state.media = [(it.offset, it.digest) for it in state.media_items]
-            except MediaUnnamed as e:
-                reason = f"multimodal inputs whose pixels cannot be named ({e})"
-        if reason is None:
-            return False
-        if reason not in self._logged_uncacheable:
-            self._logged_uncacheable.add(reason)
-            logger.info(
-                "GlmCacheConnector: requests with %s are not looked up or saved (%s); first: %s", reason,
-                "chunk_keys lmcache hashes token ids only, which name no image; chunk_keys vllm caches them"
-                if reason == "multimodal inputs" else "their keys would not name everything their KV depends on",
-                request.request_id,
-            )
-        return True
-
-    def _read_params(self, state: RequestState) -> None:
-        """Read a request's ``kv_transfer_params`` once into its record: LMCache's
-        ``lmcache.max_offload_tokens`` (saves stop there) and ``lmcache.skip_load`` (no
-        lookup). Strict prefix is operator policy: an API client must not be able to turn
-        it off (and, with decode saves, store wrong states under shared keys). A request
-        asking for it, or for an LMCache per-request setting this connector does not
-        honour, or sending a malformed value, is served without it; each key is said once
-        (at most :data:`MAX_WARNED_PARAMS` names, cut to 64 characters: clients choose them),
-        so a client relying on it learns why."""
-        if state.params_read:
-            return
-        state.params_read = True
-        params = getattr(state.request, "kv_transfer_params", None)
-        state.offload_cap, state.skip_load, unhonoured = request_params(params)
-        state.remote_decode, state.remote_prefill, state.prefill_chunks = pd_flags(params)
-        if isinstance(params, dict) and "glm_strict_prefix" in params:
-            unhonoured.append("glm_strict_prefix")
-        self._saves.stats["params_ignored"] += len(unhonoured)
-        for key in unhonoured:
-            if key in self._warned_params or len(self._warned_params) >= MAX_WARNED_PARAMS:
-                continue
-            self._warned_params.add(key)
-            logger.warning(
-                "GlmCacheConnector: ignoring kv_transfer_params %.64s of request %.64s: %s", key,
-                state.request.request_id,
-                "strict prefix is operator policy (kv_connector_extra_config strict_prefix)"
-                if key == "glm_strict_prefix" else "not honoured by this connector (honoured: "
-                "lmcache.max_offload_tokens as a non-negative integer, lmcache.skip_load)",
-            )
-
     # Requests whose data the connector cannot handle ----------------------------------------
 
     def _uncached(self, state: RequestState, where: str, error: BaseException) -> None:
@@ -385,28 +326,30 @@ class SchedulerSide:
         wait at all."""
         self._align_block_size()
         state = self._requests.of(request)
-        self._weights_admission(state, num_computed_tokens)
+        self._guarded(state, "admission", lambda: self._rules.enter(state, num_computed_tokens, self._block_map()),
+                      None)
         if state.bypass is None:
             result = self._guarded(state, "admission", lambda: self._admit(state, num_computed_tokens), None)
-            if state.bypass is None:
+            if state.bypass is None and result is not None:
                 return result
         return self._guarded(state, "admission", lambda: self._cold(state), (0, False))
 
-    def _admit(self, state: RequestState, num_computed_tokens: int) -> tuple[int | None, bool]:
+    def _admit(self, state: RequestState, num_computed_tokens: int) -> tuple[int | None, bool] | None:
+        """The answer for a request the rules admit (:meth:`AdmissionRules.enter`), or None:
+        admit it cold (nothing external)."""
         request = state.request
         state.hit = None
         state.local_tokens = num_computed_tokens
-        self._read_params(state)
         if state.load_failed:
-            return self._cold(state)
+            return None
         wait_s = self.remote.answer_wait_s()
         ready = self._server_ready()
         if ready is None and state.within_wait(wait_s):
             return None, False
         if not ready or not self.remote.usable():
-            return self._cold(state)
-        if self._skip_uncacheable(state) or state.skip_load:
-            return self._cold(state)
+            return None
+        if self._rules.uncacheable(state) or state.skip_load:
+            return None
         C = ready.chunk_size  # the session's grid
         if self._strict_prefix:
             max_chunks = strict_prefix_chunks(request.num_tokens, C)
@@ -429,7 +372,7 @@ class SchedulerSide:
             max_chunks += 1
             want_load = True
         if max_chunks == 0:
-            return self._cold(state)
+            return None
         start = start_chunk if want_load else 0
         question = (ready.namespace, C, start, max_chunks, want_load)
         lookup = state.lookup
@@ -441,7 +384,7 @@ class SchedulerSide:
             self._discard_lookup(state)  # asked for another local hit: ask again
         if state.lookup is None:
             if not state.within_wait(wait_s):
-                return self._cold(state)
+                return None
             if time.monotonic() < state.prefill_retry_at:
                 return None, False  # waiting for a prefill instance's saves
             state.lookup = Lookup(question, self._ask(state, start, max_chunks, want_load),
@@ -451,7 +394,7 @@ class SchedulerSide:
         if not lookup.future.done():
             if time.monotonic() < lookup.deadline:
                 return None, False
-            return self._cold(state)  # no answer in time: cold, never held
+            return None  # no answer in time: cold, never held
         state.admission_started = None
         answer = lookup.future.result()
         if answer.hashes is not None:
@@ -480,9 +423,8 @@ class SchedulerSide:
             # A prefix nobody here has seen: ask for its first chunk before hashing it
             # all (most such prompts are nowhere; a hit hashes the rest off this thread).
             # Not with a drafter's lookahead: the lookup thread hashes plain chains only.
-            C = self._geometry.chunk_size
-            first = self._keys_of(state, 1)[:1]
-            return self.remote.probe(self.namespace, first, self.keys.chain(request, C, max_chunks), request.cache_salt)
+            first, rest = self.keys.probe(state.keys, request, self._geometry.chunk_size, max_chunks, state.media)
+            return self.remote.probe(self.namespace, first, rest, request.cache_salt)
         hashes = self._keys_of(state, max_chunks)[:max_chunks]
         return self.remote.lookup(self.namespace, hashes, start, want_load, request.cache_salt)
 
@@ -640,7 +582,7 @@ class SchedulerSide:
         request = state.request
         if state.lookup is not None and state.lookup.answered_at is not None:
             state.lookup = None  # used: its lease is the load's (or dropped below)
-        if self._skip_uncacheable(state):
+        if self._rules.uncacheable(state):
             return  # never tracked: nothing of it is saved
         state.scheduled = True
         hit, state.hit = state.hit, None
@@ -923,24 +865,6 @@ class SchedulerSide:
         meta.saves = []
         return False
 
-    def _weights_admission(self, state: RequestState, num_computed_tokens: int) -> None:
-        """After an in-place change without a reset, vLLM's prefix cache holds blocks the
-        old weights computed: a request resuming from it is served without the external
-        cache (its saves would carry those blocks into the new weights' namespace), until
-        vLLM's prefix cache is reset."""
-        if self._stale_map is None or state.bypass is not None:
-            return
-        current = self._block_map()
-        if current is not None and current is not self._stale_map:
-            self._stale_map = None
-            logger.info("GlmCacheConnector: vLLM's prefix cache was reset since the weights changed; requests "
-                        "resuming from it are cached again")
-            return
-        if num_computed_tokens > 0:
-            state.bypass = "resumes from vLLM's prefix cache, which holds blocks of replaced weights"
-            state.scheduled = False
-            self._saves.stats["weights_stale_local"] += 1
-
     def _weights_report(self, worker_meta: Any) -> None:
         """The workers' weights, reported with a step's output."""
         reports = worker_meta.weights if isinstance(worker_meta, GlmWorkerMeta) else None
@@ -974,7 +898,7 @@ class SchedulerSide:
         # it still holds the old weights' blocks.
         current = self._block_map()
         replaced = current is not None and current is self._last_map and self._last_map is not self._prev_map
-        self._stale_map = None if (answered_reset and self._reset_fresh) or replaced else current
+        self._rules.stale_map = None if (answered_reset and self._reset_fresh) or replaced else current
         self._saves.stats["weights_changes"] += 1
         self.events.forget_all("the weights changed in place")
         self._session = None  # a handshake under the new namespace brings the next
@@ -987,7 +911,7 @@ class SchedulerSide:
             "GlmCacheConnector: the weights changed in place (%s, content digests %s): namespace %s -> %s; "
             "%d request(s) under way are not cached further%s", "seen after a reset" if answered_reset
             else "seen after load_weights", [t or "start-up" for t in tokens], before, self._fingerprint, under_way,
-            "" if self._stale_map is None else "; vLLM's prefix cache still holds blocks of the old weights: "
+            "" if self._rules.stale_map is None else "; vLLM's prefix cache still holds blocks of the old weights: "
             "requests resuming from it are not cached until it is reset",
         )
 

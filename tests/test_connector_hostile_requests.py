@@ -154,7 +154,7 @@ def test_unhonoured_param_names_said_in_the_log_are_bounded(sides, caplog):
             req.kv_transfer_params = {f"lmcache.{'n' * 500}{i}": 1}
             side.get_num_new_matched_tokens(req, 0)
     lines = [r.getMessage() for r in caplog.records if "ignoring kv_transfer_params" in r.getMessage()]
-    assert 0 < len(lines) <= 32 and len(side._warned_params) <= 32
+    assert 0 < len(lines) <= 32 and len(side._rules.warned_params) <= 32
     assert max(len(line) for line in lines) < 400  # client-chosen names are cut
     assert side.save_stats["params_ignored"] >= 200  # every one counted
 

@@ -30,7 +30,7 @@ def _image_request(rid: str, pixels: torch.Tensor | None, identifier: str = "vll
 
 
 def _keys(side, req, n: int = 3) -> list[bytes]:
-    assert not side._skip_uncacheable(side._requests.of(req))
+    assert not side._rules.uncacheable(side._requests.of(req))
     return side.request_keys(req, n)
 
 
@@ -119,9 +119,9 @@ def test_an_image_whose_pixels_are_not_on_the_scheduler_is_not_cached(sides):
     side = sides()
     req = _image_request("shm", None)
     assert side.get_num_new_matched_tokens(req, 0) == (0, False)
-    assert side._skip_uncacheable(side._requests.of(req))
+    assert side._rules.uncacheable(side._requests.of(req))
     trusting = sides(trust_media_ids=True)
-    assert not trusting._skip_uncacheable(trusting._requests.of(_image_request("shm2", None)))
+    assert not trusting._rules.uncacheable(trusting._requests.of(_image_request("shm2", None)))
 
 
 @pytest.mark.parametrize("field", ["dtype", "shape", "grid"])
