@@ -117,10 +117,11 @@ class ServerLink:
 class RemoteCache:
     """The server, as the scheduler hooks ask it, for the engine of ``geometry`` (its chunk
     size is the server's to choose) under ``namespace`` (None: the engine cannot be named,
-    and nothing is asked)."""
+    and nothing is asked). ``chunk_keys`` says how the engine names chunks, told at hello
+    so the server can name chunks for routers' queries (cache_server.prefix_query)."""
 
     def __init__(self, settings: Settings, disabled: bool, world_size: int,
-                 geometry: Geometry, namespace: str | None) -> None:
+                 geometry: Geometry, namespace: str | None, chunk_keys: dict[str, Any] | None = None) -> None:
         self.link = ServerLink(settings.url, settings.timeout_s, settings.retry_after_s,
                                settings.auth_token, disabled)
         self._world_size = world_size
@@ -129,7 +130,7 @@ class RemoteCache:
         self._releaser = ThreadPoolExecutor(max_workers=1, thread_name_prefix="glm-release")
         self._lookup_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="glm-lookup")
         self._handshake: tuple[Future[dict[str, Any]], float] | None = None  # (future, deadline)
-        self.chunk_keys: dict[str, Any] | None = None  # how the engine names chunks, told at hello (routers' queries)
+        self.chunk_keys = chunk_keys
 
     @property
     def session(self) -> Session | None:

@@ -123,7 +123,7 @@ class SchedulerSide:
         self.keys = ChunkKeys(names.scheme, names.hash_span, names.drafts.lookahead)
         self._drafts = names.drafts
         self._weights = WeightsView(world_size)
-        self._last_map: Any = None  # that map at the last step
+        self._last_map: Any = None  # vLLM's prefix-cache map at the last step
         self._prev_map: Any = None  # and at the step before
         self._reset_fresh = False  # the last reset replaced it
         self._fingerprint = self._names.of(self._weights.tokens)
@@ -144,8 +144,7 @@ class SchedulerSide:
                 "token to the KDA state twice and outputs drift; this engine loads but never saves"
             )
         disabled = settings.auth_broken or refused_layout is not None or names.identity is None
-        self.remote = RemoteCache(settings, disabled, world_size, geometry, self._fingerprint)
-        self.remote.chunk_keys = names.chunk_keys()  # told at hello (cache_server.prefix_query)
+        self.remote = RemoteCache(settings, disabled, world_size, geometry, self._fingerprint, names.chunk_keys())
         # KV events for routers: what the server can resume, published by vLLM (connector.events)
         self.events = ServerEvents(vllm_config, kv_cache_config, geometry,
                                    lambda ns, keys: self.remote.lookup(ns, keys, 0, False))
