@@ -232,7 +232,7 @@ class ChunkTree:
         are resident."""
         layout = self.layout
         groups = (*layout.attn_groups, *(() if attention_only else layout.state_groups))
-        return sum(self._requeue((self.namespace, digest, group, rank)) for group, rank in layout.ranks(groups))
+        return sum(self._requeue(StoreKey(self.namespace, digest, group, rank)) for group, rank in layout.ranks(groups))
 
     def _unroot(self, digest: bytes, node: ChunkNode) -> None:
         """``node`` lost attention (its own or an ancestor's): nothing at or below it can be

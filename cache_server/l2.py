@@ -484,7 +484,7 @@ class L2Tier:
             return set()
         with self._lock:
             if time.monotonic() < self._down_until or self._clearing[None] or any(
-                    self._clearing[namespace_tag(ns)] for ns in {k[0] for k in keys}):
+                    self._clearing[namespace_tag(ns)] for ns in {k.namespace for k in keys}):
                 return None
             deleting = set(self._deleting) if self._deleting else frozenset()
         if not self._probe_lock.acquire(timeout=self.config.timeout_s):

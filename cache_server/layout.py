@@ -12,8 +12,17 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
+from typing import NamedTuple
 
-StoreKey = tuple[str, bytes, int, int]  # (namespace, chunk hash, group, rank)
+
+class StoreKey(NamedTuple):
+    """The address of one object. A tuple (hashes and compares as the plain 4-tuple, which
+    the wire format and callers still build), read by field name."""
+
+    namespace: str
+    chunk: bytes  # the chunk's hash
+    group: int
+    rank: int
 
 
 def group_ranks(groups: Iterable[int], world_size: int, replicated: Collection[int]) -> list[tuple[int, int]]:

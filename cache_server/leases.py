@@ -18,6 +18,7 @@ could count along), and a release by anyone but its owner (another connection) i
 
 from __future__ import annotations
 
+import enum
 import secrets
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
@@ -25,6 +26,14 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from cache_server.layout import StoreKey
+
+
+class Release(str, enum.Enum):
+    """What a release did (the server's reply names it: ``reason`` when not released)."""
+
+    RELEASED = "released"
+    UNKNOWN = "unknown"  # never granted, expired, released already, or dropped by a cap
+    NOT_OWNER = "not_owner"  # another owner's lease: left as it is
 
 
 class Pinnable(Protocol):
@@ -106,19 +115,19 @@ class LeaseTable:
             if lease_id and lease_id not in self._leases:
                 return lease_id
 
-    def release(self, lease_id: int, owner: Any = ANY_OWNER) -> str:
+    def release(self, lease_id: int, owner: Any = ANY_OWNER) -> Release:
         """Release a lease of ``owner``'s: ``released``; ``unknown`` if it never was, had
         expired, was released or dropped by a cap; ``not_owner`` if another owner holds it
         (left as it is)."""
         lease = self._leases.get(lease_id)
         if lease is None:
-            return "unknown"
+            return Release.UNKNOWN
         if owner is not ANY_OWNER and lease.owner != owner:
             self._counters.lease_releases_refused += 1
-            return "not_owner"
+            return Release.NOT_OWNER
         self.drop(lease_id)
         self._counters.leases_released += 1
-        return "released"
+        return Release.RELEASED
 
     def expire(self) -> int:
         """Drop leases past their TTL; returns how many."""

@@ -67,7 +67,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from cache_server import protocol as p
-from cache_server.layout import resume_depth
+from cache_server.layout import Layout, StoreKey, resume_depth
 from connector.keys import block_hash_keys, extend_chunk_hashes, lookahead_keys
 
 if TYPE_CHECKING:
@@ -365,8 +365,8 @@ class PrefixQuery:
             out["longest_matched"] = out[L2_MEDIUM]
         return out
 
-    def _with_l2(self, ns: str, keys: Sequence[bytes], layout: Any, missing_attn: list[Any],
-                 missing_state: list[Any]) -> int | None:
+    def _with_l2(self, ns: str, keys: Sequence[bytes], layout: Layout, missing_attn: list[StoreKey],
+                 missing_state: list[StoreKey]) -> int | None:
         """The resume depth L1 and L2 hold together (None: L2 not asked in time). Only the
         keys L1 lacks are asked about, at most :data:`MAX_L2_PROBE_KEYS` in all (past that,
         the chunks after the last one asked count as absent: a lower bound), in at most two
@@ -376,16 +376,16 @@ class PrefixQuery:
         trip only: attention must be there for every chunk, so the first gap ends it."""
         l2 = self._server.l2
         index = {h: i for i, h in enumerate(keys)}
-        first: list[Any] = []
+        first: list[StoreKey] = []
         if missing_attn:
-            gap = index[missing_attn[0][1]]
-            first = [k for k in missing_attn if index[k[1]] == gap]
-            first += [k for k in missing_state if index[k[1]] < gap]
+            gap = index[missing_attn[0].chunk]
+            first = [k for k in missing_attn if index[k.chunk] == gap]
+            first += [k for k in missing_state if index[k.chunk] < gap]
         first = first[:MAX_L2_PROBE_KEYS]
         found = l2.probe(first) if first else set()
         if found is None:
             return None
-        if not missing_attn or all(k in found for k in first if index[k[1]] == gap):
+        if not missing_attn or all(k in found for k in first if index[k.chunk] == gap):
             asked = set(first)
             rest = [k for k in (*missing_attn, *missing_state) if k not in asked][:MAX_L2_PROBE_KEYS - len(first)]
             more = l2.probe(rest)

@@ -35,6 +35,7 @@ from cache_server import protocol as p
 from cache_server.chunk_tree import UNKNOWN_PARENT
 from cache_server.config import ServerConfig
 from cache_server.layout import Layout, copy_count
+from cache_server.leases import Release
 from cache_server.metrics import ServerMetrics
 from cache_server.namespaces import NamespaceTable
 from cache_server.prefix_query import PrefixQuery, chunk_key_scheme, parse_query
@@ -445,9 +446,9 @@ class CacheServer:
     def _release(self, h: dict[str, Any], _: list[memoryview]) -> Reply:
         lease_id = p.int_field(h, "lease_id", minimum=1, maximum=p.MAX_LEASE_ID)
         outcome = self.store.release_from(lease_id, self._client)  # only the connection that took it
-        if outcome == "released":
+        if outcome is Release.RELEASED:
             return {"released": True}, []
-        return {"released": False, "reason": outcome}, []
+        return {"released": False, "reason": outcome.value}, []
 
     def _clear(self, h: dict[str, Any], _: list[memoryview]) -> Reply:
         ns = p.field(h, "ns", (str, type(None)), default=None)

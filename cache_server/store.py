@@ -46,7 +46,7 @@ from cache_server.eviction import (
     HeapItem,
 )
 from cache_server.layout import Layout, StoreKey, attention_depth, group_ranks, resume_depth
-from cache_server.leases import ANY_OWNER, LeaseTable
+from cache_server.leases import ANY_OWNER, LeaseTable, Release
 from cache_server.protocol import PutResult
 
 __all__ = ["ObjectStore", "StoreCounters"]
@@ -174,6 +174,7 @@ class ObjectStore:
         :data:`UNKNOWN_PARENT`: not said), which places the object in its namespace's chunk
         tree. ``keep``: what an L2 promotion's resume goes through in L1 (often worthless
         leftovers of that very prefix: the first candidates, were they not kept)."""
+        key = StoreKey._make(key)  # read by field name below (callers may pass a plain tuple)
         nbytes = memoryview(payload).nbytes
         if nbytes > self.max_object_bytes or nbytes > self.capacity_bytes:
             return PutResult.TOO_LARGE
@@ -211,27 +212,27 @@ class ObjectStore:
             self._objects[key] = entry
             self._used_bytes += nbytes
             self._kind_bytes[kind] += nbytes
-            self._bytes_by_group[key[2]] += nbytes
-            self._objects_by_group[key[2]] += 1
-            self._objects_by_namespace[key[0]] += 1
-            self._bytes_by_namespace_group[key[0], key[2]] += nbytes
-            tree = self._trees.get(key[0])
+            self._bytes_by_group[key.group] += nbytes
+            self._objects_by_group[key.group] += 1
+            self._objects_by_namespace[key.namespace] += 1
+            self._bytes_by_namespace_group[key.namespace, key.group] += nbytes
+            tree = self._trees.get(key.namespace)
             if tree is not None:
-                tree.add(key[1], key[2], parent)
+                tree.add(key.chunk, key.group, parent)
             self._queue_locked(key, entry)  # after the tree knows its node: its value per byte
-            if prev is not None and prev != key[1]:
-                prev_key = (key[0], prev, key[2], key[3])
+            if prev is not None and prev != key.chunk:
+                prev_key = StoreKey(key.namespace, prev, key.group, key.rank)
                 prev_entry = self._objects.get(prev_key)
                 if prev_entry is not None:
                     entry.prev_state = prev
-                    self._set_next_states_locked(prev_key, prev_entry, (prev_entry.next_states or set()) | {key[1]})
+                    self._set_next_states_locked(prev_key, prev_entry, (prev_entry.next_states or set()) | {key.chunk})
             self.counters.puts_stored += 1
             self.counters.stored_bytes_total += nbytes
             return PutResult.STORED
 
     def _kind_of(self, key: StoreKey) -> int:
-        tree = self._trees.get(key[0])
-        return STATE if tree is not None and key[2] in tree.layout.state_groups else OTHER
+        tree = self._trees.get(key.namespace)
+        return STATE if tree is not None and key.group in tree.layout.state_groups else OTHER
 
     def _pop_victim_locked(self, kind: int | None = None, keep: Collection[StoreKey] = (),
                            passed_over: list[StoreKey] | None = None) -> StoreKey:
@@ -258,12 +259,12 @@ class ObjectStore:
         """Value per byte of one object (0: untracked, ``eviction="lru"``, or off the tree)."""
         if self.eviction != "value":
             return 0.0
-        tree = self._trees.get(key[0])
-        return 0.0 if tree is None else tree.value_per_byte(key[1], key[2], entry.nbytes)
+        tree = self._trees.get(key.namespace)
+        return 0.0 if tree is None else tree.value_per_byte(key.chunk, key.group, entry.nbytes)
 
     def _class_locked(self, key: StoreKey, entry: _Entry) -> int:
-        tree = self._trees.get(key[0])
-        if tree is not None and tree.worthless(key[1]):
+        tree = self._trees.get(key.namespace)
+        if tree is not None and tree.worthless(key.chunk):
             return WORTHLESS
         return SUPERSEDED if entry.superseded else PLAIN
 
@@ -304,10 +305,10 @@ class ObjectStore:
         entry = self._objects.pop(key)
         self._used_bytes -= entry.nbytes
         self._kind_bytes[entry.kind] -= entry.nbytes
-        for counts, label, amount in ((self._bytes_by_group, key[2], entry.nbytes),
-                                      (self._objects_by_group, key[2], 1),
-                                      (self._objects_by_namespace, key[0], 1),
-                                      (self._bytes_by_namespace_group, (key[0], key[2]), entry.nbytes)):
+        for counts, label, amount in ((self._bytes_by_group, key.group, entry.nbytes),
+                                      (self._objects_by_group, key.group, 1),
+                                      (self._objects_by_namespace, key.namespace, 1),
+                                      (self._bytes_by_namespace_group, (key.namespace, key.group), entry.nbytes)):
             counts[label] -= amount
             if not counts[label]:  # a table per label ever seen would grow without bound
                 del counts[label]
@@ -315,14 +316,14 @@ class ObjectStore:
             self._leases.removed(entry)
         if entry.superseded:
             self._superseded_objects -= 1
-        tree = self._trees.get(key[0])
+        tree = self._trees.get(key.namespace)
         if tree is not None:
-            tree.remove(key[1], key[2], evicted_newest=evicted and not entry.next_states)
+            tree.remove(key.chunk, key.group, evicted_newest=evicted and not entry.next_states)
         if entry.prev_state is not None:  # the previous state must not count a removed one as its successor
-            prev_key = (key[0], entry.prev_state, key[2], key[3])
+            prev_key = StoreKey(key.namespace, entry.prev_state, key.group, key.rank)
             prev_entry = self._objects.get(prev_key)
-            if prev_entry is not None and prev_entry.next_states and key[1] in prev_entry.next_states:
-                self._set_next_states_locked(prev_key, prev_entry, prev_entry.next_states - {key[1]})
+            if prev_entry is not None and prev_entry.next_states and key.chunk in prev_entry.next_states:
+                self._set_next_states_locked(prev_key, prev_entry, prev_entry.next_states - {key.chunk})
         return entry.nbytes
 
     def delete(self, key: StoreKey) -> bool:
@@ -330,14 +331,14 @@ class ObjectStore:
         with self._lock:
             if key not in self._objects:
                 return False
-            self._remove_locked(key)
+            self._remove_locked(StoreKey._make(key))
             return True
 
     def clear(self, namespace: str | None = None) -> int:
         """Remove every object (of one namespace, if given), leased ones included, and drop
         the leases on them. Returns the number of objects removed."""
         with self._lock:
-            keys = [k for k in self._objects if namespace is None or k[0] == namespace]
+            keys = [k for k in self._objects if namespace is None or k.namespace == namespace]
             for ns, tree in self._trees.items():
                 if namespace is None or ns == namespace:
                     tree.forget_objects()
@@ -354,8 +355,8 @@ class ObjectStore:
         Returns ``(removed, kept)``."""
         with self._lock:
             self._leases.expire()
-            keys = [k for k, e in self._objects.items() if (namespace is None or k[0] == namespace) and not e.leases]
-            kept = sum(1 for k in self._objects if namespace is None or k[0] == namespace) - len(keys)
+            keys = [k for k, e in self._objects.items() if (namespace is None or k.namespace == namespace) and not e.leases]
+            kept = sum(1 for k in self._objects if namespace is None or k.namespace == namespace) - len(keys)
             for key in keys:
                 self._remove_locked(key)
             if not self._objects:
@@ -376,7 +377,7 @@ class ObjectStore:
             if entry is None:
                 self.counters.get_misses += 1
                 return None
-            self._touch_locked(key, entry)
+            self._touch_locked(StoreKey._make(key), entry)
             self.counters.get_hits += 1
             self.counters.served_bytes_total += entry.nbytes
             return entry.payload, entry.checksum
@@ -416,8 +417,8 @@ class ObjectStore:
                 return 0, None
             self.counters.lookup_hits += 1
             self.counters.lookup_hit_chunks += hit - start_chunk
-            keys = [(namespace, hashes[i], g, r) for i in range(start_chunk, hit) for g, r in attn]
-            keys += [(namespace, hashes[hit - 1], g, r) for g, r in state]
+            keys = [StoreKey(namespace, hashes[i], g, r) for i in range(start_chunk, hit) for g, r in attn]
+            keys += [StoreKey(namespace, hashes[hit - 1], g, r) for g, r in state]
             for key in keys:
                 if lease:  # about to be pinned: no heap item until the lease ends
                     self._tick += 1
@@ -469,16 +470,16 @@ class ObjectStore:
             objects = self._objects
             depth = resume_depth(0, len(hashes), lambda i: self._holds_locked(namespace, hashes[i], attn),
                                  (lambda i: self._holds_locked(namespace, hashes[i], state)) if state else None)
-            missing_attn = [k for h in hashes for g, r in attn if (k := (namespace, h, g, r)) not in objects]
-            missing_state = [k for h in hashes for g, r in state if (k := (namespace, h, g, r)) not in objects]
+            missing_attn = [k for h in hashes for g, r in attn if (k := StoreKey(namespace, h, g, r)) not in objects]
+            missing_state = [k for h in hashes for g, r in state if (k := StoreKey(namespace, h, g, r)) not in objects]
         return depth, missing_attn, missing_state
 
     def release(self, lease_id: int) -> bool:
         """Release a lease, whoever holds it; False if it was unknown, had expired or was
         dropped by a cap."""
-        return self.release_from(lease_id, ANY_OWNER) == "released"
+        return self.release_from(lease_id, ANY_OWNER) is Release.RELEASED
 
-    def release_from(self, lease_id: int, owner: Any) -> str:
+    def release_from(self, lease_id: int, owner: Any) -> Release:
         """Release a lease of ``owner``'s (the server passes the client's ZMQ identity):
         ``released``, ``unknown`` (never granted, expired, released, or dropped by a cap) or
         ``not_owner`` (another owner's lease: left as it is)."""

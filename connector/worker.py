@@ -26,6 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransfe
 
 from cache_server.client import CacheClient
 from cache_server.client_errors import CLIENT_ERRORS, CacheServerUnavailable, unauthorized
+from cache_server.protocol import PutResult
 from connector.config import Settings, logger
 from connector.geometry import Geometry
 from connector.identity import LiveWeights, expected_token
@@ -436,10 +437,10 @@ class WorkerSide:
                 namespace, items, prev=[m.prev for m in moves], parent=[m.parent for m in moves],
                 timeout_s=self._settings.deadline_s(nbytes),
             )
-            self.stats["saved_objects"] += sum(r == "stored" for r in results)
+            self.stats["saved_objects"] += sum(r == PutResult.STORED for r in results)
             self.stats["saved_bytes"] += sum(len(it[3]) for it, r in zip(items, results)
-                                             if r == "stored")
-            failed = [(m, r) for m, r in zip(moves, results) if r not in ("stored", "exists")]
+                                             if r == PutResult.STORED)
+            failed = [(m, r) for m, r in zip(moves, results) if r not in (PutResult.STORED, PutResult.EXISTS)]
             if failed:
                 logger.debug("GlmCacheConnector: put results %s", [r for _, r in failed])
         except CLIENT_ERRORS as e:
