@@ -8,10 +8,10 @@ setup:
 	@scripts/setup.sh
 
 demo: setup
-	$(PY) validation/demo.py
+	$(PY) -m validation.demo
 
 demo-server: setup
-	$(PY) validation/demo_server.py
+	$(PY) -m validation.demo_server
 
 # The lint gate CI runs first (seconds): pyflakes, pycodestyle and import order, as
 # pyproject.toml's [tool.ruff] sets them.
@@ -38,7 +38,7 @@ test-vllm033:
 	VLLM_TARGET_DEVICE=cpu $(VENV033)/bin/python -m pytest -q -p no:cacheprovider -m "not engine and not vllm_free" -rs --durations=15 $(PYTEST_ARGS) tests
 
 bench: setup
-	$(PY) validation/bench_server.py
+	$(PY) -m validation.bench_server
 
 clean:
 	rm -rf $(VENV) $(VENV033) build *.egg-info

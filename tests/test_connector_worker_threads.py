@@ -50,9 +50,8 @@ _CHILD = textwrap.dedent("""
     import json, os, sys
     model_cpu = int(sys.argv[2])
     os.sched_setaffinity(0, {model_cpu})  # what vLLM's CPU backend does to a worker
-    sys.path.insert(0, os.path.join(os.getcwd(), "tests"))
     import torch
-    from test_connector_worker_stream import ATTN, NB, NS, _hash, _worker
+    from tests.test_connector_worker_stream import ATTN, NB, NS, _hash, _worker
     from connector.metadata import GlmConnectorMetadata, ObjectMove
     from cache_server.client import CacheClient
     w, buf = _worker(sys.argv[1], transfer_cpus=json.loads(sys.argv[3]))

@@ -11,9 +11,9 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from l2_fixtures import l2_args, require_store
 
 from cache_server.client import CacheClient
+from testing.l2_fixtures import l2_args, require_store
 from testing.redis_nodes import RedisNodes
 from testing.server_process import ServerProcess
 from validation.lmcache_dashboard import metric_names

@@ -15,8 +15,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_demo_reloads_every_turn_and_matches_cold(tmp_path):
-    r = subprocess.run([sys.executable, str(ROOT / "validation" / "demo.py"), "--checkpoint", str(tmp_path / "ckpt"),
-                        "--turns", "2", "--sentences", "80"], capture_output=True, text=True, timeout=900)
+    r = subprocess.run([sys.executable, "-m", "validation.demo", "--checkpoint", str(tmp_path / "ckpt"),
+                        "--turns", "2", "--sentences", "80"], cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "Negotiated chunk size to 128" in r.stdout and "Resolved geometry:" in r.stdout
     rows = re.findall(r"^\s+(\d+)\s+(\d+)\s+(\d+) \|.*\|\s+(True|False)$", r.stdout, re.M)

@@ -11,7 +11,6 @@ import time
 import urllib.request
 
 import pytest
-from l2_fixtures import L2_SECRET, l2_args, start_cluster, wait_written
 from redis.cluster import ClusterNode, RedisCluster
 
 from cache_server import protocol as p
@@ -20,6 +19,7 @@ from cache_server.client import CacheClient
 from cache_server.l2 import L2Tier, redis_key
 from cache_server.l2_config import L2Config, L2ConfigError
 from cache_server.l2_values import HEADER_BYTES, MAGIC, decode_value, encode_value, mac_key, namespace_tag
+from testing.l2_fixtures import L2_SECRET, l2_args, start_cluster, wait_written
 from testing.server_process import ServerProcess
 
 KEY_BYTES = mac_key(L2_SECRET.encode())

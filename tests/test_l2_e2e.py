@@ -14,10 +14,10 @@ import uuid
 
 import pytest
 from engines import connector_engine, stop_engine
-from l2_fixtures import l2_args, start_cluster, wait_written
 from tiny_qwen3_next import BLOCK_SIZE, make_tiny_qwen3_next
 
 from cache_server.client import CacheClient
+from testing.l2_fixtures import l2_args, start_cluster, wait_written
 from testing.server_process import ServerProcess, free_port
 
 pytestmark = pytest.mark.engine

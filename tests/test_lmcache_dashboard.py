@@ -9,8 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from l2_fixtures import require_store
 
+from testing.l2_fixtures import require_store
 from validation import lmcache_dashboard as dash
 
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "migrating-from-lmcache.md"
@@ -43,7 +43,7 @@ def result():
 def test_the_pages_panel_list_is_this_runs(result):
     assert len(result) == len(list(dash.panels())) == 28
     assert _page_table() == dash.markdown(result), (
-        "regenerate the page's table: python validation/lmcache_dashboard.py")
+        "regenerate the page's table: python -m validation.lmcache_dashboard")
 
 
 def test_every_panel_without_data_says_why(result):

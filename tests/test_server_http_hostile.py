@@ -13,9 +13,9 @@ import time
 from pathlib import Path
 
 import pytest
-from l2_fixtures import l2_args, require_store, wait_written
 
 from cache_server.client import CacheClient
+from testing.l2_fixtures import l2_args, require_store, wait_written
 from testing.redis_nodes import RedisNodes
 from testing.server_process import ServerProcess
 

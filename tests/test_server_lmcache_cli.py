@@ -14,10 +14,10 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from l2_fixtures import l2_args, require_store, wait_written
 from prometheus_client.parser import text_string_to_metric_families
 
 from cache_server.client import CacheClient
+from testing.l2_fixtures import l2_args, require_store, wait_written
 from testing.redis_nodes import RedisNodes
 from testing.server_process import ServerProcess
 

@@ -17,12 +17,12 @@ import time
 
 import pytest
 from engines import stop_engine
-from l2_fixtures import l2_args, require_store, wait_written
 
 from cache_server import protocol as p
 from cache_server.client import CacheClient
 from cache_server.client_errors import CacheServerError
 from connector.keys import block_hash_keys, chunk_hashes, parent_of
+from testing.l2_fixtures import l2_args, require_store, wait_written
 from testing.redis_nodes import RedisNodes
 from testing.server_process import ServerProcess
 

@@ -2,7 +2,7 @@
 storing and retention against an LMCache-style baseline, on real glm-cache-server processes
 with the same byte budget.
 
-    python validation/bench_capacity.py [--scale 512] [--block 1152] [--shares 0.3 0.5]
+    python -m validation.bench_capacity [--scale 512] [--block 1152] [--shares 0.3 0.5]
         [--plot validation/bench_capacity.png]
 
 What it exercises and what it imitates. There is no engine here (GLM-5.3-Flash at TP 4
@@ -48,16 +48,13 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import sys
 import time
 from dataclasses import dataclass, field
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from cache_server.client import CacheClient  # noqa: E402
-from connector.geometry import strict_prefix_chunks  # noqa: E402
-from connector.keys import chunk_hashes  # noqa: E402
-from testing.server_process import ServerProcess  # noqa: E402
+from cache_server.client import CacheClient
+from connector.geometry import strict_prefix_chunks
+from connector.keys import chunk_hashes
+from testing.server_process import ServerProcess
 
 GB = 1e9
 GIB = 1 << 30

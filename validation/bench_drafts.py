@@ -1,8 +1,8 @@
 """Speculative decoding with the external cache: TTFT, decode speed and acceptance, drafts
 off and on, cold and reloaded, side by side in one run.
 
-    PYTHONPATH=$PWD python validation/bench_drafts.py [--prompt 1000] [--tokens 64] [--prompts 3]
-    PYTHONPATH=$PWD python validation/bench_drafts.py --prompts-from demo [--sentences 180] [--prompts 3]
+    python -m validation.bench_drafts [--prompt 1000] [--tokens 64] [--prompts 3]
+    python -m validation.bench_drafts --prompts-from demo [--sentences 180] [--prompts 3]
 
 For each configuration (drafts off; MTP drafts, ``num_speculative_tokens`` 2, with
 ``disable_padded_drafter_batch`` and on vLLM's default padded drafter batch; ngram drafts,
@@ -48,10 +48,8 @@ import tempfile
 import urllib.request
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from testing.server_process import ServerProcess  # noqa: E402
-from validation.serving import VllmServer, complete, connector_config  # noqa: E402
+from testing.server_process import ServerProcess
+from validation.serving import VllmServer, complete, connector_config
 
 C = 128
 CONFIGS = {

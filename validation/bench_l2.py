@@ -1,8 +1,8 @@
 """Get throughput of the L2 candidates for 13 MB and 40 MB objects (one attention chunk's and
 one KDA state's size at TP 4), on this machine, over loopback TCP.
 
-    python validation/bench_l2.py                      # Redis: one node and a 3-node cluster
-    python validation/bench_l2.py --mooncake-python /path/to/venv/bin/python
+    python -m validation.bench_l2                      # Redis: one node and a 3-node cluster
+    python -m validation.bench_l2 --mooncake-python /path/to/venv/bin/python
 
 Redis is measured through the L2 tier's own code (``cache_server.l2``: its client, its
 value encoding, pipelined GET, and the checksum verification a promotion does), and as a
@@ -18,20 +18,17 @@ import argparse
 import os
 import statistics
 import subprocess
-import sys
 import tempfile
 import textwrap
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from cache_server import protocol as p  # noqa: E402
-from cache_server.l2 import L2Tier  # noqa: E402
-from cache_server.l2_config import L2Config  # noqa: E402
-from cache_server.l2_values import decode_value, encode_value, mac_key  # noqa: E402
-from testing.redis_nodes import RedisNodes  # noqa: E402
-from testing.server_process import free_port  # noqa: E402
+from cache_server import protocol as p
+from cache_server.l2 import L2Tier
+from cache_server.l2_config import L2Config
+from cache_server.l2_values import decode_value, encode_value, mac_key
+from testing.redis_nodes import RedisNodes
+from testing.server_process import free_port
 
 SIZES_MB = (13, 40)
 

@@ -1,8 +1,8 @@
 """Peer benchmark: LMCache's own load generator (``lmcache bench engine``) against ``vllm serve``
 without the connector and with GlmCacheConnector + a real glm-cache-server, side by side.
 
-    python validation/bench_lmcache_peer.py [--blocks 40] [--out validation/results/bench_lmcache_peer.md]
-    python validation/bench_lmcache_peer.py --smoke        # a 2-minute check that it all runs
+    python -m validation.bench_lmcache_peer [--blocks 40] [--out validation/results/bench_lmcache_peer.md]
+    python -m validation.bench_lmcache_peer --smoke        # a 2-minute check that it all runs
 
 Two configurations, each one ``vllm serve`` of the tiny GLM-5.3-Flash (``artifacts/glm5next-tiny``,
 generated if missing; 128-token block) with the README's CPU flags (``--enforce-eager``,
@@ -64,11 +64,10 @@ import tempfile
 from contextlib import ExitStack
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from testing.server_process import ServerProcess
+from validation.serving import VllmServer, connector_config, metric_sum, scrape_metrics
 
-from testing.server_process import ServerProcess  # noqa: E402
-from validation.serving import VllmServer, connector_config, metric_sum, scrape_metrics  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 C = 128  # the tiny checkpoint's block, and the server's chunk
 MAX_MODEL_LEN = 4096
@@ -236,7 +235,7 @@ def write_results(path: Path, text: str, rows: list[dict], pools: dict[str, str]
     body = [
         "# Peer benchmark: `lmcache bench engine` against vllm serve, with and without GlmCacheConnector",
         "",
-        f"Command: `python validation/bench_lmcache_peer.py {argv_s}` (at `{commit}`; the working tree may hold "
+        f"Command: `python -m validation.bench_lmcache_peer {argv_s}` (at `{commit}`; the working tree may hold "
         "other changes in progress)",
         "",
         f"Date: {started:%Y-%m-%d %H:%M} UTC; {elapsed:.0f} s in all. Machine: {os.cpu_count()} cores ({cpu}), "

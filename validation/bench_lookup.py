@@ -1,7 +1,7 @@
 """What a router's query costs (issue 33, item 2): a 100k-token ``POST /query`` and protocol
 ``query`` against a real glm-cache-server, prefix stored as the connector names it.
 
-    .venv/bin/python validation/bench_lookup.py [--tokens 100000] [--chunk 256] [--repeat 30] [--l2]
+    .venv/bin/python -m validation.bench_lookup [--tokens 100000] [--chunk 256] [--repeat 30] [--l2]
 
 Prints median and p90 milliseconds, client to answer, for: the whole prefix in L1; a miss
 (another salt: every chunk hashed, nothing found; with ``--l2`` one EXISTS round trip of
@@ -18,16 +18,12 @@ import http.client
 import json
 import random
 import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from cache_server.client import CacheClient  # noqa: E402
-from cache_server.prefix_query import parse_query  # noqa: E402
-from connector.keys import chunk_hashes, parent_of  # noqa: E402
-from testing.server_process import ServerProcess  # noqa: E402
+from cache_server.client import CacheClient
+from cache_server.prefix_query import parse_query
+from connector.keys import chunk_hashes, parent_of
+from testing.server_process import ServerProcess
 
 TOKEN = "bench-lookup-token"
 NS = "bench-glm-0123456789abcdef"
@@ -70,9 +66,8 @@ def main() -> None:
     extra: list[str] = []
     nodes = None
     if args.l2:
+        from testing.l2_fixtures import l2_args, wait_written
         from testing.redis_nodes import RedisNodes
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-        from l2_fixtures import l2_args, wait_written
 
         nodes = RedisNodes(1, cluster=False, maxmemory_mb=256).start()
         extra = l2_args(nodes.url)

@@ -20,7 +20,7 @@
    vLLM's connector machinery (null/off) and ours (on/null); CPU seconds per process and
    thread say where the time goes. Goal: on/off >= 0.97.
 
-    python validation/bench_overhead.py [--reps 5] [--admission-reps 50] [--skip-engines]
+    python -m validation.bench_overhead [--reps 5] [--admission-reps 50] [--skip-engines]
                                         [--skip-admission] [--no-null] [--pinned-too]
 """
 
@@ -30,15 +30,12 @@ import argparse
 import os
 import random
 import statistics
-import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from cache_server.client import CacheClient  # noqa: E402
-from connector.keys import chunk_hashes  # noqa: E402
-from testing.server_process import ServerProcess  # noqa: E402
+from cache_server.client import CacheClient
+from connector.keys import chunk_hashes
+from testing.server_process import ServerProcess
 
 PROMPT_TOKENS = 300_000
 C_PROD = 1152

@@ -9,7 +9,7 @@ computes, for
 * ``single``: one ``vllm serve`` doing both, ``kv_both`` on the same server
   (``--single-connector none``: no connector).
 
-    .venv/bin/python validation/bench_pd.py [--requests 8] [--prompt-min 2048 --prompt-max 3072]
+    .venv/bin/python -m validation.bench_pd [--requests 8] [--prompt-min 2048 --prompt-max 3072]
         [--max-tokens 32] [--concurrency 2] [--modes pd,single] [--bind split|auto] [--json] [--keep DIR]
 
 The workload: ``--requests`` prompts of random token ids (lengths uniform in
@@ -69,7 +69,6 @@ import json
 import os
 import random
 import statistics
-import sys
 import tempfile
 import time
 import urllib.request
@@ -78,12 +77,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from testing.server_process import ServerProcess
+from validation.pd_proxy import PdProxy
+from validation.serving import VllmServer, connector_config, metric_sum, scrape_metrics
 
-from testing.server_process import ServerProcess  # noqa: E402
-from validation.pd_proxy import PdProxy  # noqa: E402
-from validation.serving import VllmServer, connector_config, metric_sum, scrape_metrics  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 C = 128
 MODES = ("pd", "single")

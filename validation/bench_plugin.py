@@ -28,9 +28,9 @@ log-log slope of prefill time between successive lengths (1 = linear, 2 = quadra
 several chunk sizes, real dimensions 64 heads x 128, one thread): the measurement behind
 ``kda.DEFAULT_CHUNK``.
 
-    PYTHONPATH=$PWD python validation/bench_plugin.py [--lengths 2048 8192 32768]
-    PYTHONPATH=$PWD python validation/bench_plugin.py --skip-plugin --lengths 32768   # reference only
-    PYTHONPATH=$PWD python validation/bench_plugin.py --kda
+    python -m validation.bench_plugin [--lengths 2048 8192 32768]
+    python -m validation.bench_plugin --skip-plugin --lengths 32768   # reference only
+    python -m validation.bench_plugin --kda
 """
 
 from __future__ import annotations

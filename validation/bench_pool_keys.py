@@ -20,7 +20,7 @@ it prints, best of ``--repeats``:
   from kpool rows, once per kpool steps);
 - max |diff| between the two formats' outputs (the same keys, so ~0).
 
-    PYTHONPATH=$PWD python validation/bench_pool_keys.py [--contexts 4096 32768] [--tiny]
+    python -m validation.bench_pool_keys [--contexts 4096 32768] [--tiny]
 """
 
 from __future__ import annotations

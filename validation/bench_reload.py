@@ -24,7 +24,7 @@ JSON object.
 When memory is short (the server, the paged cache and the source each hold the bytes),
 the chunk count is scaled down and the output says so (``scaled_down``).
 
-    PYTHONPATH=$PWD python validation/bench_reload.py [--tokens 300000] [--batch-mb 64]
+    python -m validation.bench_reload [--tokens 300000] [--batch-mb 64]
 """
 
 from __future__ import annotations
@@ -36,18 +36,15 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from cache_server.client import CacheClient  # noqa: E402
-from connector.config import Settings  # noqa: E402
-from connector.keys import chunk_hashes  # noqa: E402
-from connector.metadata import GlmConnectorMetadata, LoadJob, ObjectMove  # noqa: E402
-from connector.worker import batches  # noqa: E402
-from testing.server_process import ServerProcess  # noqa: E402
+from cache_server.client import CacheClient
+from connector.config import Settings
+from connector.keys import chunk_hashes
+from connector.metadata import GlmConnectorMetadata, LoadJob, ObjectMove
+from connector.worker import batches
+from testing.server_process import ServerProcess
 
 
 def mem_available() -> int:

@@ -5,20 +5,16 @@ with 13-chunk conversations; then every timed put (300 more conversations) evict
 value order's priority walks (up the path when a state completes) must keep a put
 O(depth log n): the cost may not grow with the object count beyond the log.
 
-    python validation/bench_retention.py [--counts 20000 200000] [--conversations 300]
+    python -m validation.bench_retention [--counts 20000 200000] [--conversations 300]
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from cache_server.layout import Layout  # noqa: E402
-from cache_server.store import ObjectStore  # noqa: E402
+from cache_server.layout import Layout
+from cache_server.store import ObjectStore
 
 CHUNKS, RANKS, OBJECT_BYTES = 13, 4, 64
 

@@ -4,8 +4,8 @@ glm-cache-server (as on separate hosts: no shared L2), behind a small router
 server ``POST /query`` how much of the prompt it can resume, on LMCache's multi-round-chat
 workload (``lmcache bench engine --workload multi-round-chat`` pointed at the router).
 
-    .venv/bin/python validation/bench_routing.py [--policies cache-aware,round-robin] [--blocks N]
-    .venv/bin/python validation/bench_routing.py --smoke      # tiny sizes, to check the wiring
+    .venv/bin/python -m validation.bench_routing [--policies cache-aware,round-robin] [--blocks N]
+    .venv/bin/python -m validation.bench_routing --smoke      # tiny sizes, to check the wiring
 
 Each replica: the tiny GLM-5.3-Flash (``artifacts/glm5next-tiny``, float32, block 128) with
 the CPU flags of the README (``--enforce-eager``, ``VLLM_CPU_NUM_OF_RESERVED_CPU=1``), prefix
@@ -67,12 +67,11 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from testing.server_process import ServerProcess
+from validation.kv_router import POLICIES, Replica, Router, Tokenizer
+from validation.serving import VllmServer, connector_config, metric_sum, scrape_metrics
 
-from testing.server_process import ServerProcess  # noqa: E402
-from validation.kv_router import POLICIES, Replica, Router, Tokenizer  # noqa: E402
-from validation.serving import VllmServer, connector_config, metric_sum, scrape_metrics  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 C = 128
 MAX_MODEL_LEN = 4096

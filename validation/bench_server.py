@@ -34,7 +34,7 @@ getting 40 MB objects over and over, for N = 1, 8, 16, over TCP and through shar
 with the p99 latency of a ``ping`` sent meanwhile; ``--compare-workers`` repeats that
 against a server with one worker thread (a single request loop).
 
-    python validation/bench_server.py [--quick] [--json] [--workers N] [--clients 1,8,16] [--compare-workers]
+    python -m validation.bench_server [--quick] [--json] [--workers N] [--clients 1,8,16] [--compare-workers]
 
 With ``--json`` the last line is one JSON object: GB/s per object size and mode, and the
 concurrent aggregates under ``"concurrent"``.
@@ -57,11 +57,9 @@ import numpy as np
 import zmq
 from tqdm import tqdm
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from cache_server import protocol as p  # noqa: E402
-from cache_server.client import CacheClient  # noqa: E402
-from testing.server_process import ServerProcess, free_port  # noqa: E402
+from cache_server import protocol as p
+from cache_server.client import CacheClient
+from testing.server_process import ServerProcess, free_port
 
 MB = 1_000_000
 NS = "bench"

@@ -1,7 +1,7 @@
 """What storing the MLA latent and the indexer cache as separate object groups costs on the
 load and save paths, for the plugin's layout (one cache row per token holds both).
 
-    python validation/bench_split.py [--tp 4] [--blocks 2] [--reps 20]
+    python -m validation.bench_split [--tp 4] [--blocks 2] [--reps 20]
 
 The real GLM-5.3-Flash cache as vLLM groups and places it (``testing/glm_flash_kv_layouts.py``,
 plugin layout), on this machine's CPU. Two geometries of the same KV buffer:
@@ -21,17 +21,13 @@ layers already (whole pages for both), so the split costs it nothing.
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
-
-from connector.geometry import resolve_geometry  # noqa: E402
-from connector.kv_pages import PagedKVCache  # noqa: E402
-from testing import glm_flash_kv_layouts as L  # noqa: E402
+from connector.geometry import resolve_geometry
+from connector.kv_pages import PagedKVCache
+from testing import glm_flash_kv_layouts as L
 
 
 def _best(fn, reps: int) -> float:

@@ -9,23 +9,19 @@ one. Object count is what matters, so objects are small. The same is measured in
 (the store alone) and through a real server (a put round trip over ZMQ), at 20k and 200k
 objects, and printed side by side.
 
-    python validation/bench_store.py [--counts 20000 200000] [--puts 5000]
+    python -m validation.bench_store [--counts 20000 200000] [--puts 5000]
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from cache_server.client import CacheClient  # noqa: E402
-from cache_server.protocol import PutResult  # noqa: E402
-from cache_server.store import ObjectStore  # noqa: E402
-from testing.server_process import ServerProcess  # noqa: E402
+from cache_server.client import CacheClient
+from cache_server.protocol import PutResult
+from cache_server.store import ObjectStore
+from testing.server_process import ServerProcess
 
 NS = "bench"
 OBJECT_BYTES = 64

@@ -24,11 +24,10 @@ import urllib.request
 import uuid
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from testing.server_process import ServerProcess
+from validation.serving import ChatResult, VllmServer, chat, connector_config
 
-from testing.server_process import ServerProcess  # noqa: E402
-from validation.serving import ChatResult, VllmServer, chat, connector_config  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 WORDS = ("cache state token prompt model layer block chunk server engine request vector latent pool "
          "index sparse expert router stream gate decay value key query memory host device prefix "

@@ -14,11 +14,9 @@ import random
 import sys
 import urllib.request
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from cache_server.client import CacheClient  # noqa: E402
-from connector.keys import chunk_hashes  # noqa: E402
-from testing.server_process import ServerProcess  # noqa: E402
+from cache_server.client import CacheClient
+from connector.keys import chunk_hashes
+from testing.server_process import ServerProcess
 
 ATTN_GROUP, STATE_GROUP = 4, 0  # group ids as vLLM numbers them: KDA state groups first
 

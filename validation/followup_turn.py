@@ -1,6 +1,6 @@
 """Does a follow-up turn resume after the previous answer, or before it?
 
-    python validation/followup_turn.py
+    python -m validation.followup_turn
 
 A conversation's next prompt starts with the previous prompt and the model's answer. The
 follow-up can resume after the answer only if the answer's attention chunks and a KDA state
@@ -20,9 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from testing.server_process import ServerProcess  # noqa: E402
+from testing.server_process import ServerProcess
 
 C = 128
 PROMPT, ANSWER, FOLLOW_UP = 600, 300, 40

@@ -5,17 +5,12 @@ then memory plans for the recipes' GPUs (derived, not run: weights at FP8 from t
 parameter count of the fixture's text config: transformers' defaults with the served
 index_kpool; and what is left for vLLM's cache).
 
-    python validation/geometry_report.py
+    python -m validation.geometry_report
 """
 
 from __future__ import annotations
 
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from testing import glm_flash_kv_layouts as L  # noqa: E402
+from testing import glm_flash_kv_layouts as L
 
 
 def _mb(n: float) -> str:

@@ -10,8 +10,8 @@ the same bytes (device to pinned host, device to pageable host, host to device).
 Two steps, because the layout comes from vLLM's own functions (``validation/
 glm_flash_kv_layouts.py``) while the GPU machine may have no vLLM:
 
-    python validation/gpu_pages_check.py export layouts.json     # here, with vLLM
-    python validation/gpu_pages_check.py run layouts.json        # there (torch only)
+    python -m validation.gpu_pages_check export layouts.json     # here, with vLLM
+    python -m validation.gpu_pages_check run layouts.json        # there (torch only)
 
 ``run`` falls back to the CPU when there is no CUDA device (for testing the script).
 """
@@ -29,10 +29,8 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from connector.geometry import CacheGroup, LayerPage  # noqa: E402
-from connector.kv_pages import PagedKVCache  # noqa: E402
+from connector.geometry import CacheGroup, LayerPage
+from connector.kv_pages import PagedKVCache
 
 
 def export(path: Path, tp: int, num_blocks: int) -> None:

@@ -15,22 +15,18 @@ written out below), batch 1:
     tie exactly; and one decode query at 32k context, timed both ways.
 
 fp32 matmuls run without TF32. Prints a table and, last, one JSON line. ``--small``
-shrinks every size (a CPU smoke run). Run: ``PYTHONPATH=. python validation/gpu_plugin_check.py``
+shrinks every size (a CPU smoke run). Run: ``PYTHONPATH=. python -m validation.gpu_plugin_check``
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from glm5next_plugin import kda, sparse_mla  # noqa: E402
+from glm5next_plugin import kda, sparse_mla
 
 REAL = dict(kda_heads=64, kda_dim=128, heads=64, qk_dim=256, v_dim=256, rank=512, index_heads=32,
             index_dim=128, kpool=16, topk=2048, lower_bound=-5.0, kda_lengths=(4096, 32768),

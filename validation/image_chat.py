@@ -1,6 +1,6 @@
 """Image chat through ``vllm serve`` with the external cache: cold vs reloaded, side by side.
 
-    PYTHONPATH=$PWD python validation/image_chat.py [--prompts 3] [--words 900] [--tokens 16]
+    python -m validation.image_chat [--prompts 3] [--words 900] [--tokens 16]
 
 Starts a real ``glm-cache-server`` and ``vllm serve`` on the tiny GLM-5.3-Flash (float32,
 its vision tower, ``--limit-mm-per-prompt '{"image":1}'``) with ``GlmCacheConnector``. Each
@@ -22,13 +22,10 @@ import io
 import json
 import random
 import statistics
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from testing.server_process import ServerProcess  # noqa: E402
-from validation.serving import VllmServer, chat, connector_config  # noqa: E402
+from testing.server_process import ServerProcess
+from validation.serving import VllmServer, chat, connector_config
 
 C = 128
 MODEL = Path(__file__).resolve().parents[1] / "artifacts" / "glm5next-tiny"

@@ -14,7 +14,7 @@ evaluates each panel's queries the way Prometheus would see the two scrapes:
 - **none**: a series it reads is not exported here (``cache_server.lmcache_compat.LEFT_OUT``
   says why); a panel whose queries end in ``or vector(0)`` then still draws a flat 0.
 
-``python validation/lmcache_dashboard.py`` prints the Markdown table the migration page carries;
+``python -m validation.lmcache_dashboard`` prints the Markdown table the migration page carries;
 ``tests/test_lmcache_dashboard.py`` checks that the page's table is this run's."""
 
 from __future__ import annotations
@@ -30,14 +30,12 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from cache_server.client import CacheClient
+from cache_server.lmcache_compat import LEFT_OUT
+from testing.redis_nodes import RedisNodes, store_binaries
+from testing.server_process import ServerProcess
 
-from cache_server.client import CacheClient  # noqa: E402
-from cache_server.lmcache_compat import LEFT_OUT  # noqa: E402
-from testing.redis_nodes import RedisNodes, store_binaries  # noqa: E402
-from testing.server_process import ServerProcess  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 FIXTURE = ROOT / "tests" / "fixtures" / "lmcache_dashboard.json"
 PROMQL_WORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "and", "or", "unless",

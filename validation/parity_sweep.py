@@ -41,7 +41,7 @@ loaded, by the reference here and by vLLM's config loading in the engine.
 Run from the repository root (about 1 minute one-shot on 2 cores; ``--engine`` adds three
 engine starts, 3.5 minutes in all)::
 
-    python validation/parity_sweep.py [--engine] [--out validation/results/parity_sweep.md]
+    python -m validation.parity_sweep [--engine] [--out validation/results/parity_sweep.md]
 
 ``tests/test_plugin_parity_sweep.py`` runs the same sweep and asserts on it.
 """
@@ -54,7 +54,6 @@ import inspect
 import os
 import random
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -62,12 +61,10 @@ from pathlib import Path
 import torch
 from torch.overrides import TorchFunctionMode
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from glm5next_plugin import tiny_checkpoint
+from glm5next_plugin.standalone import load_standalone
 
-from glm5next_plugin import tiny_checkpoint  # noqa: E402
-from glm5next_plugin.standalone import load_standalone  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 # float32 on both sides; what is left is summation order (5 layers, unit-scale random
 # weights, 20 Sinkhorn iterations per mHC), measured up to 5.6e-4 (rope16-k8-kda4x8, 128
@@ -419,7 +416,7 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="parity-sweep-") as tmp:
         rows = run(Path(tmp), SHAPES, args.engine)
     text = table(rows)
-    cmd = "python validation/parity_sweep.py" + (" --engine" if args.engine else "")
+    cmd = "python -m validation.parity_sweep" + (" --engine" if args.engine else "")
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
     text = (f"# Plugin vs transformers, float32 prompt log-probs\n\n`{cmd}` at {commit.stdout.strip() or '?'} "
             f"({time.time() - t0:.0f} s on {os.cpu_count()} cores, torch {torch.__version__}); tolerance {TOL:g}, "

@@ -1,7 +1,7 @@
 """Fault injection against real processes: glm-cache-server and a live vLLM engine.
 
-    python validation/reliability.py            # the full run (about 9 minutes on 2 cores)
-    python validation/reliability.py --quick    # fewer frames, shorter churn (what the tests run)
+    python -m validation.reliability            # the full run (about 9 minutes on 2 cores)
+    python -m validation.reliability --quick    # fewer frames, shorter churn (what the tests run)
 
 Prints one table: each fault, what was measured, and whether the rule held. The rules: a
 fault costs a recompute, never a wrong token and never a stalled or dead engine; nothing a
@@ -38,14 +38,13 @@ from typing import Any
 import msgpack
 import zmq
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from cache_server.auth import PLAIN_USERNAME
+from cache_server.client import CacheClient
+from cache_server.client_errors import CacheServerError
+from testing.server_process import ServerProcess, free_port
+from testing.vllm_keys import vllm_chunk_keys
 
-from cache_server.auth import PLAIN_USERNAME  # noqa: E402
-from cache_server.client import CacheClient  # noqa: E402
-from cache_server.client_errors import CacheServerError  # noqa: E402
-from testing.server_process import ServerProcess, free_port  # noqa: E402
-from testing.vllm_keys import vllm_chunk_keys  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 MIB = 1 << 20
 TIMEOUT_S = 1.0
@@ -654,7 +653,7 @@ def main(argv: list[str] | None = None) -> int:
         h.close()
 
     width = max(len(r.fault) for r in rows)
-    print(f"\nglm-cache-server reliability ({'quick' if args.quick else 'full'} run; `python validation/reliability.py"
+    print(f"\nglm-cache-server reliability ({'quick' if args.quick else 'full'} run; `python -m validation.reliability"
           f"{' --quick' if args.quick else ''}`)")
     print(f"{'fault'.ljust(width)} | held | measured")
     print("-" * (width + 100))

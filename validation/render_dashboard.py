@@ -9,7 +9,7 @@ evaluates every panel's PromQL over the scraped samples with the small evaluator
 (selectors, rate/increase, sum/max/min by, histogram_quantile, arithmetic: what the
 dashboard uses) and plots them with matplotlib::
 
-    python validation/render_dashboard.py --with-engine --out docs/dashboards/glm-cache-server.png
+    python -m validation.render_dashboard --with-engine --out docs/dashboards/glm-cache-server.png
 
 ``--with-engine`` also starts one ``vllm serve`` of the tiny checkpoint (``artifacts/glm5next-tiny``,
 generated if missing) with GlmCacheConnector on the same server (chunk 128 = its block, a local
@@ -31,21 +31,19 @@ import json
 import math
 import random
 import re
-import sys
 import threading
 import time
 import urllib.request
 from collections import defaultdict
 from pathlib import Path
 
+from prometheus_client.parser import text_string_to_metric_families
+
+from cache_server.client import CacheClient
+from testing.redis_nodes import RedisNodes, store_binaries
+from testing.server_process import ServerProcess
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
-
-from cache_server.client import CacheClient  # noqa: E402
-from testing.redis_nodes import RedisNodes, store_binaries  # noqa: E402
-from testing.server_process import ServerProcess  # noqa: E402
 
 DASHBOARD = ROOT / "docs" / "dashboards" / "glm-cache-server.json"
 NS = "render-ns"

@@ -2,7 +2,7 @@
 ``glm5next_plugin/tiny_mtp_seed3.safetensors``, which ``glm5next-tiny --seed 3`` ships as
 the checkpoint's MTP layer.
 
-    PYTHONPATH=$PWD python validation/train_tiny_mtp.py [--seed 3] [--out PATH] [--data CACHE.json]
+    python -m validation.train_tiny_mtp [--seed 3] [--out PATH] [--data CACHE.json]
 
 What is trained: only the MTP layer's tensors (``eh_proj``, ``enorm``/``hnorm``, the
 attention and MoE block, ``shared_head.norm``), starting from the derived layer
@@ -58,10 +58,8 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+import torch
+import torch.nn.functional as F
 
 SEED = 3
 FITTED_TOKENS = 67  # bench_drafts' 64 generated tokens, plus what its last verify steps draft
