@@ -69,19 +69,33 @@ def test_metric_name_extraction():
         "vllm:glm_cache_saved_bytes_total", "glm_cache_used_bytes"}
 
 
-def test_every_dashboard_query_names_an_exported_metric():
+@pytest.fixture(scope="module")
+def scraped() -> str:
+    """The /metrics text of a real glm-cache-server with an L2 tier (so its series exist) after
+    one namespace's hello, a stored chunk (an attention object and its state) and a lookup
+    that hits it."""
     require_store()
-    exprs = dashboard_exprs()
-    assert len(exprs) >= 20
     with RedisNodes(1, cluster=False, maxmemory_mb=32) as redis, \
             ServerProcess("--separate-object-groups", "--l1-size-gb", "0.05", *l2_args(redis.url)) as s, \
             CacheClient(s.url, timeout_s=10.0) as c:
         c.hello("dash-ns", 128, attn_groups=[0], state_groups=[1])  # usable-prefix series per namespace
         h = bytes(32)
-        c.put("dash-ns", [(h, 0, 0, b"a" * 100), (h, 1, 0, b"s" * 10)])
+        c.put("dash-ns", [(h, 0, 0, b"a" * 100), (h, 1, 0, b"s" * 10)], parent=[None, None])  # a first chunk: resumable
         c.lookup("dash-ns", [h], [0], [1], lease=False)
         with urllib.request.urlopen(s.http_url + "/metrics", timeout=5) as r:
-            server = exported_names(r.read().decode())
+            return r.read().decode()
+
+
+def sample_sum(text: str, name: str) -> float:
+    """The sum of every sample of ``name`` (all label sets) in an exposition."""
+    return sum(float(line.rsplit(maxsplit=1)[1]) for line in text.splitlines()
+               if re.match(rf"{re.escape(name)}(\{{| )", line))
+
+
+def test_every_dashboard_query_names_an_exported_metric(scraped):
+    exprs = dashboard_exprs()
+    assert len(exprs) >= 20
+    server = exported_names(scraped)
     engine = engine_names()
     assert "vllm:glm_cache_loaded_bytes_total" in engine and "glm_cache_resumable_states" in server
     unknown = {(title, name) for title, expr in exprs for name in metric_names(expr)
@@ -93,7 +107,32 @@ def test_every_dashboard_query_names_an_exported_metric():
     assert all(n.startswith(("glm_cache_", "lmcache_mp_", "vllm:glm_cache_")) for n in used), used
 
 
-@pytest.mark.parametrize("panel", ["Strict-prefix hit tokens vs tokens asked", "Resumable vs held (chunks)"])
-def test_usable_prefix_panels_are_there(panel):
-    titles = {t for t, _ in dashboard_exprs()}
-    assert panel in titles
+# The usable-prefix row's panels and the series each plots (asked vs hit; held vs resumable).
+USABLE_PREFIX_PANELS = {
+    "Strict-prefix hit tokens vs tokens asked": ("lmcache_mp_lookup_requested_tokens_total",
+                                                 "lmcache_mp_lookup_hit_tokens_total"),
+    "Resumable vs held (chunks)": ("glm_cache_states_held", "glm_cache_resumable_states"),
+}
+
+
+def row_of(title: str) -> str:
+    """The title of the row a panel sits under (Grafana lists a row, then its panels)."""
+    row = ""
+    for p in json.loads(DASHBOARD.read_text())["panels"]:
+        if p.get("type") == "row":
+            row = p["title"]
+        if p.get("title") == title:
+            return row
+    raise KeyError(title)
+
+
+@pytest.mark.parametrize("panel", list(USABLE_PREFIX_PANELS))
+def test_usable_prefix_panels_plot_the_servers_series(panel, scraped):
+    """Each usable-prefix panel sits in that row, plots exactly its two series, one query each,
+    and the server exports both with data after a stored chunk was looked up and hit."""
+    assert row_of(panel).startswith("Usable prefix")
+    queries = [e for t, e in dashboard_exprs() if t == panel]
+    assert [metric_names(e) for e in queries] == [{n} for n in USABLE_PREFIX_PANELS[panel]]
+    for name in USABLE_PREFIX_PANELS[panel]:
+        assert name in exported_names(scraped)
+        assert sample_sum(scraped, name) > 0, f"{name} is exported but has no data after a hit"
