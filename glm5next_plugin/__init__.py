@@ -54,7 +54,7 @@ from __future__ import annotations
 import logging
 import os
 
-from .version import NUMERICS_VERSION  # noqa: F401 (the connector reads it here: connector.keys)
+from .version import NUMERICS_VERSION  # noqa: F401 (an interface, not a re-export: connector.namespace reads it from the model class's top-level package)
 
 # Under "vllm." so vLLM's log handler prints it in every process it starts.
 logger = logging.getLogger("vllm.glm5next_plugin")

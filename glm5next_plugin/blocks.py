@@ -12,11 +12,16 @@ replicated. ``tp_shards`` names the sharded parameters for the loader
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .tp import TP1, Shard, TPInfo
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 class RMSNorm(nn.Module):
@@ -64,7 +69,7 @@ class Router(nn.Module):
     """Sigmoid router with the score-correction bias (used for choosing only),
     group-limited choice, top-k normalisation and routed scaling."""
 
-    def __init__(self, config) -> None:
+    def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(config.n_routed_experts, config.hidden_size))
         self.register_buffer("e_score_correction_bias", torch.zeros(config.n_routed_experts, dtype=torch.float32))
@@ -100,7 +105,7 @@ class Experts(nn.Module):
 
     tp_shards = {"gate_up_proj": Shard(1, parts=2), "down_proj": Shard(2)}
 
-    def __init__(self, config, tp: TPInfo = TP1) -> None:
+    def __init__(self, config: PretrainedConfig, tp: TPInfo = TP1) -> None:
         super().__init__()
         self.tp = tp
         e, h = config.n_routed_experts, config.hidden_size
@@ -123,7 +128,7 @@ class MoE(nn.Module):
     """Routed experts plus the always-on shared expert(s). The router is replicated, so
     every rank picks the same experts; under TP the output is a partial sum."""
 
-    def __init__(self, config, tp: TPInfo = TP1) -> None:
+    def __init__(self, config: PretrainedConfig, tp: TPInfo = TP1) -> None:
         super().__init__()
         self.gate = Router(config)
         self.experts = Experts(config, tp)
@@ -143,7 +148,7 @@ class HyperConnection(nn.Module):
     ``post`` (spread the block output back over the streams) and ``comb`` (a doubly
     stochastic stream-mixing matrix, by Sinkhorn iterations)."""
 
-    def __init__(self, config) -> None:
+    def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
         n = config.hc_mult
         self.hc_mult = n

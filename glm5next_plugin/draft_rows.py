@@ -97,13 +97,14 @@ def install() -> bool:
     if getattr(prepare, _FLAG, False):
         return True
 
-    def prepare_next_token_ids_padded(self, sampled_token_ids, requests, gpu_input_batch, *args, **kwargs):
+    def prepare_next_token_ids_padded(self: Any, sampled_token_ids: Any, requests: Any, gpu_input_batch: Any, *args: Any,
+                                      **kwargs: Any) -> Any:
         scheduled = getattr(self, _SCHEDULED, None)
         if scheduled is not None and _serves_glm(self.vllm_config):
             requests = _PartialPrefills(requests, gpu_input_batch, scheduled)
         return prepare(self, sampled_token_ids, requests, gpu_input_batch, *args, **kwargs)
 
-    def execute_model(self, scheduler_output, *args, **kwargs):
+    def execute_model(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
         drafter = getattr(self, "drafter", None)
         if drafter is not None:
             setattr(drafter, _SCHEDULED, scheduler_output.num_scheduled_tokens)

@@ -22,12 +22,19 @@ rank's heads only; vLLM's calculator sizes them so (``kda_state_shape``).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
 from . import kda
 from .tp import TP1, Shard, TPInfo, tp_info
 from .vllm_layer import register_layer
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+    from vllm.config import VllmConfig
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
 
 class ForgetGate(nn.Module):
@@ -72,7 +79,7 @@ class KDAProjections(nn.Module):
         "o_proj.weight": Shard(1),
     }
 
-    def __init__(self, config, tp: TPInfo = TP1) -> None:
+    def __init__(self, config: PretrainedConfig, tp: TPInfo = TP1) -> None:
         super().__init__()
         self.tp = tp
         h = tp.split(config.linear_num_heads, "linear_num_heads")
@@ -148,7 +155,7 @@ class KDAProjections(nn.Module):
         return self.forward_sequence(x)[0]
 
 
-def _vllm_state_layer_base():
+def _vllm_state_layer_base() -> type:
     from vllm.model_executor.layers.mamba.abstract import MambaBase
 
     return MambaBase
@@ -157,7 +164,7 @@ def _vllm_state_layer_base():
 class KDAStateLayer(KDAProjections, _vllm_state_layer_base()):
     """KDA with its state in vLLM's cache (registered in the static forward context)."""
 
-    def __init__(self, config, vllm_config, prefix: str, tp: TPInfo | None = None) -> None:
+    def __init__(self, config: PretrainedConfig, vllm_config: VllmConfig, prefix: str, tp: TPInfo | None = None) -> None:
         # ``tp`` given: this rank's place without asking vLLM's process groups (a layer
         # built only for its cache spec, e.g. by validation/glm_flash_kv_layouts.py).
         super().__init__(config, tp or tp_info(vllm_config))
@@ -169,7 +176,7 @@ class KDAStateLayer(KDAProjections, _vllm_state_layer_base()):
 
     # --- what vLLM asks of a state layer ---------------------------------------------
     @property
-    def mamba_type(self):
+    def mamba_type(self) -> MambaAttentionBackendEnum:
         from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
         # The GDN metadata builder gives exactly what KDA needs (per-request state
@@ -326,7 +333,7 @@ def _conv_dim_first() -> bool:
     return is_conv_state_dim_first()
 
 
-def kda_state_shape(vllm_config) -> tuple[tuple[int, int], tuple[int, int, int]]:
+def kda_state_shape(vllm_config: VllmConfig) -> tuple[tuple[int, int], tuple[int, int, int]]:
     """(conv, recurrent) state shapes per slot, via vLLM's KDA calculator."""
     from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator
 
@@ -341,7 +348,7 @@ def kda_state_shape(vllm_config) -> tuple[tuple[int, int], tuple[int, int, int]]
     )
 
 
-def kda_state_dtype(vllm_config) -> tuple[torch.dtype, torch.dtype]:
+def kda_state_dtype(vllm_config: VllmConfig) -> tuple[torch.dtype, torch.dtype]:
     """(conv, recurrent) state dtypes: conv in the cache dtype, recurrent fp32 by default."""
     from vllm.model_executor.layers.mamba.mamba_utils import MambaStateDtypeCalculator
 

@@ -26,7 +26,10 @@ They are installed by :func:`register`, only on CPU.
 from __future__ import annotations
 
 import ctypes
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 _U64 = (1 << 64) - 1
 POSTPROCESS = "vllm.v1.worker.mamba_utils.postprocess_mamba_fused_kernel"
@@ -79,12 +82,14 @@ class _Layout:
 
 
 def postprocess_mamba_fused(
-    num_accepted_tokens_ptr, mamba_state_idx_ptr, num_scheduled_tokens_ptr, num_computed_tokens_ptr,
-    num_draft_tokens_ptr, block_table_ptrs_ptr, block_table_stride_req, state_base_addrs_ptr,
-    state_block_strides_ptr, state_elem_sizes_ptr, state_inner_sizes_ptr, state_conv_widths_ptr,
-    state_group_indices_ptr, state_dim_row_count_ptr, state_dim_row_stride_ptr, num_accepted_tokens_out_ptr,
-    idx_mapping_ptr, num_reqs, block_size, COPY_BLOCK_SIZE=None, CONV_STATE_DIM_FIRST=False,
-    HAS_IDX_MAPPING=False, PRECOMPUTED_NEW_COMPUTED=False, TEMPORAL_TILES=1,
+    num_accepted_tokens_ptr: Tensor, mamba_state_idx_ptr: Tensor, num_scheduled_tokens_ptr: Tensor,
+    num_computed_tokens_ptr: Tensor, num_draft_tokens_ptr: Tensor, block_table_ptrs_ptr: Tensor,
+    block_table_stride_req: int, state_base_addrs_ptr: Tensor, state_block_strides_ptr: Tensor,
+    state_elem_sizes_ptr: Tensor, state_inner_sizes_ptr: Tensor, state_conv_widths_ptr: Tensor,
+    state_group_indices_ptr: Tensor, state_dim_row_count_ptr: Tensor, state_dim_row_stride_ptr: Tensor,
+    num_accepted_tokens_out_ptr: Tensor, idx_mapping_ptr: Tensor | None, num_reqs: int, block_size: int,
+    COPY_BLOCK_SIZE: int | None = None, CONV_STATE_DIM_FIRST: bool = False, HAS_IDX_MAPPING: bool = False,
+    PRECOMPUTED_NEW_COMPUTED: bool = False, TEMPORAL_TILES: int = 1,
 ) -> None:
     """After a step: copy each request's accepted state to the block-aligned column when the
     accepted tokens reach a block boundary (the prefix cache's snapshot), and reset the
@@ -122,11 +127,12 @@ def postprocess_mamba_fused(
 
 
 def precopy_mamba_align_fused(
-    mamba_state_idx_ptr, src_col_ptr, token_bias_ptr, block_table_ptrs_ptr, block_table_stride_req,
-    state_base_addrs_ptr, state_block_strides_ptr, state_elem_sizes_ptr, state_inner_sizes_ptr,
-    state_conv_widths_ptr, state_group_indices_ptr, state_dim_row_count_ptr, state_dim_row_stride_ptr,
-    idx_mapping_ptr, num_reqs, COPY_BLOCK_SIZE=None, CONV_STATE_DIM_FIRST=False, HAS_IDX_MAPPING=True,
-    TEMPORAL_TILES=1,
+    mamba_state_idx_ptr: Tensor, src_col_ptr: Tensor, token_bias_ptr: Tensor, block_table_ptrs_ptr: Tensor,
+    block_table_stride_req: int, state_base_addrs_ptr: Tensor, state_block_strides_ptr: Tensor,
+    state_elem_sizes_ptr: Tensor, state_inner_sizes_ptr: Tensor, state_conv_widths_ptr: Tensor,
+    state_group_indices_ptr: Tensor, state_dim_row_count_ptr: Tensor, state_dim_row_stride_ptr: Tensor,
+    idx_mapping_ptr: Tensor | None, num_reqs: int, COPY_BLOCK_SIZE: int | None = None,
+    CONV_STATE_DIM_FIRST: bool = False, HAS_IDX_MAPPING: bool = True, TEMPORAL_TILES: int = 1,
 ) -> None:
     """Before a step: move each request's running state from its previous block column into
     the new one when the step crosses a block boundary (nothing for fresh requests)."""

@@ -30,8 +30,9 @@ external cache can therefore store the MLA group once for all ranks.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar, NoReturn
 
 import torch
 from torch import nn
@@ -40,6 +41,14 @@ from . import sparse_mla
 from .blocks import RMSNorm
 from .tp import TP1, Shard, TPInfo, tp_info
 from .vllm_layer import register_layer
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+    from vllm.config import VllmConfig
+    from vllm.v1.attention.backend import AttentionBackend, CommonAttentionMetadata
+    from vllm.v1.kv_cache_interface import AttentionSpec, FullAttentionSpec
+
+Fetch = Callable[[torch.Tensor, slice], torch.Tensor]  # (token indices, columns) -> those cache values
 
 # What the bytes of a sparse-MLA cache row mean, part of the external cache's namespace
 # (connector.geometry.engine_fingerprint reads it from the model class): any change to the
@@ -53,7 +62,7 @@ CACHE_ROW_FORMAT = "glm5next-plugin-sparse-mla-rows/2"
 class Indexer(nn.Module):
     """DSA indexer weights (checkpoint names)."""
 
-    def __init__(self, config) -> None:
+    def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
         self.n_heads, self.head_dim = config.index_n_heads, config.index_head_dim
         self.wq_b = nn.Linear(config.q_lora_rank, self.n_heads * self.head_dim, bias=False)
@@ -69,7 +78,7 @@ class SparseMLAProjections(nn.Module):
 
     tp_shards = {"q_b_proj.weight": Shard(0), "kv_b_proj.weight": Shard(0), "o_proj.weight": Shard(1)}
 
-    def __init__(self, config, tp: TPInfo = TP1) -> None:
+    def __init__(self, config: PretrainedConfig, tp: TPInfo = TP1) -> None:
         super().__init__()
         self.tp = tp
         if not config.index_kpool_always_select_tail:
@@ -108,7 +117,7 @@ class SparseMLAProjections(nn.Module):
         z = torch.nn.functional.linear(x, ix.index_kpool_compress_gate)
         return torch.cat([latent, rope_key.to(latent.dtype), k.to(latent.dtype), z.to(latent.dtype)], dim=-1)
 
-    def pool_keys_at(self, closing: torch.Tensor, fetch, dtype: torch.dtype) -> torch.Tensor:
+    def pool_keys_at(self, closing: torch.Tensor, fetch: Fetch, dtype: torch.dtype) -> torch.Tensor:
         """Keys ``[P, index_head_dim]`` of the pools closed at positions ``closing`` ``[P]``,
         from their ``kpool`` rows' raw ``k`` and ``z`` read through ``fetch(idx, cols)``
         (rows not yet holding a pool key: every row of a pool but its closing one, and the
@@ -134,7 +143,7 @@ class SparseMLAProjections(nn.Module):
         ``[S, row_size]`` in cache format (:meth:`close_pools`; the queries' own rows included)."""
         return self.attend_rows(x, positions, rows.shape[0], lambda idx, cols: rows[idx, cols])
 
-    def attend_rows(self, x: torch.Tensor, positions: torch.Tensor, seq_len: int, fetch) -> torch.Tensor:
+    def attend_rows(self, x: torch.Tensor, positions: torch.Tensor, seq_len: int, fetch: Fetch) -> torch.Tensor:
         """Sparse absorbed attention of ``x`` ``[T, hidden]`` at ``positions`` over a sequence
         of ``seq_len`` cached rows (pool keys stored) read through
         ``fetch(token_indices, column_slice)``.
@@ -209,7 +218,7 @@ class SparseMLAProjections(nn.Module):
             seq_len = md.seq_lens[i]
             row = md.block_table[i].long()
 
-            def fetch(idx, cols, row=row):
+            def fetch(idx: torch.Tensor, cols: slice, row: torch.Tensor = row) -> torch.Tensor:
                 # only the requested tokens and columns leave the paged cache
                 return cache[row[idx // bs], idx % bs, cols]
 
@@ -236,15 +245,17 @@ class SparseMLAMetadata:
     num_actual_tokens: int
 
 
-def _backend_class():
+def _backend_class() -> type[AttentionBackend]:
     """Build the backend class lazily so importing the plugin does not import vLLM."""
     from vllm.v1.attention.backend import AttentionBackend, AttentionMetadataBuilder, MultipleOf
 
     class SparseMLAMetadataBuilder(AttentionMetadataBuilder[SparseMLAMetadata]):
-        def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
+        def __init__(self, kv_cache_spec: AttentionSpec, layer_names: list[str], vllm_config: VllmConfig,
+                     device: torch.device) -> None:
             super().__init__(kv_cache_spec, layer_names, vllm_config, device)
 
-        def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False) -> SparseMLAMetadata:
+        def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
+                  fast_build: bool = False) -> SparseMLAMetadata:
             m = common_attn_metadata
             return SparseMLAMetadata(
                 query_start_loc=m.query_start_loc_cpu[: m.num_reqs + 1].tolist(),
@@ -262,7 +273,7 @@ def _backend_class():
         supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto"]
 
         @staticmethod
-        def get_supported_kernel_block_sizes(kv_cache_spec=None):
+        def get_supported_kernel_block_sizes(kv_cache_spec: object = None) -> list[int | MultipleOf]:
             return [MultipleOf(16)]
 
         @staticmethod
@@ -270,11 +281,11 @@ def _backend_class():
             return "GLM5NEXT_SPARSE_MLA_TORCH"
 
         @staticmethod
-        def get_impl_cls():
+        def get_impl_cls() -> NoReturn:
             raise NotImplementedError("the layer computes attention itself")
 
         @staticmethod
-        def get_builder_cls():
+        def get_builder_cls() -> type[SparseMLAMetadataBuilder]:
             return SparseMLAMetadataBuilder
 
         @classmethod
@@ -287,7 +298,7 @@ def _backend_class():
         cache_row_format: ClassVar[str] = CACHE_ROW_FORMAT
 
         @classmethod
-        def customize_spec(cls, spec):
+        def customize_spec(cls, spec: FullAttentionSpec) -> FullAttentionSpec:
             """vLLM sizes the hybrid unified block from the attention page a backend
             reports here (``Platform._align_hybrid_block_size``), starting from a dense
             K/V spec built from the model config. Our page is one row per token, nothing
@@ -301,7 +312,7 @@ _BASE_BACKEND = None
 _BACKENDS: dict[int, type] = {}
 
 
-def sparse_mla_backend(row_size: int):
+def sparse_mla_backend(row_size: int) -> type[AttentionBackend]:
     """The attention backend class of :class:`SparseMLALayer` for rows of ``row_size``
     values (one class per geometry, so ``customize_spec`` knows the row)."""
     global _BASE_BACKEND
@@ -312,7 +323,7 @@ def sparse_mla_backend(row_size: int):
     return _BACKENDS[row_size]
 
 
-def _attention_layer_base():
+def _attention_layer_base() -> type:
     from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 
     return AttentionLayerBase
@@ -321,7 +332,7 @@ def _attention_layer_base():
 class SparseMLALayer(SparseMLAProjections, _attention_layer_base()):
     """Sparse MLA with its rows in vLLM's paged cache (registered in the forward context)."""
 
-    def __init__(self, config, vllm_config, prefix: str, tp: TPInfo | None = None) -> None:
+    def __init__(self, config: PretrainedConfig, vllm_config: VllmConfig, prefix: str, tp: TPInfo | None = None) -> None:
         # ``tp`` given: this rank's place without asking vLLM's process groups (a layer
         # built only for its cache spec, e.g. by validation/glm_flash_kv_layouts.py).
         super().__init__(config, tp or tp_info(vllm_config))
@@ -330,10 +341,10 @@ class SparseMLALayer(SparseMLAProjections, _attention_layer_base()):
         self.kv_cache = torch.tensor([])
         register_layer(self, vllm_config, prefix)
 
-    def get_attn_backend(self):
+    def get_attn_backend(self) -> type[AttentionBackend]:
         return sparse_mla_backend(self.row_size)
 
-    def get_kv_cache_spec(self, vllm_config):
+    def get_kv_cache_spec(self, vllm_config: VllmConfig) -> FullAttentionSpec:
         from vllm.v1.kv_cache_interface import FullAttentionSpec
 
         model_config = vllm_config.model_config

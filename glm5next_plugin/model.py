@@ -35,8 +35,8 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Iterable
-from typing import ClassVar, Literal
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import torch
 from torch import nn
@@ -49,18 +49,22 @@ from .mla_layer import CACHE_ROW_FORMAT, SparseMLALayer, SparseMLAProjections
 from .tp import TP1, Shard, TPInfo, shard_tensor, tp_info
 from .vision import VisionTower
 
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+    from vllm.config import VllmConfig
+
 logger = logging.getLogger("vllm.glm5next_plugin.model")
 
 # The vision tower's tensors: loaded where the module has a tower, else skipped (logged).
 _VISION_PREFIX = "model.visual."
 
 
-def text_config_of(hf_config):
+def text_config_of(hf_config: PretrainedConfig) -> PretrainedConfig:
     """The text sub-config of a ``Glm5NextConfig`` (or the config itself if flat)."""
     return getattr(hf_config, "text_config", None) or hf_config
 
 
-def check_supported(hf_config, vllm_config=None) -> None:
+def check_supported(hf_config: PretrainedConfig, vllm_config: VllmConfig | None = None) -> None:
     """Fail with a clear message on what this plugin does not implement yet."""
     text = text_config_of(hf_config)
     quant = getattr(hf_config, "quantization_config", None) or getattr(text, "quantization_config", None)
@@ -86,7 +90,7 @@ def check_supported(hf_config, vllm_config=None) -> None:
         check_tp_divides(text, par.tensor_parallel_size)
 
 
-def check_tp_divides(text, tp_size: int) -> None:
+def check_tp_divides(text: PretrainedConfig, tp_size: int) -> None:
     """Every dimension the plugin splits across ranks must divide by the TP size."""
     split = {
         "linear_num_heads": text.linear_num_heads,
@@ -105,7 +109,7 @@ def check_tp_divides(text, tp_size: int) -> None:
 class DecoderLayer(nn.Module):
     """One layer: mHC around (attention or KDA), mHC around (dense MLP or MoE)."""
 
-    def __init__(self, config, idx: int, vllm_config, prefix: str, tp: TPInfo = TP1) -> None:
+    def __init__(self, config: PretrainedConfig, idx: int, vllm_config: VllmConfig | None, prefix: str, tp: TPInfo = TP1) -> None:
         super().__init__()
         self.tp = tp
         self.kind = config.layer_types[idx]
@@ -146,7 +150,7 @@ class TextModel(nn.Module):
     """Embeddings, the layer stack on ``hc_mult`` streams, stream mean, final norm."""
 
     def __init__(
-        self, config, vllm_config=None, prefix: str = "model.language_model", tp: TPInfo | None = None
+        self, config: PretrainedConfig, vllm_config: VllmConfig | None = None, prefix: str = "model.language_model", tp: TPInfo | None = None
     ) -> None:
         super().__init__()
         self.config = config
@@ -171,7 +175,8 @@ class Glm5NextModel(nn.Module):
     ``tp`` builds one rank's shard without vLLM (tests); with ``vllm_config`` the rank
     comes from vLLM's TP group."""
 
-    def __init__(self, config, vllm_config=None, tp: TPInfo | None = None, vision_config=None) -> None:
+    def __init__(self, config: PretrainedConfig, vllm_config: VllmConfig | None = None, tp: TPInfo | None = None,
+                 vision_config: PretrainedConfig | None = None) -> None:
         super().__init__()
         if vision_config is not None:
             self.visual = VisionTower(vision_config)
@@ -277,13 +282,13 @@ def tp_shards_of(module: nn.Module) -> dict[str, tuple[Shard, TPInfo]]:
     return out
 
 
-def _vllm_interfaces():
+def _vllm_interfaces() -> tuple[type, type]:
     from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid
 
     return HasInnerState, IsHybrid
 
 
-def _vllm_multimodal():
+def _vllm_multimodal() -> type:
     from vllm.model_executor.models.interfaces import SupportsMultiModal
 
     return SupportsMultiModal
@@ -301,7 +306,7 @@ class Glm5NextHybridLM(nn.Module, *_vllm_interfaces()):
     kv_cache_row_format: ClassVar[str] = CACHE_ROW_FORMAT
 
     @classmethod
-    def kv_cache_row_parts(cls, hf_config) -> tuple[tuple[str, int], ...]:
+    def kv_cache_row_parts(cls, hf_config: PretrainedConfig) -> tuple[tuple[str, int], ...]:
         """The parts of one sparse-MLA cache row, in row order, as ``(object group,
         values)``: the external cache stores each part as its own object group (the MLA
         latent apart from the indexer cache, as vLLM's native layout keeps them in
@@ -310,7 +315,7 @@ class Glm5NextHybridLM(nn.Module, *_vllm_interfaces()):
         return (("mla_latent", text.kv_lora_rank + text.qk_rope_head_dim),
                 ("indexer_cache", 2 * text.index_head_dim))
 
-    def __init__(self, *, vllm_config, prefix: str = "") -> None:
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()
         hf_config = vllm_config.model_config.hf_config
         check_supported(hf_config, vllm_config)
@@ -341,7 +346,7 @@ class Glm5NextHybridLM(nn.Module, *_vllm_interfaces()):
             self.tp.size,
         )
 
-    def _vision_config(self, vllm_config):
+    def _vision_config(self, vllm_config: VllmConfig) -> PretrainedConfig | None:
         """The vision sub-config to build a tower from, or None (text only)."""
         return None
 
@@ -356,9 +361,9 @@ class Glm5NextHybridLM(nn.Module, *_vllm_interfaces()):
         self,
         input_ids: torch.Tensor | None,
         positions: torch.Tensor,
-        intermediate_tensors=None,
+        intermediate_tensors: object = None,
         inputs_embeds: torch.Tensor | None = None,
-        **kwargs,
+        **kwargs: object,
     ) -> torch.Tensor:
         return self.model.language_model(input_ids, inputs_embeds)
 
@@ -376,15 +381,15 @@ class Glm5NextHybridLM(nn.Module, *_vllm_interfaces()):
 
     # --- hybrid-state declarations (what vLLM's cache manager sizes from) ------------------
     @classmethod
-    def get_mamba_state_shape_from_config(cls, vllm_config) -> tuple[tuple[int, int], tuple[int, int, int]]:
+    def get_mamba_state_shape_from_config(cls, vllm_config: VllmConfig) -> tuple[tuple[int, int], tuple[int, int, int]]:
         return kda_state_shape(vllm_config)
 
     @classmethod
-    def get_mamba_state_dtype_from_config(cls, vllm_config) -> tuple[torch.dtype, torch.dtype]:
+    def get_mamba_state_dtype_from_config(cls, vllm_config: VllmConfig) -> tuple[torch.dtype, torch.dtype]:
         return kda_state_dtype(vllm_config)
 
     @classmethod
-    def get_mamba_state_copy_func(cls):
+    def get_mamba_state_copy_func(cls) -> tuple[Callable[..., Any], ...]:
         from vllm.model_executor.layers.mamba.mamba_utils import MambaStateCopyFuncCalculator
 
         return MambaStateCopyFuncCalculator.kda_state_copy_func()
@@ -398,7 +403,7 @@ class Glm5NextForConditionalGeneration(Glm5NextHybridLM, _vllm_multimodal()):
 
     supports_multimodal: ClassVar[Literal[True]] = True
 
-    def __init__(self, *, vllm_config, prefix: str = "") -> None:
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__(vllm_config=vllm_config, prefix=prefix)
         hf_config = vllm_config.model_config.hf_config
         self.image_token_id = int(hf_config.image_token_id)
@@ -417,7 +422,7 @@ class Glm5NextForConditionalGeneration(Glm5NextHybridLM, _vllm_multimodal()):
     def visual(self) -> VisionTower | None:
         return getattr(self.model, "visual", None)
 
-    def _vision_config(self, vllm_config):
+    def _vision_config(self, vllm_config: VllmConfig) -> PretrainedConfig | None:
         vision = getattr(vllm_config.model_config.hf_config, "vision_config", None)
         if vision is None or _image_limit(vllm_config) == 0:
             return None
@@ -440,7 +445,7 @@ class Glm5NextForConditionalGeneration(Glm5NextHybridLM, _vllm_multimodal()):
         # proposer shares with an MTP draft): this one
         return self
 
-    def embed_multimodal(self, **kwargs: object):
+    def embed_multimodal(self, **kwargs: object) -> Sequence[torch.Tensor]:
         """One ``[tokens, hidden]`` tensor per image, in prompt order."""
         if kwargs.get("pixel_values_videos") is not None:
             from .multimodal import VIDEO_REFUSAL
@@ -463,7 +468,7 @@ class Glm5NextForConditionalGeneration(Glm5NextHybridLM, _vllm_multimodal()):
     def embed_input_ids(
         self,
         input_ids: torch.Tensor,
-        multimodal_embeddings=None,
+        multimodal_embeddings: torch.Tensor | Sequence[torch.Tensor] | None = None,
         *,
         is_multimodal: torch.Tensor | None = None,
     ) -> torch.Tensor:
@@ -478,7 +483,8 @@ class Glm5NextForConditionalGeneration(Glm5NextHybridLM, _vllm_multimodal()):
         return merge_image_embeddings(embeds, multimodal_embeddings, is_multimodal)
 
 
-def merge_image_embeddings(embeds: torch.Tensor, image_embeds, mask: torch.Tensor) -> torch.Tensor:
+def merge_image_embeddings(embeds: torch.Tensor, image_embeds: torch.Tensor | Sequence[torch.Tensor],
+                           mask: torch.Tensor) -> torch.Tensor:
     """``embeds`` with the rows of ``mask`` replaced by ``image_embeds`` (a tensor or a list
     of tensors, concatenated) in order; the counts must agree."""
     rows = torch.cat(list(image_embeds)) if isinstance(image_embeds, (list, tuple)) else image_embeds
@@ -492,7 +498,7 @@ def merge_image_embeddings(embeds: torch.Tensor, image_embeds, mask: torch.Tenso
     return out
 
 
-def _image_limit(vllm_config) -> int:
+def _image_limit(vllm_config: VllmConfig) -> int:
     mm = getattr(vllm_config.model_config, "multimodal_config", None)
     return 1 if mm is None else int(mm.get_limit_per_prompt("image"))
 
@@ -516,7 +522,7 @@ def nest_flat_names(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tup
         yield name, tensor
 
 
-def ties_word_embeddings(hf_config) -> bool:
+def ties_word_embeddings(hf_config: PretrainedConfig) -> bool:
     """Whether ``lm_head`` shares the embedding matrix. transformers reads the flag on the
     top-level config (the one ``from_pretrained`` gets), so do we."""
     return bool(getattr(hf_config, "tie_word_embeddings", False))

@@ -40,7 +40,9 @@ drafts at most, never what the target accepts.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -49,6 +51,10 @@ from .blocks import MLP, MoE, RMSNorm
 from .mla_layer import SparseMLALayer, SparseMLAProjections
 from .model import cast_for_inference, check_supported, check_tp_divides, load_by_name
 from .tp import TP1, TPInfo, tp_info
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+    from vllm.config import VllmConfig
 
 logger = logging.getLogger("vllm.glm5next_plugin.mtp")
 
@@ -60,12 +66,12 @@ MTP_MODEL_TYPE = "glm5_next_mtp"
 FLAT_MODEL_TYPE = "glm5_next_text"
 
 
-def num_mtp_layers(config) -> int:
+def num_mtp_layers(config: PretrainedConfig) -> int:
     """``num_nextn_predict_layers`` of a text config (0 where the field is absent)."""
     return int(getattr(config, "num_nextn_predict_layers", 0) or 0)
 
 
-def mtp_mlp_is_moe(config) -> bool:
+def mtp_mlp_is_moe(config: PretrainedConfig) -> bool:
     """Whether the MTP layers' MLP is an MoE: the type of the target's last layer, as vLLM's
     native MTP reads ``mlp_layer_types`` for an index past its end."""
     types = list(getattr(config, "mlp_layer_types", None) or [])
@@ -77,7 +83,7 @@ class SharedHead(nn.Module):
     """``shared_head.norm``: the MTP layer's final norm. The head itself is the target's
     ``lm_head`` (the checkpoint stores no second copy here)."""
 
-    def __init__(self, config) -> None:
+    def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -89,7 +95,7 @@ class MTPLayer(nn.Module):
     (:class:`SparseMLALayer` registered under ``{prefix}.self_attn``); without it, one whole
     fresh sequence per call (tests and tools)."""
 
-    def __init__(self, config, vllm_config=None, prefix: str = "", tp: TPInfo = TP1) -> None:
+    def __init__(self, config: PretrainedConfig, vllm_config: VllmConfig | None = None, prefix: str = "", tp: TPInfo = TP1) -> None:
         super().__init__()
         self.tp = tp
         hidden = config.hidden_size
@@ -130,7 +136,7 @@ class MultiTokenPredictor(nn.Module):
     ``embed_tokens`` is not built here: the vLLM draft gets the target's module from vLLM's
     proposer, :func:`load_standalone_mtp` sets the one it is given."""
 
-    def __init__(self, config, vllm_config=None, prefix: str = "model", tp: TPInfo = TP1) -> None:
+    def __init__(self, config: PretrainedConfig, vllm_config: VllmConfig | None = None, prefix: str = "model", tp: TPInfo = TP1) -> None:
         super().__init__()
         n = num_mtp_layers(config)
         if n < 1:
@@ -183,7 +189,7 @@ class Glm5NextMTPModel(nn.Module):
     ``vllm_config.speculative_config.draft_model_config.hf_text_config``. After loading,
     vLLM's proposer sets ``model.embed_tokens`` and ``lm_head`` to the target's modules."""
 
-    def __init__(self, *, vllm_config, prefix: str = "") -> None:
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()
         draft = vllm_config.speculative_config.draft_model_config
         self.config = draft.hf_text_config
@@ -219,10 +225,10 @@ class Glm5NextMTPModel(nn.Module):
         input_ids: torch.Tensor | None,
         positions: torch.Tensor,
         hidden_states: torch.Tensor,
-        intermediate_tensors=None,
+        intermediate_tensors: object = None,
         inputs_embeds: torch.Tensor | None = None,
         spec_step_idx: int = 0,
-        **kwargs,
+        **kwargs: object,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(hidden for the logits, hidden for the next draft step): the same tensor."""
         embeds = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
@@ -248,7 +254,7 @@ class Glm5NextMTPModel(nn.Module):
 _vllm_hf_config_override = None
 
 
-def hf_config_override(hf_config, *args, **kwargs):
+def hf_config_override(hf_config: PretrainedConfig, *args: Any, **kwargs: Any) -> PretrainedConfig:
     """vLLM's draft-config rewrite, extended to flat text-only checkpoints.
 
     vLLM 0.32 maps model type ``glm5_next`` to ``glm5_next_mtp`` / ``Glm5NextMTPModel`` but
@@ -281,7 +287,7 @@ def hf_config_override(hf_config, *args, **kwargs):
     return _vllm_override()(hf_config, *args, **kwargs)
 
 
-def _vllm_override():
+def _vllm_override() -> Callable[..., PretrainedConfig]:
     """vLLM's own ``SpeculativeConfig.hf_config_override`` (saved when ours was installed;
     in a process where it never was, the class still holds vLLM's)."""
     if _vllm_hf_config_override is not None:
@@ -304,7 +310,8 @@ def install_config_override() -> None:
     SpeculativeConfig.hf_config_override = staticmethod(hf_config_override)
 
 
-def load_standalone_mtp(ckpt, text_config=None, embed_tokens: nn.Module | None = None) -> MultiTokenPredictor:
+def load_standalone_mtp(ckpt: str | Path, text_config: PretrainedConfig | None = None,
+                        embed_tokens: nn.Module | None = None) -> MultiTokenPredictor:
     """The MTP layers of checkpoint directory ``ckpt`` without vLLM (tests and tools), in
     eval mode; ``embed_tokens`` is the target's embedding (e.g. a
     :class:`glm5next_plugin.standalone.StandaloneLM`'s)."""

@@ -44,7 +44,7 @@ import logging
 import math
 from collections.abc import Mapping, Sequence
 from functools import lru_cache
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from vllm.multimodal.inputs import MultiModalFieldConfig
@@ -55,6 +55,10 @@ from vllm.multimodal.processing import (
     BaseProcessingInfo,
     PromptReplacement,
 )
+
+if TYPE_CHECKING:
+    from transformers import Glm5NextImageProcessorPil
+    from vllm.multimodal.processing import ProcessorInputs
 
 logger = logging.getLogger("vllm.glm5next_plugin.multimodal")
 
@@ -103,14 +107,14 @@ class Glm5NextProcessingInfo(BaseProcessingInfo):
             raise VLLMValidationError(VIDEO_REFUSAL, parameter=modality)
         super().validate_num_items(modality, num_items)
 
-    def get_image_processor(self, **kwargs: object):
+    def get_image_processor(self, **kwargs: object) -> Glm5NextImageProcessorPil:
         merged = self.ctx.get_merged_mm_kwargs(kwargs)
         names = _image_kwarg_names()
         overrides = {k: v for k, v in merged.items() if k in names}
         mc = self.ctx.model_config
         return _image_processor(str(mc.model), mc.revision, json.dumps(overrides, sort_keys=True, default=str))
 
-    def get_hf_processor(self, **kwargs: object):
+    def get_hf_processor(self, **kwargs: object) -> Glm5NextImageProcessorPil:
         # transformers' Glm5NextProcessor needs torchvision (its video processor); the image
         # processor is all this plugin runs
         return self.get_image_processor(**kwargs)
@@ -121,7 +125,8 @@ class Glm5NextProcessingInfo(BaseProcessingInfo):
     def _factor(self, proc) -> int:
         return proc.patch_size * proc.merge_size * getattr(proc, "patch_expand_factor", 1)
 
-    def get_num_image_tokens(self, *, image_width: int, image_height: int, processor=None) -> int:
+    def get_num_image_tokens(self, *, image_width: int, image_height: int,
+                             processor: Glm5NextImageProcessorPil | None = None) -> int:
         proc = processor or self.get_image_processor()
         patches = proc.get_number_of_image_patches(image_height, image_width, {})
         return patches // proc.merge_size**2
@@ -150,7 +155,8 @@ class Glm5NextDummyInputs(BaseDummyInputsBuilder[Glm5NextProcessingInfo]):
     def get_dummy_text(self, mm_counts: Mapping[str, int]) -> str:
         return IMAGE_PLACEHOLDER * mm_counts.get("image", 0)
 
-    def get_dummy_mm_data(self, seq_len: int, mm_counts: Mapping[str, int], mm_options=None):
+    def get_dummy_mm_data(self, seq_len: int, mm_counts: Mapping[str, int],
+                          mm_options: Mapping[str, Any] | None = None) -> dict[str, Any]:
         size = self.info.get_image_size_with_most_features()
         options = (mm_options or {}).get("image") if mm_options else None
         return {
@@ -167,7 +173,8 @@ class Glm5NextImageProcessing(BaseMultiModalProcessor[Glm5NextProcessingInfo]):
     # token ids in, token ids out: no step decodes or encodes text (module docstring)
     requires_tokenizer = False
 
-    def get_dummy_inputs(self, seq_len: int, mm_counts: Mapping[str, int], mm_options=None):
+    def get_dummy_inputs(self, seq_len: int, mm_counts: Mapping[str, int],
+                         mm_options: Mapping[str, Any] | None = None) -> ProcessorInputs:
         inputs = super().get_dummy_inputs(seq_len, mm_counts, mm_options)
         if self.info.ctx.tokenizer is None:  # vLLM leaves the prompt empty: no placeholder to expand
             cfg = self.info.get_hf_config()

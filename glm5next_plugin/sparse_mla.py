@@ -68,6 +68,8 @@ transformers and this plugin leave as they are.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -85,7 +87,7 @@ def pool_keys(keys: torch.Tensor, gate_scores: torch.Tensor, ape: torch.Tensor) 
     return (weights * k).sum(dim=1)
 
 
-def closing_positions(start: int, end: int, kpool: int, device=None) -> torch.Tensor:
+def closing_positions(start: int, end: int, kpool: int, device: torch.device | str | None = None) -> torch.Tensor:
     """Positions in ``[start, end)`` that close a pool (``(i + 1) % kpool == 0``): the rows
     whose gate columns hold their pool's key once written."""
     first = start + (kpool - 1 - start) % kpool
@@ -257,7 +259,7 @@ def gather_index(chosen: torch.Tensor, positions: torch.Tensor, kpool: int) -> t
 
 def absorbed_attention(
     q_latent: torch.Tensor,
-    latent_rows,
+    latent_rows: Callable[[torch.Tensor], torch.Tensor],
     tokens: torch.Tensor,
     valid: torch.Tensor,
     scale: float,
@@ -300,7 +302,7 @@ def sparse_mla_absorbed(
     positions: torch.Tensor,
     kpool: int,
     topk: int,
-    key_rows,
+    key_rows: Callable[[torch.Tensor], torch.Tensor],
 ) -> torch.Tensor:
     """The whole sparse MLA core as the layers run it: select, gather, attend in latent space.
 

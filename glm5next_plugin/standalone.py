@@ -10,12 +10,17 @@ tokens in order.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from .model import Glm5NextModel, load_by_name, merge_image_embeddings
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 class StandaloneLM(nn.Module):
@@ -23,7 +28,8 @@ class StandaloneLM(nn.Module):
     ``lm_head`` under the checkpoint's tensor names."""
 
     def __init__(
-        self, text_config, tie_word_embeddings: bool = False, vision_config=None, image_token_id: int | None = None
+        self, text_config: PretrainedConfig, tie_word_embeddings: bool = False, vision_config: PretrainedConfig | None = None,
+        image_token_id: int | None = None,
     ) -> None:
         super().__init__()
         self.model = Glm5NextModel(text_config, vision_config=vision_config)
@@ -33,7 +39,8 @@ class StandaloneLM(nn.Module):
             self.lm_head.weight = self.model.language_model.embed_tokens.weight
 
     def embeddings(
-        self, ids: torch.Tensor, pixel_values: torch.Tensor | None = None, image_grid_thw=None
+        self, ids: torch.Tensor, pixel_values: torch.Tensor | None = None,
+        image_grid_thw: torch.Tensor | Sequence[Sequence[int]] | None = None,
     ) -> torch.Tensor:
         """Input embeddings ``[T, hidden]``: token embeddings, the ``<|image|>`` rows
         replaced by the images' embeddings."""
@@ -43,7 +50,8 @@ class StandaloneLM(nn.Module):
         images = self.model.visual(pixel_values, image_grid_thw)
         return merge_image_embeddings(embeds, images, ids == self.image_token_id)
 
-    def logprobs(self, ids: torch.Tensor, pixel_values: torch.Tensor | None = None, image_grid_thw=None) -> torch.Tensor:
+    def logprobs(self, ids: torch.Tensor, pixel_values: torch.Tensor | None = None,
+                 image_grid_thw: torch.Tensor | Sequence[Sequence[int]] | None = None) -> torch.Tensor:
         """Next-token log-probs ``[T, vocab]`` of one sequence ``ids`` ``[T]`` (with the
         prompt's images, if any)."""
         if pixel_values is None:
@@ -52,7 +60,7 @@ class StandaloneLM(nn.Module):
         return self.lm_head(self.model.language_model(None, embeds)).log_softmax(-1)
 
 
-def load_standalone(ckpt: str | Path, text_config=None, *, vision: bool = False) -> StandaloneLM:
+def load_standalone(ckpt: str | Path, text_config: PretrainedConfig | None = None, *, vision: bool = False) -> StandaloneLM:
     """The model of checkpoint directory ``ckpt`` (``text_config`` defaults to its config's),
     in eval mode; ``vision`` builds and loads the vision tower too."""
     from safetensors.torch import load_file

@@ -46,9 +46,14 @@ import hashlib
 import json
 import math
 import random
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from transformers import Glm5NextConfig, Glm5NextImageProcessorPil, PretrainedConfig, PreTrainedTokenizerFast
 
 # Tokens with a fixed meaning in the GLM chat format, plus the multimodal markers the
 # config refers to (kept inside the small vocabulary so every config id is valid).
@@ -123,7 +128,7 @@ def _training_corpus(seed: int, num_lines: int = 4000) -> list[str]:
     return lines
 
 
-def build_tokenizer(seed: int, vocab_size: int):
+def build_tokenizer(seed: int, vocab_size: int) -> PreTrainedTokenizerFast:
     """Train a byte-level BPE tokenizer offline and wrap it as a transformers tokenizer."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -150,7 +155,7 @@ def build_tokenizer(seed: int, vocab_size: int):
 
 
 def build_config(
-    tokenizer,
+    tokenizer: PreTrainedTokenizerFast,
     *,
     dtype: str = "float32",
     hidden_size: int = 64,
@@ -167,7 +172,7 @@ def build_config(
     num_experts_per_tok: int = 2,
     max_position_embeddings: int = 8192,
     mtp_layers: int = 1,
-):
+) -> Glm5NextConfig:
     """A ``Glm5NextConfig`` with GLM-5.3-Flash's structure at toy sizes.
 
     ``layer_types`` is a string over ``L`` (KDA, ``linear_attention``) and ``I`` (sparse
@@ -252,7 +257,7 @@ def build_config(
     return config
 
 
-def _set_rope_dim(text_config, rope_dim: int) -> None:
+def _set_rope_dim(text_config: PretrainedConfig, rope_dim: int) -> None:
     """Give a validated (NoPE) text config a rope part. Class validators run only when a
     config is built, so setting the field afterwards passes; the derived fields follow as
     ``Glm5NextTextConfig.__post_init__`` would set them."""
@@ -321,7 +326,7 @@ MTP_HIDDEN_SCALE = 0.1
 MTP_BLOCK_SCALE = 0.2
 
 
-def mtp_state(state: dict[str, torch.Tensor], text_config) -> dict[str, torch.Tensor]:
+def mtp_state(state: dict[str, torch.Tensor], text_config: PretrainedConfig) -> dict[str, torch.Tensor]:
     """The MTP layers' tensors ``model.language_model.layers.{N + i}.*``, derived from the
     target's ``state`` so that drafts are accepted now and then: the layer of every
     checkpoint without a trained one (:func:`trained_mtp_state`), and the trained one's
@@ -403,7 +408,8 @@ def target_digest(state: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-def trained_mtp_state(state: dict[str, torch.Tensor], text_config, paths: list[Path] | None = None):
+def trained_mtp_state(state: dict[str, torch.Tensor], text_config: PretrainedConfig,
+                      paths: list[Path] | None = None) -> dict[str, torch.Tensor] | None:
     """The MTP layers' tensors (one copy per MTP layer) from the trained layer among
     ``paths`` (default :func:`trained_mtp_files`) whose target is ``state``'s, or None where
     none was trained on this target (another seed, size or dtype)."""
@@ -439,7 +445,7 @@ def _code_digest() -> str:
     return h.hexdigest()[:16]
 
 
-def ensure_checkpoint(out_dir: str | Path, log=print) -> Path:
+def ensure_checkpoint(out_dir: str | Path, log: Callable[[str], object] = print) -> Path:
     """The default tiny checkpoint at ``out_dir`` (the demo's, the notebooks', the
     benchmarks'): written when missing, and written again when this module changed since
     (a checkpoint from older code lacks what newer tests and demos use, e.g. the image
@@ -461,7 +467,7 @@ def write_checkpoint(
     seed: int = 0,
     dtype: str = "float32",
     trained_mtp: bool = True,
-    **sizes,
+    **sizes: Any,
 ) -> Path:
     """Write config, random weights and tokenizer to ``out_dir``; return the path.
 
@@ -504,7 +510,7 @@ def write_checkpoint(
     return out
 
 
-def image_processor(config):
+def image_processor(config: Glm5NextConfig) -> Glm5NextImageProcessorPil:
     """The checkpoint's image processor (``preprocessor_config.json``): the vision config's
     patch, temporal patch and merge sizes, CLIP mean/std, token bounds
     ``MIN_IMAGE_TOKENS``..``MAX_IMAGE_TOKENS``."""

@@ -18,8 +18,12 @@ must be the same bytes on every rank (an external cache stores them once).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
 
 
 @dataclass(frozen=True)
@@ -61,7 +65,7 @@ class TPInfo:
 TP1 = TPInfo()
 
 
-def tp_info(vllm_config) -> TPInfo:
+def tp_info(vllm_config: VllmConfig | None) -> TPInfo:
     """The rank and size vLLM runs this worker with. At TP 1 the distributed state is not
     touched (a model may be built where vLLM's groups were never initialised)."""
     if vllm_config is None:

@@ -8,7 +8,7 @@ package changes *how* it computes: a reordered reduction, a kernel swapped for a
 fixed rounding, a different top-k tie-break. Two releases of the plugin that compute other
 KV for the same tokens must not share objects during a rolling upgrade, so the connector
 joins :data:`NUMERICS_VERSION` into the namespace of every engine whose model class is this
-package's (``connector.keys.model_numerics_version``: it reads ``NUMERICS_VERSION`` from the
+package's (``connector.namespace.model_numerics_version``: it reads ``NUMERICS_VERSION`` from the
 top-level package of the class vLLM resolves; vLLM's own GLM5-Next implementation, the
 ``native`` choice, has none and is named by vLLM's version).
 

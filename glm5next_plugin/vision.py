@@ -29,11 +29,16 @@ The tower is replicated under tensor parallelism (it is small next to the text m
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .blocks import RMSNorm, clamped_swiglu
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 def patch_positions(grid_thw: list[list[int]], merge: int) -> torch.Tensor:
@@ -84,7 +89,7 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 class VisionAttention(nn.Module):
-    def __init__(self, cfg) -> None:
+    def __init__(self, cfg: PretrainedConfig) -> None:
         super().__init__()
         self.heads = cfg.num_heads
         self.head_dim = cfg.hidden_size // cfg.num_heads
@@ -107,7 +112,7 @@ class VisionAttention(nn.Module):
 
 
 class VisionMLP(nn.Module):
-    def __init__(self, cfg) -> None:
+    def __init__(self, cfg: PretrainedConfig) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.attention_bias)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.attention_bias)
@@ -119,14 +124,14 @@ class VisionMLP(nn.Module):
 
 
 class VisionBlock(nn.Module):
-    def __init__(self, cfg) -> None:
+    def __init__(self, cfg: PretrainedConfig) -> None:
         super().__init__()
         self.norm1 = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.norm2 = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.attn = VisionAttention(cfg)
         self.mlp = VisionMLP(cfg)
 
-    def forward(self, x: torch.Tensor, rope, segments: list[int]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], segments: list[int]) -> torch.Tensor:
         x = x + self.attn(self.norm1(x), rope, segments)
         return x + self.mlp(self.norm2(x))
 
@@ -150,7 +155,7 @@ class PatchMerger(nn.Module):
 
 
 class PatchEmbed(nn.Module):
-    def __init__(self, cfg) -> None:
+    def __init__(self, cfg: PretrainedConfig) -> None:
         super().__init__()
         kernel = (cfg.temporal_patch_size, cfg.patch_size, cfg.patch_size)
         self.proj = nn.Conv3d(cfg.in_channels, cfg.hidden_size, kernel_size=kernel, stride=kernel)
@@ -164,7 +169,7 @@ class PatchEmbed(nn.Module):
 class VisionTower(nn.Module):
     """``model.visual``: patches in, image-token embeddings (text hidden size) out."""
 
-    def __init__(self, cfg) -> None:
+    def __init__(self, cfg: PretrainedConfig) -> None:
         super().__init__()
         check_vision_supported(cfg)
         self.merge = cfg.spatial_merge_size
@@ -205,7 +210,7 @@ class VisionTower(nn.Module):
         return self.merger(x)
 
 
-def check_vision_supported(cfg) -> None:
+def check_vision_supported(cfg: PretrainedConfig) -> None:
     rope_type = (getattr(cfg, "rope_parameters", None) or {}).get("rope_type", "axial")
     if rope_type != "axial":
         raise NotImplementedError(f"glm5next plugin: vision rope_type {rope_type!r} is not supported (only 'axial')")

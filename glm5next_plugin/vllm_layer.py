@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
 
-def register_layer(layer, vllm_config, prefix: str) -> None:
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+
+def register_layer(layer: object, vllm_config: VllmConfig | None, prefix: str) -> None:
     """Put ``layer`` in vLLM's static forward context under ``prefix``: vLLM finds the layers
     it binds caches and per-step metadata to there. A second layer under one name would take
     the first one's cache, so it is refused. Without ``vllm_config`` (a layer built outside
