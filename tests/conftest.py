@@ -8,16 +8,40 @@ from testing.server_process import ServerProcess
 
 
 @pytest.fixture(scope="module")
-def server():
-    """glm-cache-server on free loopback ports, minimum chunk 256, for one test module (with
-    the debug fault hook, so tests can flip a stored byte)."""
-    srv = ServerProcess("--separate-object-groups", "--chunk-size", "256", "--l1-size-gb", "1", "--debug-fault-hooks")
-    srv.start()
-    yield srv
-    srv.stop()
+def server(request):
+    """glm-cache-server with separate object groups on free loopback ports, for one test
+    module: with the module's ``SERVER_ARGS`` (its other flags), else minimum chunk 256, 1 GB
+    of L1 and the debug fault hook (so tests can flip a stored byte)."""
+    args = getattr(request.module, "SERVER_ARGS", ("--chunk-size", "256", "--l1-size-gb", "1", "--debug-fault-hooks"))
+    with ServerProcess("--separate-object-groups", *args) as srv:
+        yield srv
+
+
+@pytest.fixture
+def client(server):
+    """A client of the module's server, the server emptied first; a module that needs its
+    namespaces said hello to overrides this with a ``client(client)`` fixture."""
+    from cache_server.client import CacheClient
+
+    with CacheClient(server.url, timeout_s=10.0) as c:
+        c.clear()
+        yield c
 
 
 SERVER_CHUNK = 256  # the server fixture's minimum chunk
+
+
+@pytest.fixture(scope="module")
+def ckpt(request, tmp_path_factory):
+    """The tiny GLM-5.3-Flash checkpoint (``glm5next_plugin.tiny_checkpoint``) for one test
+    module: seed 3, as the engines' tests write it, unless the module sets
+    ``TINY_CHECKPOINT_ARGS`` (the generator's arguments after the output path, e.g.
+    ``("--seed", "1")``)."""
+    from glm5next_plugin import tiny_checkpoint
+
+    out = tmp_path_factory.mktemp("tiny_" + request.module.__name__.rpartition("test_")[2])
+    tiny_checkpoint.main([str(out), *getattr(request.module, "TINY_CHECKPOINT_ARGS", ("--seed", "3"))])
+    return out
 
 
 @pytest.fixture()

@@ -4,18 +4,10 @@ from __future__ import annotations
 
 import json
 
-import pytest
 import torch
 from safetensors import safe_open
 
-from glm5next_plugin import tiny_checkpoint
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tiny")
-    tiny_checkpoint.main([str(out), "--seed", "1"])
-    return out
+TINY_CHECKPOINT_ARGS = ("--seed", "1")  # the ckpt fixture's (conftest.py)
 
 
 def test_config_declares_glm5next_architecture_and_layer_mix(ckpt):

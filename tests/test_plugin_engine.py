@@ -11,8 +11,6 @@ import pytest
 import torch
 from engines import stop_engine
 
-from glm5next_plugin import tiny_checkpoint
-
 pytestmark = pytest.mark.engine
 
 # float32 engine vs float32 reference; measured max |diff| ~1e-4 on these prompts.
@@ -22,13 +20,6 @@ PROMPT_LENGTHS = [20, 150, 700, 2100]
 
 def _ids(n: int, seed: int) -> list[int]:
     return torch.randint(16, 512, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tiny_engine")
-    tiny_checkpoint.main([str(out), "--seed", "3"])
-    return out
 
 
 @pytest.fixture(scope="module")

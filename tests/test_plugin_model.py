@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from glm5next_plugin import kda, sparse_mla, tiny_checkpoint
+from glm5next_plugin import kda, sparse_mla
 from glm5next_plugin.model import cast_for_inference, check_supported, load_by_name
 from glm5next_plugin.standalone import StandaloneLM as _Standalone
 from glm5next_plugin.standalone import load_standalone
@@ -109,7 +109,6 @@ def test_select_tokens_is_causal_below_budget_and_sparse_above():
             assert mask[i, i - (i + 1) % kpool + 1 : i + 1].all()
 
 
-
 def test_tied_pool_scores_pick_the_lower_pool_index_whatever_the_step_split():
     """Exact ties (all indexer heads ReLU'd to 0) resolve to the lower pool index, so a
     query picks the same pools whether later pools are in the tensor (one-shot prefill,
@@ -130,11 +129,8 @@ def test_tied_pool_scores_pick_the_lower_pool_index_whatever_the_step_split():
     assert torch.equal(long[:, :14], short) and not long[:, 14:].any()
     assert short[0, :8].all() and not short[0, 8:12].any()  # pools 0 and 1, not 2
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tiny_model")
-    tiny_checkpoint.main([str(out), "--seed", "2"])
-    return out
+
+TINY_CHECKPOINT_ARGS = ("--seed", "2")  # the ckpt fixture's (conftest.py)
 
 
 @pytest.fixture(scope="module")

@@ -43,13 +43,6 @@ MTP = f"model.language_model.layers.{N}."
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tiny_mtp")
-    tiny_checkpoint.main([str(out), "--seed", "3"])
-    return out
-
-
-@pytest.fixture(scope="module")
 def weights(ckpt):
     return load_file(str(ckpt / "model.safetensors"))
 

@@ -18,8 +18,6 @@ import sys
 
 import pytest
 
-from glm5next_plugin import tiny_checkpoint
-
 # Runs in a child process: argv = checkpoint, amx (0/1), dtype, ssm dtype, keep the plugin's
 # not-MLA mark (0/1). Prints one JSON line with what vLLM decided.
 _PROBE = r"""
@@ -67,13 +65,6 @@ print(json.dumps({
     "kda_dtypes": [str(d) for d in kda_spec.dtypes],
 }))
 """
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tiny_platform")
-    tiny_checkpoint.main([str(out), "--seed", "3"])
-    return out
 
 
 def _probe(ckpt, amx: bool, dtype: str = "float32", ssm: str = "auto", keep_mark: bool = True) -> dict:

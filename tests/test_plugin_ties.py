@@ -23,7 +23,6 @@ import random
 import pytest
 from engines import connector_engine, stop_engine
 
-from glm5next_plugin import tiny_checkpoint
 from testing.server_process import ServerProcess
 
 pytestmark = pytest.mark.engine
@@ -41,11 +40,7 @@ def _prompt(n: int, seed: int) -> list[int]:
     return [rng.randrange(16, 512) for _ in range(n)]
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tiny_ties")
-    tiny_checkpoint.main([str(out), "--seed", "3", "--index-n-heads", "2"])
-    return out
+TINY_CHECKPOINT_ARGS = ("--seed", "3", "--index-n-heads", "2")  # the ckpt fixture's (conftest.py)
 
 
 @pytest.fixture(scope="module")

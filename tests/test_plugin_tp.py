@@ -31,7 +31,6 @@ import torch
 from engines import stop_engine
 from torch import nn
 
-from glm5next_plugin import tiny_checkpoint
 from glm5next_plugin.model import Glm5NextModel, load_by_name, tp_shards_of
 from glm5next_plugin.tp import TP1, Shard, TPInfo
 
@@ -48,11 +47,7 @@ PROMPT_LENGTHS = (700, 37)
 NEAR_TIE = 1e-3
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tiny_tp")
-    tiny_checkpoint.main([str(out), "--seed", "3", "--linear-num-heads", "4"])
-    return out
+TINY_CHECKPOINT_ARGS = ("--seed", "3", "--linear-num-heads", "4")  # the ckpt fixture's (conftest.py)
 
 
 def _ids(n: int, seed: int) -> list[int]:

@@ -33,13 +33,6 @@ def _image(seed: int, width: int = 112, height: int = 112) -> Image.Image:
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tiny_vision")
-    tiny_checkpoint.main([str(out), "--seed", "3"])
-    return out
-
-
-@pytest.fixture(scope="module")
 def processor(ckpt):
     from transformers import Glm5NextImageProcessorPil
 

@@ -97,19 +97,13 @@ def store_prefix(c: CacheClient, seed: int, n_chunks: int = 3) -> list[bytes]:
     return hashes
 
 
-@pytest.fixture(scope="module")
-def server():
-    with ServerProcess("--separate-object-groups", "--l1-size-gb", "0.05", "--http-timeout-s", str(TIMEOUT_S),
-                       "--http-max-connections", str(BOUND)) as s:
-        yield s
+SERVER_ARGS = ("--l1-size-gb", "0.05", "--http-timeout-s", str(TIMEOUT_S), "--http-max-connections", str(BOUND))  # the server fixture's (conftest.py)
 
 
 @pytest.fixture
-def client(server):
-    with CacheClient(server.url, timeout_s=10.0) as c:
-        c.clear()
-        c.hello(NS, ALIGNMENT, attn_groups=[0], state_groups=[1])
-        yield c
+def client(client):
+    client.hello(NS, ALIGNMENT, attn_groups=[0], state_groups=[1])
+    return client
 
 
 def test_idle_connections_are_closed_at_the_timeout_and_their_threads_end(server):

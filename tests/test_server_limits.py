@@ -27,18 +27,8 @@ def h(i: int) -> bytes:
     return i.to_bytes(32, "big")
 
 
-@pytest.fixture(scope="module")
-def server():
-    with ServerProcess("--separate-object-groups", "--l1-size-gb", "0.01", "--max-object-size-mb", "0.09765625",
-                       "--max-message-mb", "0.5", "--max-header-kb", "16", "--max-leases-per-client", "3") as s:
-        yield s
-
-
-@pytest.fixture
-def client(server):
-    with CacheClient(server.url, timeout_s=5.0) as c:
-        c.clear()
-        yield c
+SERVER_ARGS = ("--l1-size-gb", "0.01", "--max-object-size-mb", "0.09765625", "--max-message-mb", "0.5", "--max-header-kb", "16",
+               "--max-leases-per-client", "3")  # the server fixture's (conftest.py)
 
 
 def raw_dealer(server, timeout_ms: int = 5000) -> zmq.Socket:

@@ -85,19 +85,13 @@ def store_prefix(c: CacheClient, n_chunks: int, attn_bytes: int, state_bytes: in
     return hashes
 
 
-@pytest.fixture(scope="module")
-def server():
-    with ServerProcess("--separate-object-groups", "--l1-size-gb", "1", "--chunk-size", "256",
-                       "--max-object-size-mb", "64") as s:
-        yield s
+SERVER_ARGS = ("--l1-size-gb", "1", "--chunk-size", "256", "--max-object-size-mb", "64")  # the server fixture's (conftest.py)
 
 
 @pytest.fixture
-def client(server):
-    with CacheClient(server.url, timeout_s=10.0) as c:
-        c.clear()
-        assert c.hello(NS, ALIGNMENT, attn_groups=[0], state_groups=[1])["chunk_size"] == 256
-        yield c
+def client(client):
+    assert client.hello(NS, ALIGNMENT, attn_groups=[0], state_groups=[1])["chunk_size"] == 256
+    return client
 
 
 def test_ping_and_describe_show_the_servers_real_figures(server, client):

@@ -63,19 +63,14 @@ def lookup(c: CacheClient, ns: str, hs: list[bytes], salt: str | None = None) ->
     return c.request(header)[0]["chunks"]
 
 
-@pytest.fixture(scope="module")
-def server():
-    with ServerProcess("--separate-object-groups", "--l1-size-gb", "0.01", "--chunk-size", "256") as s:
-        yield s
+SERVER_ARGS = ("--l1-size-gb", "0.01", "--chunk-size", "256")  # the server fixture's (conftest.py)
 
 
 @pytest.fixture
-def client(server):
-    with CacheClient(server.url, timeout_s=10.0) as c:
-        c.clear()
-        for ns in (ENGINE_NS, OTHER_NS):
-            assert c.hello(ns, ALIGNMENT, attn_groups=[0], state_groups=[1])["chunk_size"] == 256
-        yield c
+def client(client):
+    for ns in (ENGINE_NS, OTHER_NS):
+        assert client.hello(ns, ALIGNMENT, attn_groups=[0], state_groups=[1])["chunk_size"] == 256
+    return client
 
 
 def test_lookups_labelled_by_model_name_and_a_hashed_salt(server, client):

@@ -23,18 +23,7 @@ NS = "test-ns"
 MAX_OBJECT = 1 << 20  # 1 MiB, so the oversize test stays cheap
 
 
-@pytest.fixture(scope="module")
-def server():
-    with ServerProcess("--separate-object-groups", "--chunk-size", "256", "--l1-size-gb", "0.01",
-                       "--max-object-size-mb", "1") as s:
-        yield s
-
-
-@pytest.fixture
-def client(server):
-    with CacheClient(server.url, timeout_s=5.0) as c:
-        c.clear()
-        yield c
+SERVER_ARGS = ("--chunk-size", "256", "--l1-size-gb", "0.01", "--max-object-size-mb", "1")  # the server fixture's (conftest.py)
 
 
 def raw_dealer(server) -> zmq.Socket:
