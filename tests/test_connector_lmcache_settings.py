@@ -250,7 +250,8 @@ def test_vllms_lmcache_shortcut_overrides_the_connector():
         # vLLM's own resolution step, alone: a whole VllmConfig naming LMCacheMPConnector
         # goes on to import LMCache's engine side, which lmcache-cli does not ship
         cfg = VllmConfig(cache_config=CacheConfig(kv_offloading_backend="lmcache"),
-                         kv_transfer_config=KVTransferConfig(kv_connector="GlmCacheConnector", kv_role="kv_producer"))
+                         kv_transfer_config=KVTransferConfig(kv_connector="GlmCacheConnector", kv_role="kv_producer",
+                                                            kv_connector_module_path="connector"))
         cfg.cache_config.kv_offloading_size = size
         cfg._post_init_kv_transfer_config()
         return cfg.kv_transfer_config.kv_connector, cfg.kv_transfer_config.kv_role
