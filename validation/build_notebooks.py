@@ -99,7 +99,7 @@ rng = random.Random(0)
 doc = " ".join(f"{i + 1}. " + " ".join(rng.choice(WORDS) for _ in range(rng.randint(6, 14))).capitalize() + "."
                for i in range(160))
 questions = [f"Question {i + 1}: what does sentence {rng.randint(1, 160)} say about the {rng.choice(WORDS)}?"
-             for i in range(16)]
+             for i in range(N_QUESTIONS)]
 prompts = [[{"role": "system", "content": "Answer from this document. " + doc}, {"role": "user", "content": q}]
            for q in questions]
 
@@ -316,7 +316,7 @@ def sweep(reloader, seed):
     """Cold and stored through the strict `engine`; reloaded through `reloader`."""
     rows = []
     rng = random.Random(seed)
-    for k in (1, 2, 3):
+    for k in KS:
         for n in (k * C - 1, k * C, k * C + 1):
             prompt = [rng.randrange(16, 500) for _ in range(n)]
             cold = complete(engine.base_url, prompt, 64, cache_salt=f"cold-{uuid.uuid4().hex}")
@@ -390,8 +390,8 @@ The tiny checkpoint makes prefill cheap, so absolute times are small and the rat
 more than the milliseconds."""),
     ("code", SETUP),
     ("code", '''\
-lengths = [512, 1024, 2048, 4096, 8000]
-rounds = 3
+lengths = LENGTHS
+rounds = ROUNDS
 results = {n: {"cold": [], "reloaded": [], "local": [], "hit": []} for n in lengths}
 rng = random.Random(2)
 for rnd in range(rounds):
@@ -429,12 +429,34 @@ assert all(med[n]["hit"] == strict_hit(n) for n in lengths), "reloaded hit is no
 NOTEBOOKS = {"cold_vs_reload": COLD_VS_RELOAD, "boundary_sweep": BOUNDARY_SWEEP, "ttft": TTFT}
 
 
-def build(name: str) -> nbformat.NotebookNode:
+# Each notebook's sizes, in one cell after its title: what the committed notebook ran.
+PARAMETERS = {
+    "cold_vs_reload": {"N_QUESTIONS": 16},
+    "boundary_sweep": {"KS": (1, 2, 3)},
+    "ttft": {"LENGTHS": [512, 1024, 2048, 4096, 8000], "ROUNDS": 3},
+}
+# The sizes tests/test_notebooks.py runs each notebook at: every cell, claim and plot, on
+# less data (4 questions; k = 1, 2; two lengths, one round), to keep the suite's time.
+SMALL = {
+    "cold_vs_reload": {"N_QUESTIONS": 4},
+    "boundary_sweep": {"KS": (1, 2)},
+    "ttft": {"LENGTHS": [512, 2048], "ROUNDS": 1},
+}
+
+
+def parameters_cell(values: dict) -> str:
+    return "# Parameters (tests/test_notebooks.py runs smaller ones)\n" + "".join(f"{k} = {v!r}\n" for k, v in values.items())
+
+
+def build(name: str, parameters: dict | None = None) -> nbformat.NotebookNode:
+    """Notebook ``name`` with its committed sizes, or with ``parameters`` in their place."""
     nb = nbformat.v4.new_notebook()
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-    for kind, source in NOTEBOOKS[name]:
+    for i, (kind, source) in enumerate(NOTEBOOKS[name]):
         cell = nbformat.v4.new_markdown_cell(source) if kind == "markdown" else nbformat.v4.new_code_cell(source)
         nb.cells.append(cell)
+        if i == 0:  # the title
+            nb.cells.append(nbformat.v4.new_code_cell(parameters_cell(parameters or PARAMETERS[name])))
     return nb
 
 
