@@ -164,12 +164,12 @@ NO_SALT = "none"  # cache_salt of a lookup that carries no salt
 OVERFLOW = "other"  # the label value past the cap on distinct values
 MAX_MODEL_LABELS = 16
 MAX_SALT_LABELS = 32
-_ENGINE_NAMESPACE = re.compile(r"^(.+)-[0-9a-f]{16}$")  # connector.keys.engine_fingerprint
+_ENGINE_NAMESPACE = re.compile(r"^(.+)-[0-9a-f]{16}$")  # connector.namespace.engine_fingerprint
 
 
 def model_name_of(namespace: str) -> str:
     """The ``model_name`` label of a namespace: the served model name an engine's namespace
-    starts with (``<model>-<16 hex>``, :func:`connector.keys.engine_fingerprint`; the hello
+    starts with (``<model>-<16 hex>``, :func:`connector.namespace.engine_fingerprint`; the hello
     carries no model of its own), :data:`NO_MODEL` for any other name."""
     m = _ENGINE_NAMESPACE.match(namespace)
     return m.group(1) if m else NO_MODEL

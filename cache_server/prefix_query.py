@@ -19,7 +19,7 @@ answers tokens)::
     {"default": {"<namespace>": {"longest_matched": 256, "CPU": 128, "STORAGE": 256}}}
 
 * **Instance = namespace.** The server does not know the router's replicas; it knows the
-  engine namespaces (:func:`connector.keys.engine_fingerprint`, ``<model>-<16 hex>``) whose
+  engine namespaces (:func:`connector.namespace.engine_fingerprint`, ``<model>-<16 hex>``) whose
   objects it holds. Every replica attached to this server whose engine has that namespace
   can resume what the entry says, so a router scores each of its replicas with the entry
   of its (server, namespace). ``instance_id`` in a query picks one namespace.
@@ -341,7 +341,7 @@ class PrefixQuery:
         layout = server.store.declared_layout(ns)
         if not C or layout is None:  # forgotten since namespaces_of
             return {"longest_matched": 0, L1_MEDIUM: 0}
-        if q.lora:  # the connector caches no LoRA request (connector.keys.uncacheable_reason)
+        if q.lora:  # the connector caches no LoRA request (connector.admission.uncacheable_reason)
             out = {"longest_matched": 0, L1_MEDIUM: 0}
             if server.l2 is not None:
                 out[L2_MEDIUM] = 0

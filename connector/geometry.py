@@ -449,7 +449,7 @@ def model_row_parts(vllm_config: VllmConfig) -> RowParts | None:
     """The cache-row parts the engine's model class declares (classmethod
     ``kv_cache_row_parts(hf_config)``), or None when it declares none (vLLM's own models,
     whose layers keep one thing per page). Read from the class vLLM resolves for the model
-    config, as :func:`connector.keys.model_cache_row_format` reads the row format."""
+    config, as :func:`connector.namespace.model_cache_row_format` reads the row format."""
     from vllm.model_executor.model_loader.utils import get_model_cls
 
     declare = getattr(get_model_cls(vllm_config.model_config), "kv_cache_row_parts", None)

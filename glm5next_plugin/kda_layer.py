@@ -166,7 +166,7 @@ class KDAStateLayer(KDAProjections, _vllm_state_layer_base()):
 
     def __init__(self, config: PretrainedConfig, vllm_config: VllmConfig, prefix: str, tp: TPInfo | None = None) -> None:
         # ``tp`` given: this rank's place without asking vLLM's process groups (a layer
-        # built only for its cache spec, e.g. by validation/glm_flash_kv_layouts.py).
+        # built only for its cache spec, e.g. by testing/glm_flash_kv_layouts.py).
         super().__init__(config, tp or tp_info(vllm_config))
         self.prefix = prefix
         self.config = config

@@ -51,7 +51,7 @@ if TYPE_CHECKING:
 Fetch = Callable[[torch.Tensor, slice], torch.Tensor]  # (token indices, columns) -> those cache values
 
 # What the bytes of a sparse-MLA cache row mean, part of the external cache's namespace
-# (connector.geometry.engine_fingerprint reads it from the model class): any change to the
+# (connector.namespace.model_cache_row_format reads it from the model class): any change to the
 # row layout takes a new number, so rows written in another layout are never loaded.
 # Format 2: [latent | rope key (qk_rope_head_dim, usually none) | k | z] per token, except
 # that a pool's closing row holds the pool key in place of its z (format 1, the same rows without stored keys, is what
@@ -334,7 +334,7 @@ class SparseMLALayer(SparseMLAProjections, _attention_layer_base()):
 
     def __init__(self, config: PretrainedConfig, vllm_config: VllmConfig, prefix: str, tp: TPInfo | None = None) -> None:
         # ``tp`` given: this rank's place without asking vLLM's process groups (a layer
-        # built only for its cache spec, e.g. by validation/glm_flash_kv_layouts.py).
+        # built only for its cache spec, e.g. by testing/glm_flash_kv_layouts.py).
         super().__init__(config, tp or tp_info(vllm_config))
         self.prefix = prefix
         self.vllm_config = vllm_config

@@ -302,7 +302,7 @@ class Glm5NextHybridLM(nn.Module, *_vllm_interfaces()):
     is_hybrid: ClassVar[Literal[True]] = True
     supports_mamba_prefix_caching: ClassVar[Literal[True]] = True
     # What the bytes of this model's cache rows mean: part of the external cache's namespace
-    # (connector.geometry.engine_fingerprint), so rows saved by another row format never load.
+    # (connector.namespace.engine_fingerprint), so rows saved by another row format never load.
     kv_cache_row_format: ClassVar[str] = CACHE_ROW_FORMAT
 
     @classmethod

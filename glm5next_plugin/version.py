@@ -1,7 +1,7 @@
 """The version of the plugin's numerics: what the bytes it computes depend on in its code.
 
 GlmCacheConnector names every cached object by everything its bytes depend on (the
-namespace, ``connector.keys.engine_fingerprint``). vLLM's version names vLLM's code; the
+namespace, ``connector.namespace.engine_fingerprint``). vLLM's version names vLLM's code; the
 checkpoint's content names the weights; the cache-row format
 (``mla_layer.CACHE_ROW_FORMAT``) names what the rows mean. None of those changes when this
 package changes *how* it computes: a reordered reduction, a kernel swapped for another, a

@@ -43,7 +43,7 @@ def scheduler_side(url: str, *, block: int = 256, tp: int = 1, timeout_s: float 
     ``multimodal``: the model takes images, with these ``multimodal_config`` fields
     (``mm_hasher_algorithm``, ``mm_processor_kwargs``); ``load_format``: vLLM's
     ``--load-format``; ``numerics``: the model code's numerics version
-    (``connector.keys.model_numerics_version``); ``retention``: vLLM's
+    (``connector.namespace.model_numerics_version``); ``retention``: vLLM's
     ``--prefix-cache-retention-interval`` (None: dense); ``architectures``: the model
     config's (None: no ``hf_config``)."""
     from vllm.v1 import kv_cache_interface as vkv
