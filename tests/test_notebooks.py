@@ -24,7 +24,7 @@ VALIDATION = Path(__file__).resolve().parent.parent / "validation"
 def test_committed_notebook_is_current_and_carries_its_outputs(name):
     committed = nbformat.read(VALIDATION / f"{name}.ipynb", as_version=4)
     assert [c.source for c in committed.cells] == [c.source for c in build(name).cells], (
-        f"{name}.ipynb is stale: run python validation/build_notebooks.py --execute {name}")
+        f"{name}.ipynb is stale: run python -m validation.build_notebooks --execute {name}")
     outputs = [o for c in committed.cells if c.cell_type == "code" for o in c.outputs]
     assert not [o for o in outputs if o.output_type == "error"]
     assert any("image/png" in o.get("data", {}) for o in outputs), "the committed notebook has no plot"

@@ -19,7 +19,7 @@ from cache_server.client import CacheClient, label_salt
 from cache_server.metrics import MAX_MODEL_LABELS, MAX_SALT_LABELS, salt_label
 from testing.server_process import ServerProcess
 
-ENGINE_NS = "GLM-5-0123456789abcdef"  # as connector.keys.engine_fingerprint names one: <model>-<16 hex>
+ENGINE_NS = "GLM-5-0123456789abcdef"  # as connector.namespace.engine_fingerprint names one: <model>-<16 hex>
 OTHER_NS = "a-hand-made-namespace"
 ALIGNMENT = 128
 TOKEN = "lmcache-metrics-test-token-0123456789"

@@ -3,7 +3,7 @@
 The cell sources live here, one list per notebook, so they are reviewed as code; the
 committed ``.ipynb`` files are this script's output, executed, with their plots.
 
-    python validation/build_notebooks.py --execute [NAME ...]
+    python -m validation.build_notebooks --execute [NAME ...]
 """
 
 from __future__ import annotations
