@@ -241,7 +241,7 @@ def test_sigterm_and_sigint_shut_down_cleanly():
     for sig in (signal.SIGTERM, signal.SIGINT):
         s = ServerProcess().start()
         s.proc.send_signal(sig)
-        assert s.proc.wait(10) == 0
+        assert s.proc.wait(30) == 0  # a hang fails; a loaded machine (engines in the other lane) may take >10 s
         s.stop()
         assert "shutting down" in s.log() and "stopped" in s.log()
 
