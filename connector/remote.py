@@ -149,9 +149,13 @@ class RemoteCache:
 
     def _open(self, hello: dict[str, Any]) -> Session:
         """The session of a handshake's reply; GeometryError or KeyError refuse it (a
-        chunk size the engine's blocks do not divide, or none)."""
+        chunk size that is not an integer, that the engine's blocks do not divide, or none).
+        The reply is a peer's: ``int()`` of it could raise anything (``inf``, a string)."""
         assert self._namespace is not None
-        session = Session(self._namespace, self._geometry.with_chunk_size(int(hello["chunk_size"])), hello)
+        chunk = hello["chunk_size"]
+        if type(chunk) is not int:
+            raise GeometryError(f"the server's chunk size {chunk!r:.40} is not an integer")
+        session = Session(self._namespace, self._geometry.with_chunk_size(chunk), hello)
         self.link.session = session
         return session
 

@@ -250,3 +250,24 @@ def test_the_ledger_is_bounded_and_forgets_into_vouching_for_nothing():
     assert not ledger.vouches(items[5])
     ledger.record("id5", items[5].digest)
     assert not ledger.vouches(items[5])  # poisoned for good
+
+
+@pytest.mark.parametrize("chunk", [float("inf"), 256.0, "256", None, True, [256], -256, 100])
+def test_a_servers_odd_chunk_size_refuses_the_handshake(chunk):
+    """A peer's hello: a chunk size that is not a positive integer multiple of the engine's
+    block refuses the session (GeometryError, which the link treats as a failed handshake:
+    serve cold, try again later) instead of raising what ``int()`` of it would."""
+    from connector.config import Settings
+    from connector.geometry import CacheGroup, Geometry, GeometryError, LayerPage
+    from connector.remote import RemoteCache
+
+    geo = Geometry((CacheGroup(0, False, 16, (LayerPage("a.0", 8, "float32", 16, 16, "FullAttentionSpec"),)),),
+                   (16,), 16, 16)
+    remote = RemoteCache(Settings(), True, 1, geo, "ns")
+    try:
+        with pytest.raises(GeometryError):
+            remote._open({"chunk_size": chunk})
+        assert remote.session is None
+        assert remote._open({"chunk_size": 256}).chunk_size == 256  # the same link takes a good one
+    finally:
+        remote.shutdown()
