@@ -15,11 +15,14 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import zmq
 
 from cache_server import protocol as p
+from cache_server.arena import DEFAULT_PIN_S, MAX_UNPIN
+from cache_server.arena import HEAD_BYTES as ARENA_HEAD
 from cache_server.auth import AUTH_FIELD, PLAIN_USERNAME
 
 # The errors are part of this module's API too: callers import them from here.
@@ -30,6 +33,21 @@ from cache_server.shm import ClientSegment, align_up
 _U32 = next(t for t in ("I", "L") if array.array(t).itemsize == 4)
 
 Payload = bytes | bytearray | memoryview
+PIN_MARGIN_S = 1.0  # a copy under a read pin must end this long (or a tenth of the pin) before it ends
+
+
+@dataclass
+class InPlace:
+    """What :meth:`CacheClient.get_in_place` answers: per key, its payload (None: absent,
+    or it failed its checksum here), and for a view of the server's arena the key prefix
+    and stored checksum the caller must verify it against (:func:`~cache_server.protocol.checksum`
+    is XXH3-128 over the prefix, then the payload); the monotonic time by which those copies
+    must be done, and the read pin to hand back."""
+
+    payloads: list[memoryview | None]
+    unverified: list[tuple[bytes, bytes] | None]
+    deadline: float
+    pin: int | None
 
 logger = logging.getLogger("vllm.glm_cache_client")
 
@@ -95,6 +113,7 @@ class CacheClient:
         self._monitor: zmq.Socket | None = None  # the handshake events of _sock
         self._plain = auth_token is not None  # present the token at connection (flipped by a NULL server)
         self.corrupt_objects = 0  # payloads that failed their checksum (deleted on the server)
+        self._unpins: list[int] = []  # read pins handed back, sent with the next get (or unpin())
 
     def _socket(self) -> zmq.Socket:
         if self._sock is None:
@@ -418,56 +437,154 @@ class CacheClient:
         ``timeout_s`` overrides :attr:`timeout_s` for this call."""
         header = {"op": "get", "ns": namespace, "keys": [list(k) for k in keys]}
         with self._lock:
-            for _attempt in range(2):
-                seg = self._shm.segment(0, self._send_header_locked, timeout_s) if keys else None
-                if seg is None:
-                    reply, frames = self._request_locked(header, (), timeout_s)
-                    break
-                seg.busy = True
-                try:
-                    reply, frames = self._request_locked({**header, "shm": get_region(seg)}, (), timeout_s)
-                except CacheServerError as e:
-                    seg.busy = False
-                    if not self._shm.retry(e):
-                        raise
-                    continue
-                except BaseException:
-                    seg.busy = False
-                    raise
-                try:
-                    frames = self._place_shm_locked(seg, reply, frames)
-                except BaseException:
-                    seg.busy = False
-                    raise
+            reply, frames, _ = self._get_locked(header, bool(keys), timeout_s)
+        return self._verified(namespace, keys, reply, frames, [False] * len(frames)).payloads
+
+    def get_in_place(self, namespace: str, keys: Sequence[tuple[bytes, int, int]], *,
+                     timeout_s: float | None = None, pin_s: float = DEFAULT_PIN_S) -> InPlace:
+        """:meth:`get`, except that objects the server holds in its arena
+        (:mod:`cache_server.arena`) come as read-only views of it, *not verified*: for each
+        such key :attr:`InPlace.unverified` gives the key prefix and stored checksum the
+        caller verifies while it copies the bytes, before :attr:`InPlace.deadline` (the
+        server may reuse the range after its pin; a copy that ends later must be taken as
+        failed), then reports failures with :meth:`delete_corrupt` and hands the pin back
+        with :meth:`release_pin`. Without an arena (another host, an old server) this is
+        :meth:`get`, every payload verified."""
+        header: dict[str, Any] = {"op": "get", "ns": namespace, "keys": [list(k) for k in keys],
+                                  "arena": True, "pin_s": pin_s}
+        with self._lock:
+            reply, frames, in_arena = self._get_locked(header, bool(keys), timeout_s)
+        return self._verified(namespace, keys, reply, frames, in_arena)
+
+    def _get_locked(self, header: dict[str, Any], any_keys: bool, timeout_s: float | None
+                    ) -> tuple[dict[str, Any], list[memoryview], list[bool]]:
+        """Send a get, through a segment where one is agreed; the reply, the found objects'
+        payloads in order, and which of them are views of the server's arena."""
+        plain = {k: v for k, v in header.items() if k not in ("arena", "pin_s")}
+        for _attempt in range(2):
+            seg = self._shm.segment(0, self._send_header_locked, timeout_s) if any_keys else None
+            if seg is None:
                 break
-            else:
-                reply, frames = self._request_locked(header, (), timeout_s)  # a second unknown segment
+            arena = self._shm.arena if header.get("arena") else None
+            h = {**(header if arena is not None else plain), "shm": get_region(seg)}
+            if arena is not None and self._unpins:
+                h["unpin"], self._unpins = self._unpins[:MAX_UNPIN], self._unpins[MAX_UNPIN:]
+            seg.busy = True
+            try:
+                sent = time.monotonic()
+                reply, frames = self._request_locked(h, (), timeout_s)
+            except CacheServerError as e:
+                seg.busy = False
+                if not self._shm.retry(e):
+                    raise
+                continue
+            except BaseException:
+                seg.busy = False
+                raise
+            try:
+                spans = self._arena_spans(reply, arena) if arena is not None else None
+                if spans is None:
+                    placed = self._place_shm_locked(seg, reply, frames)
+                    return reply, placed, [False] * len(placed)
+                copied = self._place_shm_locked(seg, {"shm": reply.get("shm"), "found": [x is None for x in spans]},
+                                                frames)
+            except BaseException:
+                seg.busy = False
+                raise
+            pin, granted = reply.get("pin"), reply.get("pin_s")
+            if isinstance(pin, int) and not isinstance(pin, bool) and pin > 0:
+                reply["deadline"] = sent + float(granted) - max(PIN_MARGIN_S, 0.1 * float(granted))
+            it = iter(copied)
+            return reply, [arena.view(*x) if x is not None else next(it) for x in spans], [x is not None for x in spans]
+        reply, frames = self._request_locked(plain, (), timeout_s)  # no segment, or a second unknown one
+        return reply, frames, [False] * len(frames)
+
+    def _arena_spans(self, reply: dict[str, Any], arena: Any) -> list[tuple[int, int] | None] | None:
+        """Where a get's reply placed found objects in the arena (None: it placed nothing
+        there, e.g. a server without one); a placement outside the arena, or another
+        arena's, is a bad reply."""
+        spans = reply.get("arena")
+        if spans is None:
+            return None
+        found = reply.get("found")
+        granted = reply.get("pin_s")
+        if not isinstance(spans, list) or not isinstance(found, list) or len(spans) != sum(map(bool, found)) \
+                or reply.get("arena_nonce") != self._shm.arena_nonce \
+                or not isinstance(granted, (int, float)) or isinstance(granted, bool) or not 0 <= granted <= 3600:
+            raise CacheServerError("bad_reply", "get answered a malformed arena placement")
+        out: list[tuple[int, int] | None] = []
+        for x in spans:
+            if x is None:
+                out.append(None)
+                continue
+            if not (isinstance(x, list) and len(x) == 2 and all(isinstance(v, int) and not isinstance(v, bool) for v in x)
+                    and ARENA_HEAD <= x[0] and 0 <= x[1] and x[0] + x[1] <= arena.size):
+                raise CacheServerError("bad_reply", "get placed an object outside the server's arena")
+            out.append((x[0], x[1]))
+        return out
+
+    def _verified(self, namespace: str, keys: Sequence[tuple[bytes, int, int]], reply: dict[str, Any],
+                  frames: list[memoryview], in_arena: list[bool]) -> InPlace:
+        """Check every payload not in the arena (a corrupt one is deleted and answered as
+        absent); the arena ones are the caller's to check."""
         found, sums = reply["found"], reply.get("sums")
         if len(found) != len(keys) or sum(found) != len(frames) or not isinstance(sums, list) \
                 or len(sums) != len(frames):
             raise CacheServerError("bad_reply", f"get answered {len(frames)} payloads for {found}")
-        it = iter(zip(frames, sums))
+        it = iter(zip(frames, sums, in_arena))
         out: list[memoryview | None] = []
+        unverified: list[tuple[bytes, bytes] | None] = []
         corrupt: list[tuple[bytes, int, int]] = []
         for key, f in zip(keys, found):
+            unverified.append(None)
             if not f:
                 out.append(None)
                 continue
-            frame, stored = next(it)
-            if stored != p.checksum(frame, namespace, (key[0], key[1], key[2])):
-                corrupt.append(tuple(key))
+            frame, stored, arena = next(it)
+            key = (key[0], key[1], key[2])
+            if arena:
+                out.append(frame)
+                unverified[-1] = (p.key_prefix(namespace, key), stored)
+            elif stored != p.checksum(frame, namespace, key):
+                corrupt.append(key)
                 out.append(None)
             else:
                 out.append(frame)
         if corrupt:
-            self.corrupt_objects += len(corrupt)
-            logger.warning("glm-cache-server at %s: %d object(s) failed their checksum; deleting them",
-                           self.url, len(corrupt))
+            self.delete_corrupt(namespace, corrupt)
+        pin = reply.get("pin") if any(in_arena) else None
+        return InPlace(out, unverified, reply.get("deadline", float("inf")) if pin else float("inf"), pin)
+
+    def delete_corrupt(self, namespace: str, keys: Sequence[tuple[bytes, int, int]]) -> None:
+        """Count and delete objects whose bytes failed their checksum (``reason``
+        ``checksum``); a failed delete is logged, never raised."""
+        self.corrupt_objects += len(keys)
+        logger.warning("glm-cache-server at %s: %d object(s) failed their checksum; deleting them",
+                       self.url, len(keys))
+        try:
+            self.delete(namespace, keys, reason="checksum")
+        except (CacheServerError, CacheServerUnavailable) as e:
+            logger.warning("delete of corrupt objects failed: %s", e)
+
+    def release_pin(self, pin: int | None) -> None:
+        """Hand back a read pin of :meth:`get_in_place` (sent with the next such get, or by
+        :meth:`unpin`); the server drops it at its deadline anyway."""
+        if pin:
+            with self._lock:
+                self._unpins.append(pin)
+                del self._unpins[:-4 * MAX_UNPIN]  # a server gone for long: they expire there
+
+    def unpin(self) -> int:
+        """Release the pins handed back now (one ``unpin`` request); how many the server
+        released (0 when it could not be asked)."""
+        with self._lock:
+            ids, self._unpins = self._unpins[:MAX_UNPIN], self._unpins[MAX_UNPIN:]
+            if not ids:
+                return 0
             try:
-                self.delete(namespace, corrupt, reason="checksum")
-            except (CacheServerError, CacheServerUnavailable) as e:
-                logger.warning("delete of corrupt objects failed: %s", e)
-        return out
+                return int(self._request_locked({"op": "unpin", "pins": ids}, (), None)[0].get("unpinned", 0))
+            except (CacheServerError, CacheServerUnavailable):
+                return 0
 
     def delete(self, namespace: str, keys: Sequence[tuple[bytes, int, int]], reason: str = "client") -> int:
         """Remove objects now; ``reason`` ``checksum`` reports them as corrupt."""

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from cache_server import protocol as p
+from cache_server.arena import ClientArena, map_arena
 from cache_server.client_errors import CacheServerError, CacheServerUnavailable
 from cache_server.shm import DATA_OFFSET, MAX_SEGMENTS_PER_CLIENT, ClientSegment, align_up, boot_id, memfd_supported, segment_id
 
@@ -57,6 +58,9 @@ class ClientShm:
         self._max = max_bytes
         self.segments: list[ClientSegment] = []
         self._abandoned: list[int] = []  # ids of segments the server may still map, to detach
+        self.arena: ClientArena | None = None  # the server's arena, mapped read-only (cache_server.arena)
+        self.arena_nonce: bytes | None = None
+        self.arena_refusal: str | None = "not offered yet"
 
     def offer_at_hello(self) -> ClientSegment | None:
         """The segment a hello offers (None: none to offer, or one is attached already)."""
@@ -83,6 +87,7 @@ class ClientShm:
         if isinstance(answer, dict) and isinstance(answer.get("seg"), int) and answer["seg"] > 0:
             seg.seg_id = answer["seg"]
             self.segments.append(seg)
+            self._map_arena(answer.get("arena"))
             if not self.agreed:
                 logger.info("glm-cache-server at %s: payloads through shared memory", self._url)
             self.agreed, self.refusal = True, None
@@ -96,6 +101,21 @@ class ClientShm:
             logger.info("glm-cache-server at %s: no shared memory (%s); payloads over TCP", self._url, reason)
         self.agreed, self.refusal = False, str(reason)
         return False
+
+    def _map_arena(self, spec: Any) -> None:
+        """Map the arena an agreed answer announces, once (a new one after a restart);
+        where that fails, gets are served by copy as before."""
+        nonce = spec.get("nonce") if isinstance(spec, dict) else None
+        if self.arena is not None and nonce == self.arena_nonce:
+            return
+        arena, why = map_arena(spec)
+        self.arena, self.arena_nonce = arena, (nonce if arena is not None else None)
+        if why != self.arena_refusal:
+            if arena is not None:
+                logger.info("glm-cache-server at %s: gets read its arena in place", self._url)
+            else:
+                logger.info("glm-cache-server at %s: no arena (%s); gets are served by copy", self._url, why)
+        self.arena_refusal = why
 
     def _attach(self, size: int, request: Request, timeout_s: float | None) -> ClientSegment | None:
         seg = self._offer(size)

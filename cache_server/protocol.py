@@ -64,6 +64,8 @@ geometry; objects never cross namespaces):
 ``shm_attach``  ``shm`` (a segment offer, see below) -> ``shm`` ({``seg``: id} or
              {``seg``: nil, ``reason``: why not})
 ``shm_detach``  ``seg`` -> ``detached`` (bool)
+``unpin``    ``pins`` (at most 1024 read-pin ids of this connection's gets) -> ``unpinned``
+             (how many were released; others' and unknown ids are left as they are)
 ``query``    a router's question (:mod:`cache_server.prefix_query`, fields as the HTTP
              ``POST /query`` body: ``model``, ``token_ids`` (a list, or bytes of little-endian
              uint32) at most :data:`MAX_QUERY_TOKENS`, or ``seq_hashes`` (32-byte vLLM block
@@ -85,6 +87,15 @@ written at its offset 0; a segment's id is a hash of its nonce}; the reply then 
 one [offset, length] per key} instead of payload frames. A segment the server does not
 know (dropped, or the server restarted) gets ``shm_unknown``; the client attaches a new
 one. Checksums are unchanged: the loading client verifies every payload, shm or not.
+
+The server's arena (:mod:`cache_server.arena`): an agreed ``shm`` answer also carries
+``arena`` {``pid``, ``fd``, ``size``, ``nonce``}: a sealed memfd the client may map
+read-only. A ``get`` with ``shm`` may carry ``arena`` (bool), ``pin_s`` (seconds, at most
+60; default 30) and ``unpin`` (ids of earlier pins to release); its reply then carries
+``arena``: per found object [offset, length] in the arena or nil, ``pin`` (the read pin on
+those objects, nil if none), ``pin_s`` (granted) and ``arena_nonce``; ``shm`` and the frames
+then cover only the found objects not in the arena. The client verifies arena objects'
+checksums as it copies them, within the pin's deadline.
 
 Authentication at connection: a server with a token also runs ZMQ's PLAIN mechanism with a
 ZAP handler (:mod:`cache_server.auth`): a client connects with ``plain_username``
@@ -150,7 +161,7 @@ MAX_LEASE_ID = (1 << 64) - 1  # lease ids are random 64-bit numbers (cache_serve
 MAX_QUERY_TOKENS = 1 << 17  # token ids of one ``query``: 512 KiB as packed uint32, under the 1 MiB header
 
 OPS = ("hello", "lookup", "get", "put", "delete", "debug_corrupt", "debug_die_on", "release", "clear", "stats",
-       "ping", "shm_attach", "shm_detach", "query")
+       "ping", "shm_attach", "shm_detach", "query", "unpin")
 
 
 class ErrorCode(str, enum.Enum):

@@ -32,6 +32,7 @@ from typing import Any
 import zmq
 
 from cache_server import protocol as p
+from cache_server.arena import PinTable, make_arena, pin_ids, pin_seconds
 from cache_server.chunk_tree import UNKNOWN_PARENT
 from cache_server.config import ServerConfig
 from cache_server.layout import Layout, copy_count
@@ -62,6 +63,12 @@ class CacheServer:
         self.queries = PrefixQuery(self)  # routers' questions (op query, HTTP /query)
         self._local = threading.local()  # per worker: the ZMQ identity of the request being handled
         self.segments = SegmentTable(config.shm)
+        # Large objects put through shared memory live in a sealed memfd same-host engines map
+        # read-only (cache_server.arena); read pins keep what a get placed there from reuse.
+        self.arena, why = make_arena(config.l1_size_bytes) if self.segments.host is not None else (None, "no shm")
+        if self.arena is None and config.shm:
+            logger.info("no arena (%s): same-host gets are served by copy", why)
+        self.pins = PinTable()
         self._stop = threading.Event()
         self._die_on: str | None = None  # debug fault hook: SIGKILL ourselves on this op
         self._ctx = zmq.Context(io_threads=max(1, config.io_threads))
@@ -79,6 +86,7 @@ class CacheServer:
             "delete": self._delete, "debug_corrupt": self._debug_corrupt, "debug_die_on": self._debug_die_on,
             "release": self._release, "clear": self._clear, "stats": self._stats, "ping": self._ping,
             "shm_attach": self._shm_attach, "shm_detach": self._shm_detach, "query": self._query,
+            "unpin": self._unpin,
         }
         assert set(self._handlers) == set(p.OPS)
 
@@ -119,6 +127,7 @@ class CacheServer:
                 self.store.expire_leases()
                 if time.monotonic() - last_shm_check > 1.0:
                     self.segments.expire()
+                    self.pins.expire()
                     last_shm_check = time.monotonic()
         finally:
             control.send(b"TERMINATE")
@@ -131,6 +140,9 @@ class CacheServer:
                 self._gate.close()
             self._ctx.term()
             self.segments.close()
+            self.pins.clear()
+            if self.arena is not None:
+                self.arena.close()
             if self.l2 is not None:
                 self.l2.close()
 
@@ -269,7 +281,7 @@ class CacheServer:
                  "separate_object_groups": self.config.separate_object_groups,
                  "max_object_bytes": self.config.max_object_bytes}
         if "shm" in h:  # a same-host offer: agree or say why not (the client then uses frames)
-            reply["shm"] = self.segments.attach(h["shm"], self._client)
+            reply["shm"] = self._agree(h["shm"])
         return reply, []
 
     def _lookup(self, h: dict[str, Any], _: list[memoryview]) -> Reply:
@@ -329,23 +341,43 @@ class CacheServer:
     def _get(self, h: dict[str, Any], _: list[memoryview]) -> Reply:
         ns = p.namespace_field(h)
         keys = p.key_list(h)
+        if "unpin" in h:  # pins of earlier gets the client is done with
+            self.pins.release(self._client, pin_ids(h, "unpin"))
+        want_arena = p.field(h, "arena", bool, default=False)
+        pin_s = pin_seconds(h) if want_arena else 0.0
+        if want_arena and "shm" not in h:
+            raise p.ProtocolError(p.ErrorCode.BAD_REQUEST, "arena placement needs the get's shm region (a client "
+                                                           "whose shared memory the server agreed to)")
         # Copy what fits into the client's region; the rest goes as frames.
         region = GetRegion(self.segments, h["shm"]) if "shm" in h else None
-        found, sums, payloads, places = [], [], [], []
+        found, sums, hits = [], [], []
         for digest, group, rank in keys:
             hit = self.store.get_with_checksum((ns, digest, group, rank))  # the store's lock ends here
             found.append(hit is not None)
-            if hit is None:
+            if hit is not None:
+                sums.append(hit[1])
+                hits.append(hit[0])  # holds an arena object's bytes while this get uses them
+        reply: dict[str, Any] = {"found": found, "sums": sums}
+        spans: list[Any] = [None] * len(hits)
+        if want_arena and self.arena is not None:
+            spans = [self.arena.offset_of(x) for x in hits]
+            pinned = [x for x, span in zip(hits, spans) if span is not None]
+            pin = self.pins.grant(self._client, pinned, pin_s) if pinned else None
+            if pin is None:  # nothing there, or past a bound: by copy
+                spans = [None] * len(hits)
+            reply.update(arena=[list(x) if x is not None else None for x in spans], pin=pin, pin_s=pin_s,
+                         arena_nonce=self.arena.nonce)
+        payloads, places = [], []
+        for x, span in zip(hits, spans):
+            if span is not None:
                 continue
-            sums.append(hit[1])
-            place = None if region is None else region.place(hit[0])
+            place = None if region is None else region.place(x)
             places.append(place)
             if place is None:
-                payloads.append(hit[0])
+                payloads.append(x)
         self.metrics.count_get_misses(ns, found.count(False))
-        reply: dict[str, Any] = {"found": found, "sums": sums}
         if region is not None:
-            reply["shm"] = places
+            reply["shm"] = places  # the objects not answered in the arena, in order
             self.segments.count(get_bytes=region.copied)
         return reply, payloads
 
@@ -385,7 +417,7 @@ class CacheServer:
                                   f"parent must list one {p.HASH_BYTES}-byte hash, nil or empty bytes per key")
         self.namespaces.admit(ns)
         if spans is not None:  # the store keeps its own copy: the client reuses its segment
-            frames = [owned_copy(view[off:off + n]) for off, n in spans]
+            frames = [owned_copy(view[off:off + n], self.arena) for off, n in spans]
             self.segments.count(put_bytes=sum(n for _, n in spans))
         results = [self.store.put((ns, *key), frame, prev, s, parent).value
                    for key, frame, prev, s, parent in zip(keys, frames, prevs, sums, parents)]
@@ -424,6 +456,12 @@ class CacheServer:
         found = self.store.get_with_checksum((ns, *key))
         if found is None or not memoryview(found[0]).nbytes:  # nothing to flip
             return {"corrupted": False}, []
+        if self.arena is not None and self.arena.offset_of(found[0]) is not None:  # in place, in the arena
+            view = found[0]
+            view[offset % view.nbytes] ^= 0xFF
+            logger.warning("debug fault hook: flipped byte %d of an arena object in namespace %r",
+                           offset % view.nbytes, ns)
+            return {"corrupted": True}, []
         data = bytearray(found[0])
         data[offset % len(data)] ^= 0xFF
         self.store.delete((ns, *key))
@@ -471,7 +509,17 @@ class CacheServer:
         return {}, []
 
     def _shm_attach(self, h: dict[str, Any], _: list[memoryview]) -> Reply:
-        return {"shm": self.segments.attach(p.field(h, "shm", dict), self._client)}, []
+        return {"shm": self._agree(p.field(h, "shm", dict))}, []
+
+    def _agree(self, spec: Any) -> dict[str, Any]:
+        """Answer a segment offer; an agreed one also learns where the arena is."""
+        answer = self.segments.attach(spec, self._client)
+        if answer.get("seg") and self.arena is not None:
+            answer["arena"] = self.arena.describe()
+        return answer
+
+    def _unpin(self, h: dict[str, Any], _: list[memoryview]) -> Reply:
+        return {"unpinned": self.pins.release(self._client, pin_ids(h, "pins"))}, []
 
     def _shm_detach(self, h: dict[str, Any], _: list[memoryview]) -> Reply:
         return {"detached": self.segments.detach(p.int_field(h, "seg", minimum=1))}, []
@@ -512,6 +560,8 @@ class CacheServer:
             "shm": self.config.shm, "workers": self.config.workers, "io_threads": self.config.io_threads,
         }
         status["shm"] = self.segments.snapshot()
+        if self.arena is not None:
+            status["shm"]["arena"] = {**self.arena.snapshot(), **self.pins.snapshot()}
         if self.l2 is not None:
             status["l2"] = self.l2.snapshot()
         return status

@@ -88,7 +88,8 @@ MAX_SEGMENTS = 1024
 MAX_MAPPED_BYTES = 128 << 30  # what a dead client's mapped pages can hold until IDLE_DROP_S
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 TMPFS_MAGIC = 0x01021994  # statfs f_type of shmem, where memfds live (hugetlbfs has its own)
-_MEMFD_LINK_RE = re.compile(r"^/memfd:glmcache-[A-Za-z0-9_-]{1,80} \(deleted\)$")
+# A server's arena (cache_server.arena, glmcache-arena-*) is never a client's segment.
+_MEMFD_LINK_RE = re.compile(r"^/memfd:glmcache-(?!arena-)[A-Za-z0-9_-]{1,80} \(deleted\)$")
 
 
 def boot_id() -> str | None:
@@ -472,8 +473,12 @@ _POPULATED = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE
 OWN_MAPPING_BYTES = 1 << 20
 
 
-def owned_copy(src: np.ndarray) -> memoryview:
+def owned_copy(src: np.ndarray, arena: Any = None) -> memoryview:
     """The store's own copy of a payload a client left in shared memory.
+
+    With an ``arena`` (:class:`cache_server.arena.Arena`), one of at least
+    :data:`~cache_server.arena.MIN_ARENA_BYTES` goes there when a range fits it (same-host
+    engines then read it in place); otherwise, as below.
 
     A large one gets its own pre-faulted anonymous mapping (freed with the object). Not
     ``np.empty``: numpy asks for transparent huge pages on large arrays, and once the
@@ -482,6 +487,10 @@ def owned_copy(src: np.ndarray) -> memoryview:
     pre-faulted mapping (MAP_POPULATE faults every page in one call). libc would give a
     mapping of its own too, past the server's mmap threshold (``cli``)."""
     n = src.nbytes
+    if arena is not None and n >= arena.min_bytes:
+        placed = arena.place(src)
+        if placed is not None:
+            return placed
     if n < OWN_MAPPING_BYTES:
         return memoryview(src.tobytes())
     buf = mmap.mmap(-1, n, flags=_POPULATED)

@@ -95,6 +95,7 @@ def op_headers() -> dict[str, dict]:
         "shm_attach": {"shm": _shm_offer()},
         "shm_detach": {"seg": 1},
         "query": {"model": NS, "token_ids": bytes(4 * 32)},
+        "unpin": {"pins": [1]},
     }
     assert set(headers) == set(p.OPS)  # a new op must be added here
     return {op: {"op": op, **h} for op, h in headers.items()}
@@ -116,7 +117,7 @@ def every_op(c: CacheClient) -> dict[str, object]:
         "ping": lambda: c.ping(),
         "query": lambda: c.query(NS, [1] * 32),
         **{op: (lambda op=op: c.request(requests[op])) for op in ("debug_corrupt", "debug_die_on", "shm_attach",
-                                                                   "shm_detach")},
+                                                                   "shm_detach", "unpin")},
     }
     assert set(calls) == set(p.OPS)
     out: dict[str, object] = {}

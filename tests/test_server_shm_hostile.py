@@ -190,7 +190,7 @@ def test_a_sealed_segment_stays_whole_and_is_served(server, victim):
     own.close()
     seg = Memfd()
     with CacheClient(server.url, timeout_s=5, shm=False) as client:
-        assert _attach(client, seg) == {"seg": seg.seg}
+        assert _attach(client, seg)["seg"] == seg.seg  # (with where the server's arena is: cache_server.arena)
         for size in (0, SEG // 2):
             with pytest.raises(PermissionError):
                 os.ftruncate(seg.fd, size)

@@ -1,0 +1,399 @@
+"""The server's arena: large objects live in one sealed memfd that same-host engines map
+read-only, so a reload is one copy, from the server's memory into the engine's KV pages.
+
+The arena is one memfd (``glmcache-arena-<pid>-<random>``), sized to the L1 capacity plus
+one page, mapped read-write by the server, then sealed with ``F_SEAL_SHRINK |
+F_SEAL_GROW | F_SEAL_FUTURE_WRITE | F_SEAL_SEAL``: from then on no process can resize it
+(nobody, the server included, can take a SIGBUS from a truncated arena), and no other
+process can write into it: ``write()``, a ``MAP_SHARED`` ``PROT_WRITE`` mapping, a hole
+punched in it and ``mprotect`` of a read-only mapping to writable all fail (tested,
+``tests/test_server_arena.py``); only the server's own mapping, made before the seal,
+writes. Its first page holds a random 16-byte nonce, which the client checks: a
+``/proc/<pid>/fd/<fd>`` in another pid namespace names another process's file.
+
+Objects of at least :data:`MIN_ARENA_BYTES` that a client puts through shared memory are
+copied into the arena (:func:`cache_server.shm.owned_copy`: the one copy a save makes
+into the server's memory); smaller ones, objects put as frames, L2 promotions, and any
+object the arena has no room for are kept as before and served by copy: the arena is an
+optimisation, never a new failure.
+
+A range is free again only once nothing in the server refers to its bytes: each stored
+object is a view of a :class:`_Range` that frees the range when the last view of it goes
+(the store's entry, a ZMQ frame still being sent, an L2 write queued, a read pin). A
+``get`` with ``arena`` answers, for each found arena object, its ``[offset, length]`` in
+the arena instead of copying it, and one read pin (:class:`PinTable`) that holds those
+views until the client releases it (``unpin``) or its deadline passes: an object evicted
+or deleted meanwhile keeps its bytes until then. The client copies within the deadline
+(checked on its own clock, with a margin) and verifies the object's checksum on the bytes
+it copied (:meth:`connector.kv_pages.PagedKVCache.write_verified`).
+
+Memory: a range once written stays resident after its object leaves (the seal that keeps
+other processes from writing also keeps the server from punching holes), so the arena's
+resident size is its high-water mark, at most the L1 capacity; objects outside the arena
+are allocated as before.
+
+Who may read it: the server has one token (:mod:`cache_server.auth`), and any holder of it
+may ``get`` any object. The arena is offered only to a client whose shared memory the
+server agreed to (same host, a process whose ``/proc/<pid>/fd`` it could open), and
+opening it needs the rights to inspect the server process (same user, same pid
+namespace). A token holder that maps the arena reads nothing it could not ``get``; one
+without the token cannot learn where it is.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import ctypes
+import fcntl
+import mmap
+import os
+import secrets
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+from cache_server import protocol as p
+from cache_server.shm import _MAP_FAILED, TMPFS_MAGIC, SharedMapping, _fs_type, _libc
+
+NAME_PREFIX = "glmcache-arena-"
+NONCE_BYTES = 16
+HEAD_BYTES = 4096  # the first page holds the nonce; objects start after it
+ALIGN = 64
+MIN_ARENA_BYTES = 256 << 10  # smaller objects stay outside (a get of them is cheap either way)
+F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)  # Python 3.11's fcntl lacks it
+SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_SEAL
+
+# Read pins: bounded per client connection and in all; past a bound, objects are served by
+# copy (never refused, never an older pin dropped: a client may still be copying under it).
+MAX_PIN_S = 60.0
+DEFAULT_PIN_S = 30.0
+MAX_PINS_PER_OWNER = 64
+MAX_PINNED_BYTES_PER_OWNER = 8 << 30
+MAX_PINS = 4096
+MAX_UNPIN = 1024  # pin ids one request may release
+
+
+def _align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+class _Range:
+    """One allocated range of the arena. Arrays made from it (:meth:`Arena.place`) have it
+    as their base, and numpy never collapses a view's base past an object that is not an
+    array: every view of the object's bytes keeps this alive, and the range is handed back
+    only once the last one is gone."""
+
+    __slots__ = ("__array_interface__", "__weakref__", "_arena", "offset", "nbytes", "_span")
+
+    def __init__(self, arena: Arena, offset: int, nbytes: int, span: int) -> None:
+        self._arena, self.offset, self.nbytes, self._span = arena, offset, nbytes, span
+        self.__array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "version": 3,
+                                    "data": (arena.address + offset, False)}
+
+    def __del__(self) -> None:
+        self._arena._released.append((self.offset, self._span))  # taken back at the next allocation
+
+
+class Arena:
+    """The arena memfd, mapped and sealed, and its allocator (first fit over a free list
+    sorted by offset, neighbours coalesced). Thread-safe."""
+
+    def __init__(self, capacity: int, min_bytes: int = MIN_ARENA_BYTES) -> None:
+        self.min_bytes = min_bytes
+        if capacity <= 0:
+            raise ValueError("arena capacity must be positive")
+        self.size = HEAD_BYTES + _align(capacity)
+        self.name = f"{NAME_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
+        self.nonce = secrets.token_bytes(NONCE_BYTES)
+        fd = os.memfd_create(self.name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(fd, self.size)
+            self._mapping = SharedMapping(fd, self.size)  # read-write, before the write seal
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
+        except BaseException:
+            os.close(fd)
+            raise
+        self.fd: int | None = fd
+        self.view = self._mapping.array()
+        self.address = self.view.ctypes.data
+        self.view[:NONCE_BYTES] = np.frombuffer(self.nonce, dtype=np.uint8)
+        self._lock = threading.Lock()
+        self._starts = [HEAD_BYTES]  # free ranges, by offset
+        self._lens = [self.size - HEAD_BYTES]
+        self._released: collections.deque[tuple[int, int]] = collections.deque()  # freed by _Range.__del__
+        self.used = 0
+        self.placed_total = 0
+        self.full_total = 0  # objects that did not fit (kept outside the arena)
+
+    def describe(self) -> dict[str, Any]:
+        """What a client needs to map the arena (the ``arena`` map of an agreed ``shm``)."""
+        return {"pid": os.getpid(), "fd": self.fd, "size": self.size, "nonce": self.nonce}
+
+    def close(self) -> None:
+        """Close the descriptor (clients attached already keep their mappings)."""
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+    def place(self, src: np.ndarray) -> memoryview | None:
+        """A copy of ``src`` in the arena, as a view whose last reference frees its range;
+        None where no free range fits it."""
+        n = src.nbytes
+        span = _align(max(n, 1))
+        with self._lock:
+            self._drain_locked()
+            i = next((j for j, length in enumerate(self._lens) if length >= span), None)
+            if i is None:
+                self.full_total += 1
+                return None
+            off = self._starts[i]
+            if self._lens[i] == span:
+                del self._starts[i], self._lens[i]
+            else:
+                self._starts[i] += span
+                self._lens[i] -= span
+            self.used += span
+            self.placed_total += 1
+        arr = np.asarray(_Range(self, off, n, span))
+        np.copyto(arr, src.reshape(-1).view(np.uint8))  # numpy copies without the GIL
+        return memoryview(arr)
+
+    def _drain_locked(self) -> None:
+        while self._released:
+            off, span = self._released.popleft()
+            self._free_locked(off, span)
+
+    def _free_locked(self, off: int, span: int) -> None:
+        self.used -= span
+        i = bisect.bisect_left(self._starts, off)
+        if i > 0 and self._starts[i - 1] + self._lens[i - 1] == off:  # join the range before
+            i -= 1
+            self._lens[i] += span
+        else:
+            self._starts.insert(i, off)
+            self._lens.insert(i, span)
+        if i + 1 < len(self._starts) and self._starts[i] + self._lens[i] == self._starts[i + 1]:  # and after
+            self._lens[i] += self._lens.pop(i + 1)
+            del self._starts[i + 1]
+
+    def offset_of(self, payload: Any) -> tuple[int, int] | None:
+        """``(offset, length)`` of a stored payload that lives in this arena, else None."""
+        if not isinstance(payload, memoryview):
+            return None
+        base = getattr(payload.obj, "base", None)
+        if not isinstance(base, _Range) or base._arena is not self or not payload.nbytes:
+            return None
+        return np.frombuffer(payload, dtype=np.uint8).ctypes.data - self.address, payload.nbytes
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            self._drain_locked()
+            return {"size": self.size, "used_bytes": self.used, "free_ranges": len(self._starts),
+                    "largest_free": max(self._lens, default=0), "placed_total": self.placed_total,
+                    "full_total": self.full_total}
+
+
+def make_arena(capacity: int) -> tuple[Arena | None, str | None]:
+    """The arena, or None and why not (no memfds here, or the kernel refused the seals)."""
+    if not (hasattr(os, "memfd_create") and hasattr(os, "MFD_ALLOW_SEALING")):
+        return None, "no sealed memfds here"
+    try:
+        return Arena(capacity), None
+    except OSError as e:
+        return None, f"cannot make the arena: {e.strerror or e}"
+
+
+class _Pin:
+    __slots__ = ("owner", "deadline", "views", "nbytes")
+
+    def __init__(self, owner: bytes | None, deadline: float, views: list[memoryview], nbytes: int) -> None:
+        self.owner, self.deadline, self.views, self.nbytes = owner, deadline, views, nbytes
+
+
+class PinTable:
+    """Read pins: each holds views of arena objects (so their ranges are not reused) for
+    one client connection until released or past its deadline. Thread-safe."""
+
+    def __init__(self, max_per_owner: int = MAX_PINS_PER_OWNER,
+                 max_bytes_per_owner: int = MAX_PINNED_BYTES_PER_OWNER, max_pins: int = MAX_PINS) -> None:
+        self.max_per_owner, self.max_bytes_per_owner, self.max_pins = max_per_owner, max_bytes_per_owner, max_pins
+        self._lock = threading.Lock()
+        self._pins: dict[int, _Pin] = {}
+        self._by_owner: dict[bytes | None, list[int]] = {}  # [pins, bytes]
+        self.granted_total = 0
+        self.released_total = 0
+        self.expired_total = 0
+        self.refused_total = 0  # gets served by copy: a bound was reached
+        self.refused_release_total = 0  # ids unknown or another connection's
+
+    def grant(self, owner: bytes | None, views: list[memoryview], pin_s: float) -> int | None:
+        """A pin on ``views`` for ``owner`` for ``pin_s`` seconds; None past a bound (the
+        caller serves those objects by copy instead)."""
+        nbytes = sum(v.nbytes for v in views)
+        with self._lock:
+            count, held = self._by_owner.get(owner, (0, 0))
+            if count >= self.max_per_owner or held + nbytes > self.max_bytes_per_owner \
+                    or len(self._pins) >= self.max_pins:
+                self.refused_total += 1
+                return None
+            while True:
+                pin_id = secrets.randbits(64)
+                if pin_id and pin_id not in self._pins:
+                    break
+            self._pins[pin_id] = _Pin(owner, time.monotonic() + pin_s, views, nbytes)
+            self._by_owner[owner] = [count + 1, held + nbytes]
+            self.granted_total += 1
+        return pin_id
+
+    def release(self, owner: bytes | None, pin_ids: list[int]) -> int:
+        """Release ``owner``'s pins among ``pin_ids`` (others' and unknown ones are left as
+        they are); how many were released."""
+        dropped = []
+        with self._lock:
+            for pin_id in pin_ids:
+                pin = self._pins.get(pin_id)
+                if pin is None or pin.owner != owner:
+                    self.refused_release_total += 1
+                    continue
+                dropped.append(self._drop_locked(pin_id))
+            self.released_total += len(dropped)
+        return len(dropped)  # the views go here, outside the lock
+
+    def expire(self) -> int:
+        """Drop pins past their deadline; how many."""
+        now = time.monotonic()
+        with self._lock:
+            late = [i for i, pin in self._pins.items() if pin.deadline <= now]
+            dropped = [self._drop_locked(i) for i in late]
+            self.expired_total += len(dropped)
+        return len(dropped)
+
+    def _drop_locked(self, pin_id: int) -> _Pin:
+        pin = self._pins.pop(pin_id)
+        held = self._by_owner[pin.owner]
+        held[0] -= 1
+        held[1] -= pin.nbytes
+        if held[0] <= 0:
+            del self._by_owner[pin.owner]
+        return pin
+
+    def clear(self) -> None:
+        with self._lock:
+            self._pins.clear()
+            self._by_owner.clear()
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            return {"pins": len(self._pins), "pinned_bytes": sum(pin.nbytes for pin in self._pins.values()),
+                    "granted_total": self.granted_total, "released_total": self.released_total,
+                    "expired_total": self.expired_total, "refused_total": self.refused_total,
+                    "refused_release_total": self.refused_release_total,
+                    "limits": {"pins_per_client": self.max_per_owner,
+                               "pinned_bytes_per_client": self.max_bytes_per_owner, "pins": self.max_pins}}
+
+
+def pin_ids(h: dict[str, Any], name: str) -> list[int]:
+    """A request's list of pin ids to release: at most :data:`MAX_UNPIN` 64-bit ids."""
+    ids = p.list_field(h, name, MAX_UNPIN)
+    if not all(isinstance(i, int) and not isinstance(i, bool) and 0 < i <= p.MAX_LEASE_ID for i in ids):
+        raise p.ProtocolError(p.ErrorCode.BAD_REQUEST, f"{name} must list pin ids (integers from 1 to 2**64-1)")
+    return ids
+
+
+def pin_seconds(h: dict[str, Any]) -> float:
+    """A get's ``pin_s``: how long it wants its pin, within (0, :data:`MAX_PIN_S`]."""
+    value = p.field(h, "pin_s", (int, float), default=DEFAULT_PIN_S)
+    if not value > 0 or value != value or value == float("inf"):
+        raise p.ProtocolError(p.ErrorCode.BAD_REQUEST, f"pin_s must be a positive number of seconds, got {value}")
+    return min(float(value), MAX_PIN_S)
+
+
+def check_mapped(fd: int, spec: dict[str, Any]) -> str | None:
+    """Why the descriptor a client opened is not the arena ``spec`` announced (None: it is):
+    a ``glmcache-arena-*`` memfd on shared memory, with every seal, of the announced size."""
+    link = os.readlink(f"/proc/self/fd/{fd}")
+    if not (link.startswith(f"/memfd:{NAME_PREFIX}") and link.endswith(" (deleted)")):
+        return "the descriptor is not a glmcache arena memfd"
+    if fcntl.fcntl(fd, fcntl.F_GET_SEALS) & SEALS != SEALS:
+        return "the arena is not sealed against resizing and writing"
+    if _fs_type(fd) != TMPFS_MAGIC:
+        return "the arena is not plain shared memory"
+    if os.fstat(fd).st_size != spec["size"]:
+        return "the arena is not the size announced"
+    return None
+
+
+# --- the client's side ----------------------------------------------------------------------
+
+MADV_POPULATE_READ = 22
+
+
+class ClientArena:
+    """A client's read-only mapping of a server's arena (``PROT_READ``, ``MAP_SHARED``),
+    mapped once and kept: :meth:`view` answers the bytes of one ``[offset, length]``."""
+
+    def __init__(self, spec: dict[str, Any], fd: int) -> None:
+        self.size = spec["size"]
+        addr = _libc.mmap(None, self.size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        if addr is None or addr == _MAP_FAILED:
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err))
+        self._addr = addr
+        self.__array_interface__ = {"shape": (self.size,), "typestr": "|u1", "data": (addr, True), "version": 3}
+        self.array = np.asarray(self)  # views keep the mapping alive
+
+    def nonce(self) -> bytes:
+        return self.array[:NONCE_BYTES].tobytes()
+
+    def view(self, offset: int, length: int) -> memoryview:
+        return memoryview(self.array[offset:offset + length])
+
+    def populate(self, offset: int, length: int) -> None:
+        """Fault the page tables of a range in one call (``MADV_POPULATE_READ``); best effort."""
+        start = (offset // mmap.PAGESIZE) * mmap.PAGESIZE
+        _libc.madvise(ctypes.c_void_p(self._addr + start), ctypes.c_size_t(offset + length - start),
+                      MADV_POPULATE_READ)
+
+    def __del__(self) -> None:
+        try:
+            _libc.munmap(ctypes.c_void_p(self._addr), ctypes.c_size_t(self.size))
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+
+def map_arena(spec: Any) -> tuple[ClientArena | None, str | None]:
+    """Map the arena a server announced (the ``arena`` map of its ``shm`` answer): its
+    descriptor opened read-only through ``/proc/<pid>/fd/<fd>``, checked
+    (:func:`check_mapped`, then the nonce); ``(None, why)`` where any of it fails (another
+    container or user, an old server, a server without an arena)."""
+    if not isinstance(spec, dict):
+        return None, "the server offers no arena"
+    pid, fd, size, nonce = (spec.get(k) for k in ("pid", "fd", "size", "nonce"))
+    if not all(isinstance(x, int) and not isinstance(x, bool) for x in (pid, fd, size)) or pid < 1 or fd < 0 \
+            or size <= HEAD_BYTES or not isinstance(nonce, bytes) or len(nonce) != NONCE_BYTES:
+        return None, "a malformed arena announcement"
+    try:
+        ours = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as e:
+        return None, f"cannot open the server's arena here ({e.strerror})"
+    try:
+        why = check_mapped(ours, spec)
+        if why is not None:
+            return None, why
+        arena = ClientArena(spec, ours)
+    except OSError as e:
+        return None, f"cannot map the arena: {e.strerror or e}"
+    finally:
+        os.close(ours)
+    if arena.nonce() != nonce:
+        return None, "the arena here holds another nonce (another pid namespace)"
+    return arena, None
