@@ -12,11 +12,14 @@ the page, row after row. Pages are opaque bytes: the connector never interprets 
 
 from __future__ import annotations
 
+import ctypes
 import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
+import xxhash
 
 from connector.geometry import CacheGroup, LayerPage
 
@@ -45,6 +48,9 @@ class _Lane:
     obj_period: int  # bytes of one period of layers in a one-block object
     rows: int  # rows of each page the lane takes a part of (1: whole pages)
     row_stride: int
+
+
+VERIFY_PIECE_BYTES = 1 << 20  # hashed, then copied, while in cache (write_verified)
 
 
 def _as_uint8(payload: bytes | memoryview) -> torch.Tensor:
@@ -226,6 +232,57 @@ class PagedKVCache:
                                                lane.dst_base + b * lane.block_stride)
                     dst.copy_(src.as_strided(rows, (n * lane.obj_period, width, 1),
                                              n * lane.obj_offset + t * lane.page_bytes))
+
+    def write_verified(self, group_id: int, block_ids: list[int | None], payload: bytes | memoryview,
+                       prefix: bytes, expected: bytes) -> bool:
+        """:meth:`write`, verifying the object's checksum in the same pass: whether the
+        XXH3-128 of ``prefix`` then ``payload`` (:func:`cache_server.protocol.checksum`) is
+        ``expected``. On a mismatch the pages written hold bytes that are not the object's:
+        the caller must fail the load (vLLM then recomputes them).
+
+        For a payload read in place (the server's arena, :mod:`cache_server.arena`) this is
+        the only pass over its bytes: the object is walked in its own order in pieces of
+        about :data:`VERIFY_PIECE_BYTES`, each hashed and then copied to its pages while it
+        is in cache (one ``memmove`` per page; measured here, hashing a piece first and then
+        copying it ran at memcpy speed, the reverse order a little slower). On an
+        accelerator, or for pages that are parts of rows, the object is hashed whole, then
+        written."""
+        g = self._groups[group_id]
+        expected_bytes = g.object_bytes(len(block_ids))
+        if len(payload) != expected_bytes:
+            raise ValueError(f"group {group_id}: object of {len(payload)} bytes, expected {expected_bytes}")
+        h = xxhash.xxh3_128(prefix)
+        if self._raw.device.type != "cpu" or any(part.rows > 1 for part in g.layers):
+            h.update(payload)
+            if h.digest() != expected:
+                return False
+            self.write(group_id, block_ids, payload)
+            return True
+        src = memoryview(payload).cast("B") if memoryview(payload).format != "B" else memoryview(payload)
+        src_addr = np.frombuffer(src, dtype=np.uint8).ctypes.data if len(src) else 0
+        raw_addr = self._raw.data_ptr()
+        memmove = ctypes.memmove
+        pos = start = 0
+        pages: list[tuple[int, int, int]] = []  # (dst, src offset, bytes) of the piece being gathered
+        for part in g.layers:
+            lp = self._layers[part.name]
+            dst0 = raw_addr + lp.base + part.row_offset
+            n = part.page_bytes
+            for b in block_ids:
+                if b is not None:
+                    pages.append((dst0 + b * lp.block_stride, pos, n))
+                pos += n
+                if pos - start >= VERIFY_PIECE_BYTES:
+                    h.update(src[start:pos])
+                    for dst, off, k in pages:
+                        memmove(dst, src_addr + off, k)
+                    pages.clear()
+                    start = pos
+        if pos > start:
+            h.update(src[start:pos])
+            for dst, off, k in pages:
+                memmove(dst, src_addr + off, k)
+        return h.digest() == expected
 
     def write_layer_page(self, layer_name: str, group_id: int, block_id: int,
                          page: bytes | memoryview) -> None:

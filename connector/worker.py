@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
-from cache_server.client import CacheClient
+from cache_server.client import CacheClient, InPlace
 from cache_server.client_errors import CLIENT_ERRORS, CacheServerUnavailable, unauthorized
 from cache_server.protocol import PutResult
 from connector.config import Settings, logger
@@ -287,6 +287,8 @@ class WorkerSide:
         fut: Future | None = None
         moves = self._load_order(job)
         written = 0
+        got: InPlace | None = None
+        plan: list[range] = []
         try:
             if self._pages is None:
                 raise RuntimeError("no KV caches registered (vLLM asleep)")
@@ -301,7 +303,8 @@ class WorkerSide:
             if plan:
                 fut = self._fetcher.submit(self._fetch, namespace, moves, sizes, plan[0])
             for i, idx in enumerate(plan):
-                payloads = fut.result()
+                got = fut.result()
+                payloads = got.payloads
                 fut = None
                 if i + 1 < len(plan):  # the network works on the next batch meanwhile
                     fut = self._fetcher.submit(self._fetch, namespace, moves, sizes, plan[i + 1])
@@ -317,8 +320,18 @@ class WorkerSide:
                     self._delete_wrong_size(namespace, wrong)
                     raise ValueError(f"{len(wrong)} object(s) of batch {i + 1}/{len(plan)} are not their group's "
                                      f"size, first group {wrong[0].group_id}")
-                for j, payload in zip(idx, payloads):
-                    self._write(moves[j], payload)
+                for j, payload, check in zip(idx, payloads, got.unverified):
+                    if check is None:  # verified by the client already
+                        self._write(moves[j], payload)
+                    elif not self._pages.write_verified(moves[j].group_id, moves[j].block_ids, payload, *check):
+                        self._delete_corrupt(namespace, moves[j])
+                        raise ValueError(f"an object of batch {i + 1}/{len(plan)} failed its checksum "
+                                         f"(group {moves[j].group_id}); deleted on the server")
+                if time.monotonic() > got.deadline:  # the server may have reused what we read
+                    raise TimeoutError(f"batch {i + 1}/{len(plan)} was copied out of the server's arena after "
+                                       "its read pin ended")
+                self._load_client.release_pin(got.pin)
+                got = None
                 written += len(idx)
                 self.stats["loaded_bytes"] += sum(sizes[j] for j in idx)
             ok = True
@@ -331,19 +344,35 @@ class WorkerSide:
             self.stats["load_failures"] += 1
             self.stats["load_objects_not_arrived"] += len(moves) - written
         finally:
-            if fut is not None:  # a fetch still in flight: it only reads the network
-                fut.cancel()
+            if fut is not None and not fut.cancel():  # a fetch still in flight: it only reads the network
+                fut.add_done_callback(self._release_fetched)
+            if got is not None:
+                self._load_client.release_pin(got.pin)
+            if plan:
+                self._load_client.unpin()  # the pins this load held, now rather than at the next load
         with self._lock:
             self._loads_done.add(job.req_id)
             if not ok:
                 self._loads_failed.add(job.req_id)
 
     def _fetch(self, namespace: str, moves: list[ObjectMove], sizes: list[int],
-               idx: range) -> list[Any]:
+               idx: range) -> InPlace:
+        """One batch's objects: those in the server's arena as views of it, verified as
+        they are written (PagedKVCache.write_verified) under a read pin; the rest verified
+        by the client."""
         keys = [(moves[j].chunk_hash, moves[j].group_id, self._key_rank(moves[j].group_id))
                 for j in idx]
         nbytes = sum(sizes[j] for j in idx)
-        return self._load_client.get(namespace, keys, timeout_s=self._settings.deadline_s(nbytes))
+        return self._load_client.get_in_place(namespace, keys, timeout_s=self._settings.deadline_s(nbytes))
+
+    def _release_fetched(self, fut: Future) -> None:
+        """Hand back the read pin of a fetch whose load ended without it."""
+        if not fut.cancelled() and fut.exception() is None:
+            self._load_client.release_pin(fut.result().pin)
+
+    def _delete_corrupt(self, namespace: str, move: ObjectMove) -> None:
+        self.stats["load_corrupt_objects"] += 1
+        self._load_client.delete_corrupt(namespace, [(move.chunk_hash, move.group_id, self._key_rank(move.group_id))])
 
     def _key_rank(self, group_id: int) -> int:
         """The rank an object of ``group_id`` is stored under (see ``__init__``)."""

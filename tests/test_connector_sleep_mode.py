@@ -16,6 +16,7 @@ import torch
 pytest.importorskip("vllm.v1.kv_cache_interface")
 pytest.importorskip("transformers")
 
+from cache_server.client import InPlace  # noqa: E402
 from connector.config import Settings  # noqa: E402
 from connector.glm_connector import GlmCacheConnector  # noqa: E402
 from connector.metadata import GlmConnectorMetadata, LoadJob, ObjectMove  # noqa: E402
@@ -51,6 +52,15 @@ class _Fetches:
         self.started.set()
         assert self.gate.wait(30)
         return [self.objects[(h, g)] for h, g, _ in keys]
+
+    def get_in_place(self, namespace, keys, timeout_s=None):  # what the worker calls: nothing in an arena
+        return InPlace(self.get(namespace, keys, timeout_s), [None] * len(keys), float("inf"), None)
+
+    def release_pin(self, pin) -> None:
+        pass
+
+    def unpin(self) -> int:
+        return 0
 
     def close(self) -> None:
         pass

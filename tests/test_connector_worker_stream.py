@@ -122,13 +122,13 @@ def test_load_streams_in_batches_with_scaled_deadlines_and_lands_every_page(serv
     obj = 2 * 2 * PAGE_A
     w, _ = _worker(server.url, batch_bytes=2 * obj, timeout_s=1.0, min_rate_mb_s=10.0)
     calls: list[tuple[int, float]] = []
-    real_get = w._load_client.get
+    real_get = w._load_client.get_in_place  # the worker's gets (arena objects read in place)
 
     def counting_get(ns, keys, timeout_s=None):
         calls.append((len(keys), timeout_s))
         return real_get(ns, keys, timeout_s=timeout_s)
 
-    w._load_client.get = counting_get
+    w._load_client.get_in_place = counting_get
     try:
         w.start_load_kv(GlmConnectorMetadata(namespace=NS, loads=[_load_job(chunks)]))
         assert wait_load(w, "req-1")
