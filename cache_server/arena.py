@@ -302,11 +302,20 @@ class PinTable:
 
 
 def pin_ids(h: dict[str, Any], name: str) -> list[int]:
-    """A request's list of pin ids to release: at most :data:`MAX_UNPIN` 64-bit ids."""
-    ids = p.list_field(h, name, MAX_UNPIN)
-    if not all(isinstance(i, int) and not isinstance(i, bool) and 0 < i <= p.MAX_LEASE_ID for i in ids):
-        raise p.ProtocolError(p.ErrorCode.BAD_REQUEST, f"{name} must list pin ids (integers from 1 to 2**64-1)")
-    return ids
+    """A request's pin ids to release: at most :data:`MAX_UNPIN`, packed as little-endian
+    uint64s in one bin (not an array of integers: the header bound,
+    ``protocol.unpack_header``, allows one array element per 32 header bytes)."""
+    raw = p.field(h, name, bytes)
+    if len(raw) % 8:
+        raise p.ProtocolError(p.ErrorCode.BAD_REQUEST, f"{name} must be pin ids, 8 bytes each (uint64 little-endian)")
+    if len(raw) > 8 * MAX_UNPIN:
+        raise p.ProtocolError(p.ErrorCode.TOO_LARGE, f"{name} names {len(raw) // 8} pins; the maximum is {MAX_UNPIN}")
+    return np.frombuffer(raw, dtype="<u8").tolist()
+
+
+def pack_pins(ids: list[int]) -> bytes:
+    """Pin ids as :func:`pin_ids` reads them."""
+    return np.asarray(ids, dtype="<u8").tobytes()
 
 
 def pin_seconds(h: dict[str, Any]) -> float:
@@ -334,12 +343,15 @@ def check_mapped(fd: int, spec: dict[str, Any]) -> str | None:
 
 # --- the client's side ----------------------------------------------------------------------
 
-MADV_POPULATE_READ = 22
-
-
 class ClientArena:
     """A client's read-only mapping of a server's arena (``PROT_READ``, ``MAP_SHARED``),
-    mapped once and kept: :meth:`view` answers the bytes of one ``[offset, length]``."""
+    mapped once and kept: :meth:`view` answers the bytes of one ``[offset, length]``.
+
+    Its page tables fill on first touch (the first reload through a new mapping pays
+    that). Faulting an object's range in one ``madvise(MADV_POPULATE_READ)`` before
+    copying it was measured slower here (3.8-4.6 GB/s for a first reload against 4.6-5.2
+    with plain faults, which map 16 pages each); ``MAP_POPULATE`` would fault in the whole
+    arena, allocating pages the server never wrote."""
 
     def __init__(self, spec: dict[str, Any], fd: int) -> None:
         self.size = spec["size"]
@@ -356,12 +368,6 @@ class ClientArena:
 
     def view(self, offset: int, length: int) -> memoryview:
         return memoryview(self.array[offset:offset + length])
-
-    def populate(self, offset: int, length: int) -> None:
-        """Fault the page tables of a range in one call (``MADV_POPULATE_READ``); best effort."""
-        start = (offset // mmap.PAGESIZE) * mmap.PAGESIZE
-        _libc.madvise(ctypes.c_void_p(self._addr + start), ctypes.c_size_t(offset + length - start),
-                      MADV_POPULATE_READ)
 
     def __del__(self) -> None:
         try:

@@ -21,7 +21,7 @@ from typing import Any
 import zmq
 
 from cache_server import protocol as p
-from cache_server.arena import DEFAULT_PIN_S, MAX_UNPIN
+from cache_server.arena import DEFAULT_PIN_S, MAX_UNPIN, pack_pins
 from cache_server.arena import HEAD_BYTES as ARENA_HEAD
 from cache_server.auth import AUTH_FIELD, PLAIN_USERNAME
 
@@ -468,7 +468,7 @@ class CacheClient:
             arena = self._shm.arena if header.get("arena") else None
             h = {**(header if arena is not None else plain), "shm": get_region(seg)}
             if arena is not None and self._unpins:
-                h["unpin"], self._unpins = self._unpins[:MAX_UNPIN], self._unpins[MAX_UNPIN:]
+                h["unpin"], self._unpins = pack_pins(self._unpins[:MAX_UNPIN]), self._unpins[MAX_UNPIN:]
             seg.busy = True
             try:
                 sent = time.monotonic()
@@ -582,7 +582,7 @@ class CacheClient:
             if not ids:
                 return 0
             try:
-                return int(self._request_locked({"op": "unpin", "pins": ids}, (), None)[0].get("unpinned", 0))
+                return int(self._request_locked({"op": "unpin", "pins": pack_pins(ids)}, (), None)[0].get("unpinned", 0))
             except (CacheServerError, CacheServerUnavailable):
                 return 0
 

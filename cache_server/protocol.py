@@ -64,7 +64,8 @@ geometry; objects never cross namespaces):
 ``shm_attach``  ``shm`` (a segment offer, see below) -> ``shm`` ({``seg``: id} or
              {``seg``: nil, ``reason``: why not})
 ``shm_detach``  ``seg`` -> ``detached`` (bool)
-``unpin``    ``pins`` (at most 1024 read-pin ids of this connection's gets) -> ``unpinned``
+``unpin``    ``pins`` (bytes: at most 1024 read-pin ids of this connection's gets, uint64
+             little-endian each) -> ``unpinned``
              (how many were released; others' and unknown ids are left as they are)
 ``query``    a router's question (:mod:`cache_server.prefix_query`, fields as the HTTP
              ``POST /query`` body: ``model``, ``token_ids`` (a list, or bytes of little-endian
@@ -91,7 +92,8 @@ one. Checksums are unchanged: the loading client verifies every payload, shm or 
 The server's arena (:mod:`cache_server.arena`): an agreed ``shm`` answer also carries
 ``arena`` {``pid``, ``fd``, ``size``, ``nonce``}: a sealed memfd the client may map
 read-only. A ``get`` with ``shm`` may carry ``arena`` (bool), ``pin_s`` (seconds, at most
-60; default 30) and ``unpin`` (ids of earlier pins to release); its reply then carries
+60; default 30) and ``unpin`` (ids of earlier pins to release, packed as ``unpin``'s
+``pins``); its reply then carries
 ``arena``: per found object [offset, length] in the arena or nil, ``pin`` (the read pin on
 those objects, nil if none), ``pin_s`` (granted) and ``arena_nonce``; ``shm`` and the frames
 then cover only the found objects not in the arena. The client verifies arena objects'

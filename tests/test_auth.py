@@ -95,7 +95,7 @@ def op_headers() -> dict[str, dict]:
         "shm_attach": {"shm": _shm_offer()},
         "shm_detach": {"seg": 1},
         "query": {"model": NS, "token_ids": bytes(4 * 32)},
-        "unpin": {"pins": [1]},
+        "unpin": {"pins": bytes(8)},
     }
     assert set(headers) == set(p.OPS)  # a new op must be added here
     return {op: {"op": op, **h} for op, h in headers.items()}

@@ -1,0 +1,275 @@
+"""The server's arena (cache_server.arena) against a real glm-cache-server process: reloads
+read in place are the stored bytes, a corrupted arena object fails its checksum and is
+deleted, read pins keep a range from reuse until released or expired, no client can write
+into or resize the arena, a full arena stores and serves by copy, and hostile get and
+unpin headers get clear errors."""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import mmap
+import os
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+import xxhash
+
+from cache_server.arena import MIN_ARENA_BYTES, NAME_PREFIX, pack_pins
+from cache_server.client import CacheClient
+from cache_server.client_errors import CacheServerError
+from testing.server_process import ServerProcess
+
+NS = "arena-test"
+MIB = 1 << 20
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _key(i: int, tag: int = 0) -> tuple[bytes, int, int]:
+    return (bytes([tag]) * 16 + i.to_bytes(16, "big"), 0, 0)
+
+
+def _payload(i: int, n: int = MIB) -> bytes:
+    return np.random.default_rng(i).integers(0, 256, n, dtype=np.uint8).tobytes()
+
+
+def _verify(view: memoryview, check: tuple[bytes, bytes]) -> bool:
+    h = xxhash.xxh3_128(check[0])
+    h.update(view)
+    return h.digest() == check[1]
+
+
+def _arena_fd(pid: int) -> str:
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{fd}").startswith(f"/memfd:{NAME_PREFIX}"):
+                return f"/proc/{pid}/fd/{fd}"
+        except OSError:
+            pass
+    raise AssertionError("the server holds no arena memfd")
+
+
+def _arena_stats(client: CacheClient) -> dict:
+    return client.stats()["shm"]["arena"]
+
+
+@pytest.fixture(scope="module")
+def server():
+    with ServerProcess("--l1-size-gb", "0.25", "--debug-fault-hooks") as srv:
+        yield srv
+
+
+@pytest.fixture()
+def small():
+    """About 4 MiB of L1 (and of arena): four 1 MiB objects fill it."""
+    with ServerProcess("--l1-size-gb", "0.004") as srv:
+        yield srv
+
+
+def test_a_reload_in_place_is_the_stored_bytes_and_small_ones_come_verified(server):
+    big, small, other = _payload(1, 3 * MIB + 5), _payload(2, MIN_ARENA_BYTES - 1), _payload(3, MIN_ARENA_BYTES)
+    keys = [_key(1), _key(2), _key(3), _key(4)]  # the last is absent
+    with CacheClient(server.url) as c:
+        c.hello(NS, 16)
+        assert c.put(NS, [(*keys[0], big), (*keys[1], small), (*keys[2], other)]) == ["stored"] * 3
+        got = c.get_in_place(NS, keys)
+        assert got.pin and time.monotonic() < got.deadline < time.monotonic() + 30
+        assert [x is not None for x in got.unverified] == [True, False, True, False]  # small: verified by copy
+        assert bytes(got.payloads[0]) == big and bytes(got.payloads[1]) == small and bytes(got.payloads[2]) == other
+        assert got.payloads[3] is None
+        assert got.payloads[0].readonly  # a read-only mapping of the server's arena
+        assert _verify(got.payloads[0], got.unverified[0]) and _verify(got.payloads[2], got.unverified[2])
+        assert _arena_stats(c)["pins"] == 1
+        c.release_pin(got.pin)
+        assert c.unpin() == 1
+        assert _arena_stats(c)["pins"] == 0
+        assert c.get(NS, keys) == [big, small, other, None]  # plain gets copy out of the arena
+    with CacheClient(server.url, shm=False) as c:  # and over TCP (frames from the arena)
+        assert c.get(NS, keys) == [big, small, other, None]
+        got = c.get_in_place(NS, keys)
+        assert got.pin is None and got.unverified == [None] * 4 and bytes(got.payloads[0]) == big
+
+
+def test_a_corrupted_arena_object_fails_its_checksum_in_the_copy_and_is_deleted(server):
+    key, data = _key(10), _payload(10, 2 * MIB)
+    with CacheClient(server.url) as c:
+        c.hello(NS, 16)
+        assert c.put(NS, [(*key, data)]) == ["stored"]
+        assert c.request({"op": "debug_corrupt", "ns": NS, "keys": [list(key)], "offset": 12345})[0]["corrupted"]
+        got = c.get_in_place(NS, [key])
+        assert got.unverified[0] is not None  # still in the arena: flipped in place
+        view = got.payloads[0]
+        assert view[12345] == data[12345] ^ 0xFF
+        pages = _pages(2 * MIB)
+        assert pages.write_verified(0, [0], view, *got.unverified[0]) is False
+        c.delete_corrupt(NS, [key])
+        assert c.corrupt_objects == 1 and c.get(NS, [key]) == [None]
+        # An intact object passes, and lands byte for byte.
+        key2, data2 = _key(11), _payload(11, 2 * MIB)
+        assert c.put(NS, [(*key2, data2)]) == ["stored"]
+        got = c.get_in_place(NS, [key2])
+        assert pages.write_verified(0, [0], got.payloads[0], *got.unverified[0]) is True
+        assert pages.read(0, [0]) == data2
+
+
+def _pages(nbytes: int):
+    """A one-group, two-layer paged cache whose one-block object is ``nbytes``."""
+    from connector.geometry import CacheGroup, LayerPage
+    from connector.kv_pages import PagedKVCache
+
+    vkv = pytest.importorskip("vllm.v1.kv_cache_interface")
+    page, blocks = nbytes // 2, 2
+    size = 2 * blocks * page
+    t = vkv.KVCacheTensor(size=size, layers=["l.0", "l.1"], layer_stride=blocks * page, block_stride=page, offset=0)
+    config = vkv.KVCacheConfig(num_blocks=blocks, kv_cache_tensors=[t], kv_cache_groups=[])
+    buf = torch.zeros(size, dtype=torch.uint8)
+    views = {f"l.{i}": torch.as_strided(buf, (blocks, page), (page, 1), i * blocks * page) for i in range(2)}
+    group = CacheGroup(0, False, 16, tuple(LayerPage(f"l.{i}", page, "uint8", 16, 16, "FullAttentionSpec")
+                                          for i in range(2)))
+    return PagedKVCache(views, config, (group,))
+
+
+def test_a_pin_keeps_a_deleted_objects_range_until_released_and_a_full_arena_serves_by_copy(small):
+    a, rest = _payload(20), [_payload(21 + i) for i in range(4)]
+    with CacheClient(small.url) as c:
+        c.hello(NS, 16)
+        assert c.put(NS, [(*_key(20), a)]) == ["stored"]
+        got = c.get_in_place(NS, [_key(20)])
+        view, pin = got.payloads[0], got.pin
+        assert pin and got.unverified[0] is not None
+        assert c.delete(NS, [_key(20)]) == 1  # gone from the store; its range is pinned
+        for i, data in enumerate(rest):  # the store has room for four; the arena for three besides A
+            assert c.put(NS, [(*_key(21 + i), data)]) == ["stored"]
+        assert bytes(view) == a  # nothing was written over the pinned range
+        stats = _arena_stats(c)
+        assert stats["full_total"] >= 1 and stats["pins"] == 1
+        # The one that did not fit is stored all the same, and served by copy (verified here).
+        got_all = c.get_in_place(NS, [_key(21 + i) for i in range(4)])
+        assert [bytes(x) for x in got_all.payloads] == rest
+        assert sum(x is None for x in got_all.unverified) >= 1
+        c.release_pin(got_all.pin)
+        c.release_pin(pin)
+        assert c.unpin() == 2
+        # Released: the range is reused by the next object that needs it.
+        assert c.delete(NS, [_key(21 + i) for i in range(4)]) == 4
+        fresh = _payload(30)
+        assert c.put(NS, [(*_key(30), fresh)]) == ["stored"]
+        assert bytes(view) == fresh  # the old view now shows the new object: why a copy must end under its pin
+
+
+def test_an_expired_pin_frees_its_range(small):
+    a, b = _payload(40), _payload(41)
+    with CacheClient(small.url) as c:
+        c.hello(NS, 16)
+        assert c.put(NS, [(*_key(40), a)]) == ["stored"]
+        got = c.get_in_place(NS, [_key(40)], pin_s=1.0)
+        assert got.deadline < time.monotonic() + 1.0  # the client's deadline is earlier than the server's
+        assert c.delete(NS, [_key(40)]) == 1
+        time.sleep(2.5)  # the housekeeping loop drops pins past their deadline every second
+        stats = _arena_stats(c)
+        assert stats["pins"] == 0 and stats["expired_total"] == 1
+        assert c.put(NS, [(*_key(41), b)]) == ["stored"]
+        assert bytes(got.payloads[0]) == b
+
+
+def test_no_client_can_write_into_or_resize_the_arena_and_the_server_keeps_serving(server):
+    key, data = _key(50), _payload(50)
+    with CacheClient(server.url) as c:
+        c.hello(NS, 16)
+        assert c.put(NS, [(*key, data)]) == ["stored"]
+        path = _arena_fd(server.proc.pid)
+        fd = os.open(path, os.O_RDWR)  # opening is allowed (same user); nothing done through it is
+        try:
+            size = os.fstat(fd).st_size
+            with pytest.raises(PermissionError):
+                os.write(fd, b"x")
+            with pytest.raises(PermissionError):
+                os.pwrite(fd, b"x", 8192)
+            for new in (0, size // 2, size + mmap.PAGESIZE):
+                with pytest.raises(PermissionError):
+                    os.ftruncate(fd, new)
+            with pytest.raises(PermissionError):
+                mmap.mmap(fd, mmap.PAGESIZE, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            assert _libc.fallocate(fd, 3, 0, mmap.PAGESIZE) == -1  # FALLOC_FL_PUNCH_HOLE | KEEP_SIZE
+            assert ctypes.get_errno() == errno.EPERM
+            ro = mmap.mmap(fd, mmap.PAGESIZE, mmap.MAP_SHARED, mmap.PROT_READ)
+            addr = np.frombuffer(ro, dtype=np.uint8).ctypes.data
+            _libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+            assert _libc.mprotect(addr, mmap.PAGESIZE, mmap.PROT_READ | mmap.PROT_WRITE) == -1
+            assert os.fstat(fd).st_size == size
+        finally:
+            os.close(fd)
+        got = c.get_in_place(NS, [key])
+        assert bytes(got.payloads[0]) == data and _verify(got.payloads[0], got.unverified[0])
+        c.release_pin(got.pin)
+        c.unpin()
+    # A client cannot pass the arena off as its own segment either.
+    offer = SimpleNamespace(pid=server.proc.pid, fd=int(path.rsplit("/", 1)[1]))
+    with CacheClient(server.url, shm=False) as c:
+        from cache_server.shm import boot_id
+
+        reply, _ = c.request({"op": "shm_attach", "shm": {"boot": boot_id(), "pid": offer.pid, "fd": offer.fd,
+                                                           "size": size, "nonce": bytes(16)}})
+        assert reply["shm"]["seg"] is None and "not a glmcache memfd" in reply["shm"]["reason"]
+        assert c.get(NS, [key]) == [data]
+
+
+@pytest.mark.parametrize("header, code, words", [
+    ({"arena": "yes"}, "bad_request", "arena"),
+    ({"arena": 1}, "bad_request", "arena"),
+    ({"arena": True, "no_shm": True}, "bad_request", "shm region"),
+    ({"arena": True, "pin_s": -1}, "bad_request", "pin_s"),
+    ({"arena": True, "pin_s": 0}, "bad_request", "pin_s"),
+    ({"arena": True, "pin_s": float("nan")}, "bad_request", "pin_s"),
+    ({"arena": True, "pin_s": float("inf")}, "bad_request", "pin_s"),
+    ({"arena": True, "pin_s": "30"}, "bad_request", "pin_s"),
+    ({"arena": True, "pin_s": True}, "bad_request", "pin_s"),
+    ({"unpin": 5}, "bad_request", "unpin"),
+    ({"unpin": [1]}, "bad_request", "unpin"),
+    ({"unpin": "12345678"}, "bad_request", "unpin"),
+    ({"unpin": b"1234567"}, "bad_request", "unpin"),
+    ({"unpin": bytes(8 * 1025)}, "too_large", "unpin"),
+])
+def test_hostile_get_headers_get_a_clear_error(server, header, code, words):
+    with CacheClient(server.url) as c:
+        c.hello(NS, 16)
+        seg = c._segments[0]
+        h = {"op": "get", "ns": NS, "keys": [list(_key(1))], **header}
+        if not h.pop("no_shm", False):
+            h["shm"] = {"seg": seg.seg_id, "off": 4096, "len": seg.capacity}
+        with pytest.raises(CacheServerError) as e:
+            c.request(h)
+        assert e.value.code == code and words in e.value.message
+        c.ping()
+
+
+@pytest.mark.parametrize("pins, code", [(5, "bad_request"), ([1], "bad_request"), (b"\x01" * 9, "bad_request"),
+                                        (bytes(8 * 1025), "too_large"), ({"1": 1}, "bad_request")])
+def test_hostile_unpin_gets_a_clear_error(server, pins, code):
+    with CacheClient(server.url, shm=False) as c:
+        with pytest.raises(CacheServerError) as e:
+            c.request({"op": "unpin", "pins": pins})
+        assert e.value.code == code and "pins" in e.value.message
+        with pytest.raises(CacheServerError):
+            c.request({"op": "unpin"})
+
+
+def test_a_huge_pin_s_is_bounded_and_another_connection_cannot_release_a_pin(server):
+    key, data = _key(60), _payload(60)
+    with CacheClient(server.url) as owner, CacheClient(server.url) as other:
+        owner.hello(NS, 16)
+        other.hello(NS, 16)
+        assert owner.put(NS, [(*key, data)]) == ["stored"]
+        seg = owner._segments[0]
+        reply, _ = owner.request({"op": "get", "ns": NS, "keys": [list(key)], "arena": True, "pin_s": 1e308,
+                                  "shm": {"seg": seg.seg_id, "off": 4096, "len": seg.capacity}})
+        assert reply["pin_s"] == 60.0 and reply["pin"]
+        pins = pack_pins([reply["pin"]])
+        assert other.request({"op": "unpin", "pins": pins})[0]["unpinned"] == 0
+        assert _arena_stats(owner)["refused_release_total"] >= 1
+        assert owner.request({"op": "unpin", "pins": pack_pins([0, 1, 2 ** 64 - 1])})[0]["unpinned"] == 0  # unknown
+        assert owner.request({"op": "unpin", "pins": pins})[0]["unpinned"] == 1
+        assert owner.request({"op": "unpin", "pins": pins})[0]["unpinned"] == 0  # once
