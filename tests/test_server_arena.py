@@ -273,3 +273,64 @@ def test_a_huge_pin_s_is_bounded_and_another_connection_cannot_release_a_pin(ser
         assert owner.request({"op": "unpin", "pins": pack_pins([0, 1, 2 ** 64 - 1])})[0]["unpinned"] == 0  # unknown
         assert owner.request({"op": "unpin", "pins": pins})[0]["unpinned"] == 1
         assert owner.request({"op": "unpin", "pins": pins})[0]["unpinned"] == 0  # once
+
+
+PAGE = 128 << 10  # per layer per block: a chunk of two blocks and two layers is a 512 KiB object
+BLOCKS = 16
+
+
+def _arena_worker(url: str):
+    """A WorkerSide over one attention group of two layers (objects big enough for the arena)."""
+    from connector.config import Settings
+    from connector.geometry import CacheGroup, Geometry, LayerPage
+    from connector.worker import WorkerSide
+
+    vkv = pytest.importorskip("vllm.v1.kv_cache_interface")
+    size = 2 * BLOCKS * PAGE
+    t = vkv.KVCacheTensor(size=size, layers=["a.0", "a.1"], layer_stride=BLOCKS * PAGE, block_stride=PAGE, offset=0)
+    config = vkv.KVCacheConfig(num_blocks=BLOCKS, kv_cache_tensors=[t], kv_cache_groups=[])
+    buf = torch.zeros(size, dtype=torch.uint8)
+    views = {f"a.{i}": torch.as_strided(buf, (BLOCKS, PAGE), (PAGE, 1), i * BLOCKS * PAGE) for i in range(2)}
+    group = CacheGroup(0, False, 16, tuple(LayerPage(f"a.{i}", PAGE, "uint8", 16, 16, "FullAttentionSpec")
+                                          for i in range(2)))
+    geo = Geometry((group,), (16,), 16, 32)
+    w = WorkerSide(SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=1)), config,
+                   Settings(url=url, batch_bytes=3 * 4 * PAGE), geo, None)
+    w.register_kv_caches(views)
+    return w
+
+
+@pytest.mark.parametrize("writers", [1, 2])
+def test_a_worker_load_reads_the_arena_in_place_and_a_corrupt_object_fails_it(server, monkeypatch, writers):
+    import connector.worker as worker_mod
+    from connector.metadata import GlmConnectorMetadata, LoadJob, ObjectMove
+    from testing.worker_loads import wait_load
+
+    monkeypatch.setattr(worker_mod, "WRITERS", writers)
+    ns, chunks = f"{NS}-worker-{writers}", 5
+    objs = [_payload(100 + k, 4 * PAGE) for k in range(chunks)]
+    keys = [_key(100 + k, writers) for k in range(chunks)]
+    with CacheClient(server.url) as c:
+        c.hello(ns, 16)
+        assert c.put(ns, [(*key, data) for key, data in zip(keys, objs)]) == ["stored"] * chunks
+        before = _arena_stats(c)["granted_total"]
+    w = _arena_worker(server.url)
+    try:
+        moves = [ObjectMove(keys[k][0], 0, [2 * k, 2 * k + 1]) for k in range(chunks)]
+        w.start_load_kv(GlmConnectorMetadata(namespace=ns, loads=[LoadJob("r-ok", moves)]))
+        assert wait_load(w, "r-ok")
+        for k in range(chunks):  # layer-major object: layer 0's two pages, then layer 1's
+            assert w._pages.read(0, [2 * k, 2 * k + 1]) == objs[k]
+        with CacheClient(server.url) as c:
+            stats = _arena_stats(c)
+            assert stats["granted_total"] - before == 2  # two batches, each read in place under a pin
+            assert stats["pins"] == 0  # handed back at the end of the load
+            assert c.request({"op": "debug_corrupt", "ns": ns, "keys": [list(keys[3])], "offset": 7})[0]["corrupted"]
+        w.start_load_kv(GlmConnectorMetadata(namespace=ns, loads=[LoadJob("r-bad", moves)]))
+        assert wait_load(w, "r-bad") is False  # vLLM recomputes
+        assert w.stats["load_corrupt_objects"] == 1 and w._load_client.corrupt_objects == 1
+        with CacheClient(server.url) as c:
+            assert c.get(ns, [keys[3]]) == [None]  # deleted with reason checksum
+            assert c.get(ns, [keys[2]]) == [objs[2]]
+    finally:
+        w.shutdown()
