@@ -30,9 +30,12 @@ The modes are interleaved iteration by iteration (the cores are shared with what
 runs), and GB/s is taken from the median time.
 
 Then the aggregate of N concurrent clients (separate processes, as engines are), each
-getting 40 MB objects over and over, for N = 1, 8, 16, over TCP and through shared memory,
-with the p99 latency of a ``ping`` sent meanwhile; ``--compare-workers`` repeats that
-against a server with one worker thread (a single request loop).
+getting 40 MB objects over and over, for N = 1, 8, 16, over TCP, through shared memory
+(the server copies into each client's segment, the client checksums it there) and read in
+place from the server's arena (``cache_server.arena``: ``get_in_place``, then the checksum
+over the arena bytes, no copy; the same result as a shm get: a verified view), with the
+p99 latency of a ``ping`` sent meanwhile; ``--compare-workers`` repeats that against a
+server with one worker thread (a single request loop).
 
     python -m validation.bench_server [--quick] [--json] [--workers N] [--clients 1,8,16] [--compare-workers]
 
@@ -54,6 +57,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import xxhash
 import zmq
 from tqdm import tqdm
 
@@ -171,6 +175,9 @@ def bench_case(case: Case, tcp: CacheClient, shm: CacheClient) -> dict[str, Resu
     return {mode: summarize(t, case.nbytes) for mode, t in times.items()}
 
 
+MODES = ("tcp", "shm", "arena")
+
+
 def _get_into(client: CacheClient, key: tuple[bytes, int, int], into: np.ndarray) -> None:
     """Get one object and copy it from the returned view into ``into``, then let the view go."""
     got = client.get(NS, [key])[0]
@@ -178,35 +185,55 @@ def _get_into(client: CacheClient, key: tuple[bytes, int, int], into: np.ndarray
     np.copyto(into, np.frombuffer(got, dtype=np.uint8))
 
 
-def _concurrent_client(url: str, shm: bool, keys: list[bytes], rounds: int, nbytes: int,
+def _arena_get(client: CacheClient, key: tuple[bytes, int, int]) -> int:
+    """Get one object read in place from the server's arena and verify it there (its
+    checksum over the arena bytes), then hand the pin back; its size."""
+    got = client.get_in_place(NS, [key])
+    view, check = got.payloads[0], got.unverified[0]
+    assert view is not None and check is not None, "not in the arena"
+    h = xxhash.xxh3_128(check[0])
+    h.update(view)
+    assert h.digest() == check[1]
+    client.release_pin(got.pin)
+    return view.nbytes
+
+
+def _concurrent_client(url: str, mode: str, keys: list[bytes], rounds: int, nbytes: int,
                        barrier: mp.Barrier, out: mp.Queue) -> None:
-    with CacheClient(url, timeout_s=120.0, shm=shm) as client:
+    with CacheClient(url, timeout_s=120.0, shm=mode != "tcp") as client:
         client.hello(NS, 1152)
-        assert client.transport == ("shm" if shm else "tcp"), (client.transport, client.shm_refusal)
+        assert client.transport == ("tcp" if mode == "tcp" else "shm"), (client.transport, client.shm_refusal)
         key_list = [(k, 0, 0) for k in keys]
         got = client.get(NS, key_list[:1])[0]  # warm up: connection, segment
         assert got is not None
         del got
+        if mode == "arena":
+            for key in key_list:  # and the arena mapping's first-touch faults
+                _arena_get(client, key)
         barrier.wait()
         t0 = time.perf_counter()
         moved = 0
         for _ in range(rounds):
             for key in key_list:
+                if mode == "arena":
+                    moved += _arena_get(client, key)
+                    continue
                 got = client.get(NS, [key])[0]
                 assert got is not None and got.nbytes == nbytes
                 moved += got.nbytes
                 del got
         out.put((t0, time.perf_counter(), moved))
+        client.unpin()
 
 
-def bench_concurrent(url: str, shm: bool, clients: int, nbytes: int, keys: list[bytes], rounds: int,
+def bench_concurrent(url: str, mode: str, clients: int, nbytes: int, keys: list[bytes], rounds: int,
                      probe: CacheClient) -> tuple[float, float]:
     """Aggregate GB/s of ``clients`` processes getting ``keys`` over and over, and the p99
     in ms of a ``ping`` sent meanwhile (does a small request wait behind the transfers?)."""
     ctx = mp.get_context("spawn")
     barrier = ctx.Barrier(clients + 1)
     out = ctx.Queue()
-    procs = [ctx.Process(target=_concurrent_client, args=(url, shm, keys, rounds, nbytes, barrier, out))
+    procs = [ctx.Process(target=_concurrent_client, args=(url, mode, keys, rounds, nbytes, barrier, out))
              for _ in range(clients)]
     for proc in procs:
         proc.start()
@@ -235,16 +262,18 @@ def bench_concurrent(url: str, shm: bool, clients: int, nbytes: int, keys: list[
 
 def run_concurrency(url: str, counts: list[int], rounds: int, nbytes: int, bar: tqdm, tag: str
                     ) -> dict[str, dict[str, float]]:
-    """Every client count over TCP and through shared memory against the server at ``url``."""
-    out: dict[str, dict[str, float]] = {"tcp_get": {}, "shm_get": {}, "tcp_ping_p99_ms": {}, "shm_ping_p99_ms": {}}
+    """Every client count over TCP, through shared memory and in place from the arena
+    against the server at ``url``."""
+    out: dict[str, dict[str, float]] = {f"{m}_{x}": {} for m in MODES for x in ("get", "ping_p99_ms")}
     keys = [os.urandom(32) for _ in range(4)]
     payload = os.urandom(nbytes)
-    with CacheClient(url, timeout_s=60.0, shm=False) as probe:
-        assert probe.put(NS, [(k, 0, 0, payload) for k in keys]) == ["stored"] * len(keys)
-        for mode in ("tcp", "shm"):
+    with CacheClient(url, timeout_s=60.0, shm=False) as probe, CacheClient(url, timeout_s=60.0) as saver:
+        saver.hello(NS, 1152)  # put through shared memory: into the server's arena
+        assert saver.put(NS, [(k, 0, 0, payload) for k in keys]) == ["stored"] * len(keys)
+        for mode in MODES:
             for n in counts:
                 bar.set_postfix_str(f"{tag}: {n} {mode} clients")
-                gbps, p99 = bench_concurrent(url, mode == "shm", n, nbytes, keys, rounds, probe)
+                gbps, p99 = bench_concurrent(url, mode, n, nbytes, keys, rounds, probe)
                 out[f"{mode}_get"][str(n)], out[f"{mode}_ping_p99_ms"][str(n)] = gbps, p99
                 bar.update()
         probe.clear(NS)
@@ -271,7 +300,7 @@ def main() -> int:
     figures: dict[str, dict[str, float]] = {}
     rows = []
     load = os.getloadavg()  # the cores may be shared: say how busy they were
-    steps = len(cases) * 4 + 2 * len(counts) * (2 if args.compare_workers else 1)
+    steps = len(cases) * 4 + len(MODES) * len(counts) * (2 if args.compare_workers else 1)
     with ServerProcess(*server_args) as server, \
             CacheClient(server.url, timeout_s=60.0, shm=False) as tcp, \
             CacheClient(server.url, timeout_s=60.0) as shm, \
@@ -318,18 +347,18 @@ def main() -> int:
               f"{sinto.gbps:>6.2f} {sinto.gbps / mem.gbps:>6.2f}x")
     print()
     print(f"aggregate GB/s of N concurrent client processes, each getting 40 MB objects ({rounds * 4} gets per "
-          "client), and the p99 of a ping sent meanwhile")
+          "client), and the p99 of a ping sent meanwhile; arena: read in place from the server's arena and "
+          "verified there (no copy by the server)")
     sides = [(f"{stats['config']['workers']} workers", concurrent)] + ([("1 worker", single)] if single else [])
-    print(f"{'':>8} | " + " | ".join(f"{name:^42}" for name, _ in sides))
-    print(f"{'clients':>8} | " + " | ".join(f"{'tcp get':>8} {'vs 1':>6} {'ping p99':>8} {'shm get':>8} {'vs 1':>6} "
-                                             f"{'ping p99':>8}" for _ in sides))
+    print(f"{'':>8} | " + " | ".join(f"{name:^64}" for name, _ in sides))
+    print(f"{'clients':>8} | " + " | ".join(" ".join(f"{m + ' get':>9} {'vs 1':>6} {'ping p99':>8}" for m in MODES)
+                                             for _ in sides))
     first = str(counts[0])
     for n in map(str, counts):
         cells = []
         for _, d in sides:
-            t, s_ = d["tcp_get"][n], d["shm_get"][n]
-            cells.append(f"{t:>8.2f} {t / d['tcp_get'][first]:>5.2f}x {d['tcp_ping_p99_ms'][n]:>6.1f}ms "
-                         f"{s_:>8.2f} {s_ / d['shm_get'][first]:>5.2f}x {d['shm_ping_p99_ms'][n]:>6.1f}ms")
+            cells.append(" ".join(f"{d[m + '_get'][n]:>9.2f} {d[m + '_get'][n] / d[m + '_get'][first]:>5.2f}x "
+                                  f"{d[m + '_ping_p99_ms'][n]:>6.1f}ms" for m in MODES))
         print(f"{n:>8} | " + " | ".join(cells))
     if args.json:
         print(json.dumps({**{k: {m: round(v, 3) for m, v in d.items()} for k, d in figures.items()},
