@@ -30,6 +30,7 @@ from cache_server.protocol import PutResult
 from connector.config import Settings, logger
 from connector.geometry import Geometry
 from connector.identity import LiveWeights, expected_token
+from connector.kv_pages import NON_TEMPORAL_PAGES
 from connector.metadata import (
     SAVE_DROPPED,
     SAVE_NO_SPACE,
@@ -177,6 +178,7 @@ class WorkerSide:
                         self._rank, sorted(self._transfer_cpus), sorted(os.sched_getaffinity(0)))
         self._loader = _pool("glm-load", self._transfer_cpus)
         self._fetcher = _pool("glm-fetch", self._transfer_cpus)
+        self._hasher = _pool("glm-hash", self._transfer_cpus)  # write_verified's concurrent hash
         self._writers = ThreadPoolExecutor(max(1, WRITERS - 1), thread_name_prefix="glm-write",
                                            initializer=_start_thread, initargs=("glm-write", self._transfer_cpus))
         self._saver = _pool("glm-save", self._transfer_cpus)
@@ -381,12 +383,13 @@ class WorkerSide:
         objects can go faster on two."""
         assert self._pages is not None
         pages = self._pages
+        hasher = self._hasher if NON_TEMPORAL_PAGES and WRITERS < 2 else None
 
         def run(jobs: list[tuple[ObjectMove, Any, Any]]) -> ObjectMove | None:
             for move, payload, check in jobs:
                 if check is None:  # verified by the client already
                     self._write(move, payload)
-                elif not pages.write_verified(move.group_id, move.block_ids, payload, *check):
+                elif not pages.write_verified(move.group_id, move.block_ids, payload, *check, hasher=hasher):
                     return move
             return None
 
@@ -570,6 +573,7 @@ class WorkerSide:
         self._loader.shutdown(wait=False, cancel_futures=True)
         self._fetcher.shutdown(wait=False, cancel_futures=True)
         self._writers.shutdown(wait=False, cancel_futures=True)
+        self._hasher.shutdown(wait=False, cancel_futures=True)
         self._saver.shutdown(wait=True, cancel_futures=False)
         self._load_client.close()
         self._save_client.close()

@@ -313,7 +313,7 @@ def test_a_worker_load_reads_the_arena_in_place_and_a_corrupt_object_fails_it(se
     with CacheClient(server.url) as c:
         c.hello(ns, 16)
         assert c.put(ns, [(*key, data) for key, data in zip(keys, objs)]) == ["stored"] * chunks
-        before = _arena_stats(c)["granted_total"]
+        before, pins_before = _arena_stats(c)["granted_total"], _arena_stats(c)["pins"]
     w = _arena_worker(server.url)
     try:
         moves = [ObjectMove(keys[k][0], 0, [2 * k, 2 * k + 1]) for k in range(chunks)]
@@ -324,7 +324,7 @@ def test_a_worker_load_reads_the_arena_in_place_and_a_corrupt_object_fails_it(se
         with CacheClient(server.url) as c:
             stats = _arena_stats(c)
             assert stats["granted_total"] - before == 2  # two batches, each read in place under a pin
-            assert stats["pins"] == 0  # handed back at the end of the load
+            assert stats["pins"] == pins_before  # handed back at the end of the load
             assert c.request({"op": "debug_corrupt", "ns": ns, "keys": [list(keys[3])], "offset": 7})[0]["corrupted"]
         w.start_load_kv(GlmConnectorMetadata(namespace=ns, loads=[LoadJob("r-bad", moves)]))
         assert wait_load(w, "r-bad") is False  # vLLM recomputes
@@ -334,3 +334,25 @@ def test_a_worker_load_reads_the_arena_in_place_and_a_corrupt_object_fails_it(se
             assert c.get(ns, [keys[2]]) == [objs[2]]
     finally:
         w.shutdown()
+
+
+def test_write_verified_with_a_concurrent_hash_lands_the_bytes_and_catches_a_flip():
+    from concurrent.futures import ThreadPoolExecutor
+
+    from cache_server import protocol
+    from connector.kv_pages import glibc_non_temporal_threshold
+
+    assert glibc_non_temporal_threshold({}) is None
+    assert glibc_non_temporal_threshold({"GLIBC_TUNABLES": "glibc.malloc.x=1:glibc.cpu.x86_non_temporal_threshold=0x40000"}) \
+        == 0x40000
+    assert glibc_non_temporal_threshold({"GLIBC_TUNABLES": "glibc.cpu.x86_non_temporal_threshold=lots"}) is None
+    pages, key, data = _pages(2 * MIB), _key(70), _payload(70, 2 * MIB)
+    prefix, good = protocol.key_prefix(NS, key), protocol.checksum(data, NS, key)
+    with ThreadPoolExecutor(1) as hasher:
+        assert pages.write_verified(0, [1], memoryview(data), prefix, good, hasher=hasher)
+        assert pages.read(0, [1]) == data
+        bad = bytearray(data)
+        bad[MIB + 3] ^= 1
+        assert not pages.write_verified(0, [0], memoryview(bytes(bad)), prefix, good, hasher=hasher)
+        assert not pages.write_verified(0, [0], memoryview(data), prefix, protocol.checksum(data, NS, _key(71)),
+                                        hasher=hasher)  # another key's checksum
