@@ -49,13 +49,6 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-# Threads that write one load batch's objects at once (the load thread and WRITERS - 1 more).
-# 1 by default: on this 2-core machine under load, two writers measured no faster (5.2-5.7
-# GB/s against 5.4-7.5 for one, 30k-token bench_reload, 16 and 64 MiB batches) and take a
-# second core from the engine; GLM_CACHE_LOAD_WRITERS=2 on hosts with cores to spare.
-WRITERS = int(os.environ.get("GLM_CACHE_LOAD_WRITERS", "1"))
-
-
 def batches(sizes: list[int], limit: int) -> list[range]:
     """Consecutive index ranges whose sizes sum to at most ``limit`` each (an item
     larger than ``limit`` is a range of its own); every index in exactly one range."""
@@ -179,8 +172,6 @@ class WorkerSide:
         self._loader = _pool("glm-load", self._transfer_cpus)
         self._fetcher = _pool("glm-fetch", self._transfer_cpus)
         self._hasher = _pool("glm-hash", self._transfer_cpus)  # write_verified's concurrent hash
-        self._writers = ThreadPoolExecutor(max(1, WRITERS - 1), thread_name_prefix="glm-write",
-                                           initializer=_start_thread, initargs=("glm-write", self._transfer_cpus))
         self._saver = _pool("glm-save", self._transfer_cpus)
         self._lock = threading.Lock()
         self._loads_done: set[str] = set()
@@ -376,38 +367,17 @@ class WorkerSide:
 
     def _write_batch(self, moves: list[ObjectMove], payloads: list[Any], checks: list[Any]) -> ObjectMove | None:
         """Write one batch's objects into the pages, verifying those read in place as they
-        are copied; the first one that failed its checksum (None: none did). With
-        :data:`WRITERS` > 1 the objects are shared out by bytes between this thread and the
-        writer pool: one thread copies and hashes at most about 7-8 GB/s here (the hash is
-        sequential within an object), so on a host with idle cores a batch of several
-        objects can go faster on two."""
+        are copied; the first one that failed its checksum (None: none did). One thread:
+        two writers measured no faster on 2 loaded cores (5.2-5.7 GB/s against 5.4-7.5,
+        30k-token bench_reload) and take a core from the engine."""
         assert self._pages is not None
-        pages = self._pages
-        hasher = self._hasher if NON_TEMPORAL_PAGES and WRITERS < 2 else None
-
-        def run(jobs: list[tuple[ObjectMove, Any, Any]]) -> ObjectMove | None:
-            for move, payload, check in jobs:
-                if check is None:  # verified by the client already
-                    self._write(move, payload)
-                elif not pages.write_verified(move.group_id, move.block_ids, payload, *check, hasher=hasher):
-                    return move
-            return None
-
-        jobs = list(zip(moves, payloads, checks))
-        if WRITERS < 2 or len(jobs) < 2:
-            return run(jobs)
-        sides: list[list[tuple[ObjectMove, Any, Any]]] = [[] for _ in range(WRITERS)]
-        load = [0] * WRITERS
-        for job in sorted(jobs, key=lambda x: -len(x[1])):  # largest first, each to the lightest side
-            k = load.index(min(load))
-            sides[k].append(job)
-            load[k] += len(job[1])
-        futs = [self._writers.submit(run, side) for side in sides[1:] if side]
-        try:
-            mine = run(sides[0])
-        finally:
-            others = [f.result() for f in futs]
-        return next((m for m in (mine, *others) if m is not None), None)
+        hasher = self._hasher if NON_TEMPORAL_PAGES else None
+        for move, payload, check in zip(moves, payloads, checks):
+            if check is None:  # verified by the client already
+                self._write(move, payload)
+            elif not self._pages.write_verified(move.group_id, move.block_ids, payload, *check, hasher=hasher):
+                return move
+        return None
 
     def _release_fetched(self, fut: Future) -> None:
         """Hand back the read pin of a fetch whose load ended without it."""
@@ -572,7 +542,6 @@ class WorkerSide:
     def shutdown(self) -> None:
         self._loader.shutdown(wait=False, cancel_futures=True)
         self._fetcher.shutdown(wait=False, cancel_futures=True)
-        self._writers.shutdown(wait=False, cancel_futures=True)
         self._hasher.shutdown(wait=False, cancel_futures=True)
         self._saver.shutdown(wait=True, cancel_futures=False)
         self._load_client.close()

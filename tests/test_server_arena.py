@@ -300,16 +300,13 @@ def _arena_worker(url: str):
     return w
 
 
-@pytest.mark.parametrize("writers", [1, 2])
-def test_a_worker_load_reads_the_arena_in_place_and_a_corrupt_object_fails_it(server, monkeypatch, writers):
-    import connector.worker as worker_mod
+def test_a_worker_load_reads_the_arena_in_place_and_a_corrupt_object_fails_it(server):
     from connector.metadata import GlmConnectorMetadata, LoadJob, ObjectMove
     from testing.worker_loads import wait_load
 
-    monkeypatch.setattr(worker_mod, "WRITERS", writers)
-    ns, chunks = f"{NS}-worker-{writers}", 5
+    ns, chunks = f"{NS}-worker", 5
     objs = [_payload(100 + k, 4 * PAGE) for k in range(chunks)]
-    keys = [_key(100 + k, writers) for k in range(chunks)]
+    keys = [_key(100 + k, 1) for k in range(chunks)]
     with CacheClient(server.url) as c:
         c.hello(ns, 16)
         assert c.put(ns, [(*key, data) for key, data in zip(keys, objs)]) == ["stored"] * chunks
