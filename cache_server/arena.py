@@ -74,6 +74,9 @@ MAX_PINS_PER_OWNER = 64
 MAX_PINNED_BYTES_PER_OWNER = 8 << 30
 MAX_PINS = 4096
 MAX_UNPIN = 1024  # pin ids one request may release
+# cudaHostRegisterPortable | cudaHostRegisterReadOnly: pinned for every context, and a
+# mapping the process may only read (CUDA 11.1+)
+CUDA_HOST_REGISTER_FLAGS = 0x01 | 0x08
 
 
 def _align(n: int) -> int:
@@ -362,15 +365,42 @@ class ClientArena:
         self._addr = addr
         self.__array_interface__ = {"shape": (self.size,), "typestr": "|u1", "data": (addr, True), "version": 3}
         self.array = np.asarray(self)  # views keep the mapping alive
+        self.cuda_registered = False
 
     def nonce(self) -> bytes:
         return self.array[:NONCE_BYTES].tobytes()
+
+    def register_cuda(self) -> str | None:
+        """Page-lock the mapping for CUDA (``cudaHostRegister``, read-only and portable), so
+        that a host-to-device copy out of the arena is a DMA from these very pages, without
+        the driver's staging copy through a pinned bounce buffer; None when done (or done
+        already), else why not. Locking faults in every page of the arena: its resident
+        size becomes the whole L1 capacity at once (the server's pages, shared, not a
+        second copy)."""
+        if self.cuda_registered:
+            return None
+        try:
+            import torch
+
+            if not torch.cuda.is_available():
+                return "no CUDA device"
+            err = torch.cuda.cudart().cudaHostRegister(self._addr, self.size, CUDA_HOST_REGISTER_FLAGS)
+        except Exception as e:  # noqa: BLE001 - a torch without CUDA, a driver that refuses
+            return f"{type(e).__name__}: {e}"
+        if int(getattr(err, "value", err)) != 0:
+            return f"cudaHostRegister failed ({err})"
+        self.cuda_registered = True
+        return None
 
     def view(self, offset: int, length: int) -> memoryview:
         return memoryview(self.array[offset:offset + length])
 
     def __del__(self) -> None:
         try:
+            if self.cuda_registered:
+                import torch
+
+                torch.cuda.cudart().cudaHostUnregister(self._addr)
             _libc.munmap(ctypes.c_void_p(self._addr), ctypes.c_size_t(self.size))
         except Exception:  # noqa: BLE001 - interpreter shutdown
             pass

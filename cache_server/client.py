@@ -456,6 +456,12 @@ class CacheClient:
             reply, frames, in_arena = self._get_locked(header, bool(keys), timeout_s)
         return self._verified(namespace, keys, reply, frames, in_arena)
 
+    def register_arena_cuda(self) -> str | None:
+        """Page-lock the mapped arena for CUDA (:meth:`~cache_server.arena.ClientArena.register_cuda`);
+        None when done, else why not (no arena mapped: nothing to do)."""
+        arena = self._shm.arena
+        return "no arena mapped" if arena is None else arena.register_cuda()
+
     def _get_locked(self, header: dict[str, Any], any_keys: bool, timeout_s: float | None
                     ) -> tuple[dict[str, Any], list[memoryview], list[bool]]:
         """Send a get, through a segment where one is agreed; the reply, the found objects'

@@ -199,6 +199,10 @@ class PagedKVCache:
                         f"placement says {self._layers[name].base}"
                     )
 
+    @property
+    def device(self) -> torch.device:
+        return self._raw.device
+
     def object_bytes(self, group_id: int, num_blocks: int) -> int:
         return self._groups[group_id].object_bytes(num_blocks)
 
@@ -228,13 +232,18 @@ class PagedKVCache:
                 dst = out[pos : pos + part.page_bytes].view(part.rows, part.row_width)
                 dst.copy_(self._page(part, b), non_blocking=on_device)
                 pos += part.page_bytes
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        elif on_device:
-            torch.accelerator.synchronize(device)
+        self._synchronize()
         return memoryview(out.numpy())
 
-    def write(self, group_id: int, block_ids: list[int | None], payload: bytes | memoryview) -> None:
+    def _synchronize(self) -> None:
+        """Wait for the copies queued on an accelerator (nothing to wait for on the CPU)."""
+        device = self._raw.device
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        elif device.type != "cpu":
+            torch.accelerator.synchronize(device)
+
+    def write(self, group_id: int, block_ids: list[int | None], payload: bytes | memoryview, wait: bool = True) -> None:
         """Scatter an object read by :meth:`read` back into ``block_ids``.
 
         ``None`` entries are blocks vLLM already holds (a local prefix hit inside the
@@ -250,7 +259,9 @@ class PagedKVCache:
             raise ValueError(f"group {group_id}: object of {len(payload)} bytes, expected {expected}")
         src = _as_uint8(payload)
         if self._raw.device.type != "cpu":
-            src = src.to(self._raw.device)
+            # from page-locked host memory an asynchronous DMA (waited for below, or by the
+            # caller with ``wait=False``, which keeps ``payload`` alive until then)
+            src = src.to(self._raw.device, non_blocking=src.is_pinned())
         n = len(block_ids)
         for lane in self._lanes[group_id]:
             width = lane.page_bytes // lane.rows
@@ -261,6 +272,8 @@ class PagedKVCache:
                                                lane.dst_base + b * lane.block_stride)
                     dst.copy_(src.as_strided(rows, (n * lane.obj_period, width, 1),
                                              n * lane.obj_offset + t * lane.page_bytes))
+        if wait:
+            self._synchronize()
 
     def write_verified(self, group_id: int, block_ids: list[int | None], payload: bytes | memoryview,
                        prefix: bytes, expected: bytes, hasher: Executor | None = None) -> bool:
@@ -292,11 +305,13 @@ class PagedKVCache:
             raise ValueError(f"group {group_id}: object of {len(payload)} bytes, expected {expected_bytes}")
         h = xxhash.xxh3_128(prefix)
         if self._raw.device.type != "cpu" or any(part.rows > 1 for part in g.layers):
+            # On an accelerator the page copies are queued first (a DMA straight from the
+            # arena's pages once it is page-locked: CacheClient.register_arena_cuda), and the
+            # CPU hashes the same bytes while they run.
+            self.write(group_id, block_ids, payload, wait=False)
             h.update(payload)
-            if h.digest() != expected:
-                return False
-            self.write(group_id, block_ids, payload)
-            return True
+            self._synchronize()
+            return h.digest() == expected
         src = memoryview(payload).cast("B") if memoryview(payload).format != "B" else memoryview(payload)
         src_addr = np.frombuffer(src, dtype=np.uint8).ctypes.data if len(src) else 0
         raw_addr = self._raw.data_ptr()

@@ -171,6 +171,7 @@ class WorkerSide:
                         self._rank, sorted(self._transfer_cpus), sorted(os.sched_getaffinity(0)))
         self._loader = _pool("glm-load", self._transfer_cpus)
         self._fetcher = _pool("glm-fetch", self._transfer_cpus)
+        self._arena_lock_note: str | None = "not tried"  # why the arena is not page-locked for CUDA (None: it is)
         self._hasher = _pool("glm-hash", self._transfer_cpus)  # write_verified's concurrent hash
         self._saver = _pool("glm-save", self._transfer_cpus)
         self._lock = threading.Lock()
@@ -363,7 +364,16 @@ class WorkerSide:
         keys = [(moves[j].chunk_hash, moves[j].group_id, self._key_rank(moves[j].group_id))
                 for j in idx]
         nbytes = sum(sizes[j] for j in idx)
-        return self._load_client.get_in_place(namespace, keys, timeout_s=self._settings.deadline_s(nbytes))
+        got = self._load_client.get_in_place(namespace, keys, timeout_s=self._settings.deadline_s(nbytes))
+        if got.pin is not None and self._pages is not None and self._pages.device.type == "cuda":
+            # page copies out of the arena then start as DMAs from its pages (a no-op once the
+            # mapping is registered; a server restart brings a new mapping)
+            why = self._load_client.register_arena_cuda()
+            if why != self._arena_lock_note:
+                self._arena_lock_note = why
+                logger.info("GlmCacheConnector: the server's arena is %s", "page-locked for CUDA" if why is None
+                            else f"not page-locked ({why}): host-to-device copies go through a staging buffer")
+        return got
 
     def _write_batch(self, moves: list[ObjectMove], payloads: list[Any], checks: list[Any]) -> ObjectMove | None:
         """Write one batch's objects into the pages, verifying those read in place as they
