@@ -26,6 +26,20 @@ only, so the all-reduced sum holds it once). The latent path (``q_a_proj``,
 computes the same cache rows from the same (all-reduced) input with the same weights, so
 the rows are the same bytes on every rank and pool selection is the same everywhere. An
 external cache can therefore store the MLA group once for all ranks.
+
+FP8 KV cache (``--kv-cache-dtype fp8`` / ``fp8_e4m3``): the whole row (latent, rope key,
+indexer key and gate / pool key) is stored as float8 e4m3 (``float8_e4m3fn``) bytes, one
+byte per value, in a page vLLM allocates as ``uint8`` (its ``STR_DTYPE_TO_TORCH_DTYPE``
+convention for fp8 caches), so a token's row takes a quarter of a float32 row's bytes and
+half a bfloat16 row's. Rows are written by dividing by the layer's per-tensor scale,
+clamping to e4m3's finite range (+-448, as vLLM's fp8 cache kernels saturate) and casting
+(:func:`quantize_rows`); every read dequantises to the compute dtype and multiplies by the
+scale (:func:`dequantize_rows`), pool keys included: a step's pool keys are computed from
+the dequantised rows and stored quantised, so a row's bytes depend only on the bytes
+before it, as in bf16. The scale is vLLM's for an uncalibrated fp8 cache, 1.0, unless
+the checkpoint carries ``<layer>.self_attn.k_scale`` (one scalar per layer, vLLM's MLA
+name), which is then used. ``fp8_e5m2`` and every other quantised format are refused at
+start-up with the reason (:func:`kv_cache_refusal`).
 """
 
 from __future__ import annotations
@@ -57,6 +71,42 @@ Fetch = Callable[[torch.Tensor, slice], torch.Tensor]  # (token indices, columns
 # that a pool's closing row holds the pool key in place of its z (format 1, the same rows without stored keys, is what
 # validation/bench_pool_keys.py times against).
 CACHE_ROW_FORMAT = "glm5next-plugin-sparse-mla-rows/2"
+
+# --kv-cache-dtype values this layer serves; the fp8 ones store float8_e4m3fn bytes.
+FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3")
+SUPPORTED_KV_CACHE_DTYPES = ("auto", *FP8_KV_CACHE_DTYPES)
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448: quantised values saturate here
+
+
+def kv_cache_refusal(cache_dtype: str) -> str | None:
+    """Why this layer cannot keep its cache in ``cache_dtype`` (vLLM's
+    ``--kv-cache-dtype``), or None when it can."""
+    if cache_dtype in SUPPORTED_KV_CACHE_DTYPES:
+        return None
+    if cache_dtype == "fp8_e5m2":
+        why = "only the e4m3 fp8 format is implemented (use 'fp8' or 'fp8_e4m3')"
+    elif cache_dtype.endswith("_ds_mla"):
+        why = ("the packed DeepSeek MLA formats are the native model's FlashMLA layout on CUDA; "
+               "this plugin stores plain rows (use 'fp8')")
+    else:
+        why = "no quantised row format for it is implemented"
+    return (f"glm5next plugin: kv cache dtype {cache_dtype!r} is not supported by the sparse-MLA layers: {why}; "
+            f"supported: {', '.join(SUPPORTED_KV_CACHE_DTYPES)}")
+
+
+def quantize_rows(rows: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """Cache rows as the fp8 page holds them: ``rows / scale`` clamped to e4m3's finite
+    range and cast to ``float8_e4m3fn`` (round to nearest even), returned as its bytes
+    (``uint8``, the page's dtype), one byte per value."""
+    q = rows.float() if scale == 1.0 else rows.float() / scale
+    return q.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).view(torch.uint8)
+
+
+def dequantize_rows(raw: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """The values fp8 page bytes ``raw`` (``uint8``) stand for, in ``dtype``."""
+    values = raw.view(FP8_DTYPE).to(torch.float32)
+    return (values if scale == 1.0 else values * scale).to(dtype)
 
 
 class Indexer(nn.Module):
@@ -107,6 +157,9 @@ class SparseMLAProjections(nn.Module):
         self.row_size = self.key_size + 2 * config.index_head_dim
         self.index_cols = slice(self.key_size, self.row_size)  # k and z
         self.pool_key_cols = slice(self.key_size + config.index_head_dim, self.row_size)  # z / pool key
+        # Per-tensor scale of an fp8 cache (module docstring): 1.0, or the checkpoint's
+        # ``self_attn.k_scale``; unused with an unquantised cache.
+        self.register_buffer("k_scale", torch.ones((), dtype=torch.float32), persistent=False)
 
     def cache_rows(self, x: torch.Tensor) -> torch.Tensor:
         """What each new token leaves in the cache: ``[T, row_size]``."""
@@ -201,12 +254,26 @@ class SparseMLAProjections(nn.Module):
         """Standalone: ``x`` is one whole fresh sequence."""
         return self.forward_sequence(x)
 
+    def cache_codec(self, cache_dtype: torch.dtype, compute_dtype: torch.dtype) -> tuple[
+            Callable[[torch.Tensor], torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]:
+        """(store, load): values to a cache of ``cache_dtype``'s elements and back to
+        ``compute_dtype``. A ``uint8`` cache holds fp8 e4m3 bytes (:func:`quantize_rows`,
+        :func:`dequantize_rows` with this layer's ``k_scale``); any other is the values
+        cast to its dtype, read as they are."""
+        if cache_dtype == torch.uint8:
+            scale = float(self.k_scale)
+            return (lambda v: quantize_rows(v, scale)), (lambda raw: dequantize_rows(raw, compute_dtype, scale))
+        return (lambda v: v.to(cache_dtype)), (lambda raw: raw)
+
     def forward_paged(self, x: torch.Tensor, cache: torch.Tensor, md: SparseMLAMetadata) -> torch.Tensor:
         """One step of a batch over a paged ``cache`` ``[num_blocks, block_size, row_size]``:
-        write the step's rows, store the keys of the pools they complete, attend."""
+        write the step's rows, store the keys of the pools they complete, attend. A
+        ``uint8`` cache holds fp8 rows (module docstring): written quantised, read
+        dequantised to ``x``'s dtype."""
         bs = cache.shape[1]
         n = md.num_actual_tokens
-        rows = self.cache_rows(x[:n]).to(cache.dtype)
+        store, load = self.cache_codec(cache.dtype, x.dtype)
+        rows = store(self.cache_rows(x[:n]))
         slots = md.slot_mapping.long()
         ok = slots >= 0
         cache[slots[ok] // bs, slots[ok] % bs] = rows[ok]
@@ -220,14 +287,14 @@ class SparseMLAProjections(nn.Module):
 
             def fetch(idx: torch.Tensor, cols: slice, row: torch.Tensor = row) -> torch.Tensor:
                 # only the requested tokens and columns leave the paged cache
-                return cache[row[idx // bs], idx % bs, cols]
+                return load(cache[row[idx // bs], idx % bs, cols])
 
             first = seq_len - (end - start)
             closing = sparse_mla.closing_positions(first, seq_len, self.kpool, x.device)
             if closing.numel():
                 # pools this step completed (their first rows may come from earlier steps)
                 keys = self.pool_keys_at(closing, fetch, x.dtype)
-                cache[row[closing // bs], closing % bs, self.pool_key_cols] = keys.to(cache.dtype)
+                cache[row[closing // bs], closing % bs, self.pool_key_cols] = store(keys)
             positions = torch.arange(first, seq_len, device=x.device)
             out[start:end] = self.attend_rows(x[start:end], positions, seq_len, fetch)
         return out
@@ -270,7 +337,7 @@ def _backend_class() -> type[AttentionBackend]:
         """Plain-PyTorch sparse MLA over vLLM's paged cache (any device torch runs on)."""
 
         supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
-        supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto"]
+        supported_kv_cache_dtypes: ClassVar[list[str]] = list(SUPPORTED_KV_CACHE_DTYPES)
 
         @staticmethod
         def get_supported_kernel_block_sizes(kv_cache_spec: object = None) -> list[int | MultipleOf]:
@@ -323,6 +390,20 @@ def sparse_mla_backend(row_size: int) -> type[AttentionBackend]:
     return _BACKENDS[row_size]
 
 
+def _quant_mode(cache_dtype: str) -> dict[str, object]:
+    """``kv_quant_mode`` as vLLM's block alignment puts it in the spec it sizes pages from
+    (a ``FullAttentionSpec`` field in vLLM 0.32; left out where the installed vLLM has none)."""
+    from dataclasses import fields
+
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    if not any(f.name == "kv_quant_mode" for f in fields(FullAttentionSpec)):
+        return {}
+    from vllm.v1.kv_cache_interface import get_kv_quant_mode
+
+    return {"kv_quant_mode": get_kv_quant_mode(cache_dtype)}
+
+
 def _attention_layer_base() -> type:
     from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 
@@ -349,14 +430,18 @@ class SparseMLALayer(SparseMLAProjections, _attention_layer_base()):
 
         model_config = vllm_config.model_config
         cache_config = vllm_config.cache_config
-        if cache_config.cache_dtype != "auto":
-            raise NotImplementedError(
-                f"glm5next plugin: kv cache dtype {cache_config.cache_dtype!r} is not supported; use 'auto'"
-            )
+        cache_dtype = str(cache_config.cache_dtype)
+        refusal = kv_cache_refusal(cache_dtype)
+        if refusal is not None:
+            raise NotImplementedError(refusal)
         # One "head" holding the whole per-token row, no separate V: the same spec the
-        # backend reported to vLLM's block-size alignment (customize_spec).
+        # backend reported to vLLM's block-size alignment (customize_spec), from the cache
+        # dtype that alignment starts from (Platform._align_hybrid_block_size): the
+        # model's dtype for 'auto', uint8 (one byte a value) for fp8.
+        fp8 = cache_dtype in FP8_KV_CACHE_DTYPES
         spec = self.get_attn_backend().customize_spec(
-            FullAttentionSpec(block_size=cache_config.block_size, num_kv_heads=1, head_size=1, dtype=model_config.dtype)
+            FullAttentionSpec(block_size=cache_config.block_size, num_kv_heads=1, head_size=1,
+                              dtype=torch.uint8 if fp8 else model_config.dtype, **_quant_mode(cache_dtype))
         )
         state_page = cache_config.mamba_page_size_padded or 0
         if spec.page_size_bytes < state_page:

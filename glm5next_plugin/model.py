@@ -45,7 +45,7 @@ from . import mamba_cpu
 from .blocks import MLP, HyperConnection, MoE, RMSNorm
 from .checkpoint_names import canonical_names
 from .kda_layer import KDAProjections, KDAStateLayer, kda_state_dtype, kda_state_shape
-from .mla_layer import CACHE_ROW_FORMAT, SparseMLALayer, SparseMLAProjections
+from .mla_layer import CACHE_ROW_FORMAT, FP8_KV_CACHE_DTYPES, SparseMLALayer, SparseMLAProjections, kv_cache_refusal
 from .tp import TP1, Shard, TPInfo, shard_tensor, tp_info
 from .vision import VisionTower
 
@@ -88,6 +88,9 @@ def check_supported(hf_config: PretrainedConfig, vllm_config: VllmConfig | None 
                 "run with --pipeline-parallel-size 1 (tensor parallelism is) or use GLM5NEXT_IMPL=native on CUDA"
             )
         check_tp_divides(text, par.tensor_parallel_size)
+        refusal = kv_cache_refusal(str(getattr(getattr(vllm_config, "cache_config", None), "cache_dtype", "auto")))
+        if refusal is not None:  # before the weights load, not at the first cache spec
+            raise NotImplementedError(refusal)
 
 
 def check_tp_divides(text: PretrainedConfig, tp_size: int) -> None:
@@ -190,8 +193,12 @@ class Glm5NextModel(nn.Module):
         return self.language_model.embed_tokens
 
 
-# Kept in fp32 whatever the model dtype, as transformers does (_keep_in_fp32_modules_strict).
-FP32_TENSORS = ("A_log", "dt_bias", "conv1d.weight", "e_score_correction_bias")
+# Kept in fp32 whatever the model dtype, as transformers does (_keep_in_fp32_modules_strict);
+# and the sparse-MLA layers' fp8 KV cache scale.
+FP32_TENSORS = ("A_log", "dt_bias", "conv1d.weight", "e_score_correction_bias", "self_attn.k_scale")
+# Tensors a checkpoint may leave out, keeping the module's default: the sparse-MLA layers'
+# fp8 KV cache scale (1.0, vLLM's for an uncalibrated fp8 cache; see glm5next_plugin.mla_layer).
+OPTIONAL_TENSORS = ("self_attn.k_scale",)
 
 
 def cast_for_inference(module: nn.Module, dtype: torch.dtype) -> nn.Module:
@@ -249,6 +256,8 @@ def load_by_name(
             continue
         if name in shards:
             tensor = shard_tensor(tensor, *shards[name])
+        if name.endswith(OPTIONAL_TENSORS) and tensor.numel() == 1:
+            tensor = tensor.reshape(target.shape)  # a scale stored as [1] or []
         if tuple(target.shape) != tuple(tensor.shape):
             raise ValueError(f"glm5next plugin: {name}: checkpoint shape {tuple(tensor.shape)} != {tuple(target.shape)}")
         with torch.no_grad():
@@ -256,9 +265,10 @@ def load_by_name(
         loaded.add(name)
     if unexpected:
         raise ValueError(f"glm5next plugin: unexpected tensors in checkpoint: {sorted(unexpected)}")
-    missing = sorted(set(params) - loaded)
+    missing = sorted(n for n in set(params) - loaded if not n.endswith(OPTIONAL_TENSORS))
     if missing:
         raise ValueError(f"glm5next plugin: tensors missing from checkpoint: {missing}")
+    loaded |= {n for n in params if n.endswith(OPTIONAL_TENSORS)}  # given, or their defaults kept
     if skipped["vision"]:
         logger.info(
             "glm5next plugin: skipped %d vision-tower tensors (no tower: text-only, or an image limit of 0)",
@@ -334,13 +344,18 @@ class Glm5NextHybridLM(nn.Module, *_vllm_interfaces()):
             self.lm_head.weight = self.model.language_model.embed_tokens.weight
         cast_for_inference(self, dtype)
         conv_dtype, rec_dtype = kda_state_dtype(vllm_config)
+        cache_dtype = str(vllm_config.cache_config.cache_dtype)
         logger.info(
             "glm5next plugin: running the plugin's PyTorch implementation (%s); KDA state dtypes conv=%s "
-            "recurrent=%s (mamba_ssm_cache_dtype=%s); tie_word_embeddings=%s; tensor parallel rank %d of %d",
+            "recurrent=%s (mamba_ssm_cache_dtype=%s); sparse-MLA cache rows %s (kv_cache_dtype=%s); "
+            "tie_word_embeddings=%s; tensor parallel rank %d of %d",
             type(self).__name__,
             conv_dtype,
             rec_dtype,
             vllm_config.cache_config.mamba_ssm_cache_dtype,
+            "float8_e4m3fn bytes, per-layer scale (1.0 unless the checkpoint has self_attn.k_scale)"
+            if cache_dtype in FP8_KV_CACHE_DTYPES else dtype,
+            cache_dtype,
             self.tie_word_embeddings,
             self.tp.rank,
             self.tp.size,

