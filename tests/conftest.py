@@ -181,7 +181,10 @@ def pytest_collection_modifyitems(config, items):
 # first (the long ones; the engine-free ones fill the lanes' ends). Modules marked
 # `first_lane` run in the first lane only: tensor-parallel engines (one list of cores per
 # rank, which vLLM's automatic placement gives) and modules with two engines up at once (two
-# such modules side by side would hold four engines' memory).
+# such modules side by side would hold four engines' memory). In a module marked
+# `test_per_unit` each test is a unit (tests that share no module fixture: the notebooks,
+# 1-3 minutes each, which would otherwise run one after another in one lane); they are
+# queued right after the first-lane ones, so the second lane starts with them.
 
 ENGINE_CORE_ENV = "VLLM_CPU_OMP_THREADS_BIND"
 
@@ -205,7 +208,11 @@ def _source(path: str) -> str:
 
 def _queue_rank(path: str) -> int:
     text = _source(path)
-    return 0 if "mark.first_lane" in text else 1 if "mark.engine" in text else 2
+    if "mark.first_lane" in text:
+        return 0
+    if "mark.test_per_unit" in text:
+        return 1
+    return 2 if "mark.engine" in text else 3
 
 
 def pytest_xdist_make_scheduler(config, log):
@@ -215,11 +222,12 @@ def pytest_xdist_make_scheduler(config, log):
 
     class Lanes(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return nodeid.split("::", 1)[0]
+            path = nodeid.split("::", 1)[0]
+            return nodeid if "mark.test_per_unit" in _source(path) else path
 
         def _assign_work_unit(self, node) -> None:
             if node.gateway.id != "gw0":  # first-lane units wait for gw0
-                scope = next((s for s in self.workqueue if "mark.first_lane" not in _source(s)), None)
+                scope = next((s for s in self.workqueue if "mark.first_lane" not in _source(s.split("::", 1)[0])), None)
                 if scope is None:
                     if not self._pending_of(self.assigned_work.get(node, {})):
                         node.shutdown()

@@ -17,7 +17,7 @@ from engines import assert_boundary_reloads_equal_cold, generate_one, random_pro
 pytestmark = pytest.mark.engine
 
 C = 256
-CONTINUATION = 64
+CONTINUATION = 16
 
 
 _prompt = random_prompt
