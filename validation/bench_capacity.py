@@ -3,7 +3,7 @@ storing and retention against an LMCache-style baseline, on real glm-cache-serve
 with the same byte budget.
 
     python -m validation.bench_capacity [--scale 512] [--block 1152] [--shares 0.3 0.5]
-        [--plot validation/bench_capacity.png]
+        [--kv-cache-dtypes auto fp8] [--plot validation/bench_capacity.png]
 
 What it exercises and what it imitates. There is no engine here (GLM-5.3-Flash at TP 4
 does not run on this machine); the driver plays vLLM's part:
@@ -34,6 +34,20 @@ does not run on this machine); the driver plays vLLM's part:
 
 Byte sizes are divided by ``--scale`` (and so is the budget), so everything fits this
 machine; results are reported at full scale (tokens per GB of the unscaled budget).
+
+KV cache dtype (``--kv-cache-dtypes``, default ``auto fp8``): every phase runs once per
+dtype, each with the object sizes of an engine serving that ``--kv-cache-dtype``, and a
+last table puts FP8's resumable tokens per GB next to bf16's. ``auto`` is the bf16 latent
+(11,264 B/token); ``fp8`` the native model's plain per-tensor fp8 latent (one byte a
+value, 5,632 B/token; the FlashInfer sparse backend's format, as the plugin's fp8 rows are
+one byte a value), the indexer cache fp8 with scales either way, the KDA state never fp8.
+vLLM's block alignment then takes a longer block (2176 tokens: the attention page must
+still cover the state page), so the chunk is longer too. Derived from geometry (vLLM's
+spec and alignment code over the served config, ``testing/glm_flash_kv_layouts.py``, no
+fp8 engine was run at TP 4): the block, the bytes per token and per object, and the
+attention-only bound printed per dtype; measured (real servers, this driver's turns):
+the resumable tokens per GB in the tables. FlashMLA's packed ``fp8_ds_mla`` (656 B/token)
+is not modelled.
 
 Phases: (a) the production incident's workload ("seed 000" in the output): six three-turn
 sessions growing to about 20k tokens, one 308k-token prompt, then each session's next turn
@@ -76,13 +90,14 @@ class Sizes:
         return sum(self.state.values()) * self.world
 
 
-def native_tp4_sizes(block: int | None = None) -> Sizes:
+def native_tp4_sizes(block: int | None = None, cache_dtype: str = "auto") -> Sizes:
     """``block`` None: vLLM's unified block as derived by the fixture for the served
-    checkpoint (1152 at TP 4, as seed 003 logs it); else that many tokens a chunk,
-    attention bytes scaled per token, the KDA state (one per block position) unchanged."""
+    checkpoint with the attention cache in ``cache_dtype`` (1152 at TP 4 for ``auto``, as
+    seed 003 logs it; 2176 for ``fp8``); else that many tokens a chunk, attention bytes
+    scaled per token, the KDA state (one per block position) unchanged."""
     from testing import glm_flash_kv_layouts as L
 
-    built = L.build("native", 4, num_blocks=1, cfg=L.text_config())
+    built = L.build("native", 4, num_blocks=1, cfg=L.text_config(), cache_dtype=cache_dtype)
     geo = L.resolve(built)
     assert all(g.replicated_across_tp for g in geo.attn_groups)
     chunk = block or built.block_size
@@ -222,10 +237,12 @@ def phase_seed000(policies: list[Policy], seed: int) -> dict[str, dict]:
     return out
 
 
-def phase_steady(policies: list[Policy], seed: int, sessions: int, start_tokens: int, turns: int) -> dict[str, dict]:
-    """Many sessions; each turn of a random session adds one to three chunks."""
+def phase_steady(policies: list[Policy], seed: int, sessions: int, start_tokens: int, turns: int,
+                 unit: int | None = None) -> dict[str, dict]:
+    """Many sessions; each turn of a random session adds one to three chunks (of ``unit``
+    tokens, the policies' chunk unless given: the same conversations for every dtype)."""
     rng = random.Random(seed)
-    C = policies[0].sizes.chunk
+    C = unit or policies[0].sizes.chunk
     convs = [Conversation(f"m{i}", random.Random(rng.random())) for i in range(sessions)]
     for c in convs:
         c.extend(start_tokens)
@@ -251,17 +268,39 @@ def main() -> None:
     ap.add_argument("--sweep-gb", type=float, nargs="*", default=[3.0, 4.0, 5.0],
                     help="full-scale budgets below phase a's at which seed 000 is replayed again "
                          "(lmcache, ours-lru, ours-value only)")
+    ap.add_argument("--kv-cache-dtypes", nargs="+", default=["auto", "fp8"], choices=["auto", "fp8"],
+                    help="object sizes of an engine with this --kv-cache-dtype; each runs every phase "
+                         "(--block sets the first one's block; the others take the block vLLM derives)")
     ap.add_argument("--plot", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_capacity.png"))
     args = ap.parse_args()
     t0 = time.monotonic()
-    sizes = native_tp4_sizes(args.block)
-    per_token = {sizes.names[g]: b / sizes.chunk for g, b in sizes.attn.items()}
-    print(f"native TP 4: chunk {sizes.chunk} tokens, attention " + ", ".join(
-        f"{n} {v:.0f} B/token" for n, v in per_token.items()) + " (stored once), "
-          f"state {sum(sizes.state.values()) / 1e6:.1f} MB/rank x {sizes.world} ranks; bytes scaled 1/{args.scale}")
+    dtypes = list(dict.fromkeys(args.kv_cache_dtypes))
+    all_rows: dict[str, list] = {}
+    unit = 0
+    for i, cache_dtype in enumerate(dtypes):
+        sizes = native_tp4_sizes(args.block if i == 0 else None, cache_dtype)
+        per_token = {sizes.names[g]: b / sizes.chunk for g, b in sizes.attn.items()}
+        attn_per_token = sum(per_token.values())
+        print(f"native TP 4, --kv-cache-dtype {cache_dtype} (derived from geometry): chunk {sizes.chunk} tokens, "
+              "attention " + ", ".join(f"{n} {v:.0f} B/token" for n, v in per_token.items()) + " (stored once), "
+              f"state {sum(sizes.state.values()) / 1e6:.1f} MB/rank x {sizes.world} ranks "
+              f"({sizes.state_bytes_all_ranks / sizes.chunk:,.0f} B/token if kept every chunk); attention alone "
+              f"{GB / attn_per_token:,.0f} tokens/GB; bytes scaled 1/{args.scale}")
+        unit = unit if i else sizes.chunk  # conversations grow by the first dtype's chunks in every run
+        all_rows[cache_dtype] = _run_phases(args, sizes, cache_dtype, unit)
+    _print_tables(all_rows)
+    print(f"\ntotal {time.monotonic() - t0:.0f} s")
+    if args.plot:
+        _plot([r for r in all_rows[dtypes[0]] if r[0] != "sweep"], args.plot)
+        print(f"plot: {args.plot}")
+
+
+def _run_phases(args: argparse.Namespace, sizes: Sizes, cache_dtype: str, unit: int) -> list:
+    """Every phase, then the smaller-budget sweep, with one dtype's sizes: the table rows
+    (and ``("sweep", budget, policy, tokens per GB, warm, None)`` rows)."""
     phases = [("a: seed 000", args.budget_gb[0], lambda ps: phase_seed000(ps, args.seed)),
-              ("b: 20k sessions", args.budget_gb[1], lambda ps: phase_steady(ps, args.seed, 120, 19_000, 600)),
-              ("b: 100k sessions", args.budget_gb[2], lambda ps: phase_steady(ps, args.seed, 60, 98_000, 240))]
+              ("b: 20k sessions", args.budget_gb[1], lambda ps: phase_steady(ps, args.seed, 120, 19_000, 600, unit)),
+              ("b: 100k sessions", args.budget_gb[2], lambda ps: phase_steady(ps, args.seed, 60, 98_000, 240, unit))]
     rows = []
     for label, budget_gb, run in phases:
         budget = int(budget_gb * GB)
@@ -283,18 +322,6 @@ def main() -> None:
         print(f"  phase {label}: {time.monotonic() - t:.1f} s; server /status usable_prefixes:")
         for name, u in status.items():
             print(f"    {name:16} {u}")
-    print()
-    print(f"{'phase':18} {'budget':>7} {'policy':16} {'resumable tok/GB':>17} {'ratio':>6} {'probes warm':>11} "
-          f"{'latent GB':>9} {'indexer GB':>10} {'state GB':>9}")
-    for label, budget_gb, name, per_gb, warm, by in rows:
-        base = next(r[3] for r in rows if r[0] == label and r[2] == "lmcache")
-        ratio = f"{per_gb / base:.1f}x" if base else ("inf" if per_gb else "-")
-        print(f"{label:18} {budget_gb:6.0f}G {name:16} {per_gb:17,.0f} {ratio:>6} "
-              f"{'' if warm is None else f'{warm} of 6':>11} {by['mla_latent'] / GB:9.2f} "
-              f"{by['indexer_cache'] / GB:10.2f} {by['kda_state'] / GB:9.2f}")
-    if args.sweep_gb:
-        print("\nseed 000 at smaller budgets (probes warm of 6 / resumable tokens per GB):")
-        print(f"{'budget':>7} {'lmcache':>16} {'ours-lru':>16} {'ours-value':>16}")
     for budget_gb in args.sweep_gb:
         budget = int(budget_gb * GB)
         ps = [Policy("lmcache", sizes, args.scale, budget, ours=False),
@@ -306,12 +333,46 @@ def main() -> None:
         finally:
             for p in ps:
                 p.close()
-        print(f"{budget_gb:6.1f}G " + " ".join(f"{res[p.name]['warm']:>6}/6 {res[p.name]['resumable'] / budget_gb:8,.0f}"
-                                              for p in ps))
-    print(f"\ntotal {time.monotonic() - t0:.0f} s")
-    if args.plot:
-        _plot(rows, args.plot)
-        print(f"plot: {args.plot}")
+        for p in ps:
+            rows.append(("sweep", budget_gb, p.name, res[p.name]["resumable"] / budget_gb, res[p.name]["warm"], None))
+    print(f"  --kv-cache-dtype {cache_dtype}: phases done")
+    return rows
+
+
+def _print_tables(all_rows: dict[str, list]) -> None:
+    """The first dtype's tables as before, then each other dtype's resumable tokens per GB
+    next to the first's."""
+    first = next(iter(all_rows))
+    rows = [r for r in all_rows[first] if r[0] != "sweep"]
+    sweep = [r for r in all_rows[first] if r[0] == "sweep"]
+    print(f"\n--kv-cache-dtype {first}:")
+    print(f"{'phase':18} {'budget':>7} {'policy':16} {'resumable tok/GB':>17} {'ratio':>6} {'probes warm':>11} "
+          f"{'latent GB':>9} {'indexer GB':>10} {'state GB':>9}")
+    for label, budget_gb, name, per_gb, warm, by in rows:
+        base = next(r[3] for r in rows if r[0] == label and r[2] == "lmcache")
+        ratio = f"{per_gb / base:.1f}x" if base else ("inf" if per_gb else "-")
+        print(f"{label:18} {budget_gb:6.0f}G {name:16} {per_gb:17,.0f} {ratio:>6} "
+              f"{'' if warm is None else f'{warm} of 6':>11} {by['mla_latent'] / GB:9.2f} "
+              f"{by['indexer_cache'] / GB:10.2f} {by['kda_state'] / GB:9.2f}")
+    if sweep:
+        print("\nseed 000 at smaller budgets (probes warm of 6 / resumable tokens per GB):")
+        print(f"{'budget':>7} {'lmcache':>16} {'ours-lru':>16} {'ours-value':>16}")
+        for budget_gb in dict.fromkeys(r[1] for r in sweep):
+            print(f"{budget_gb:6.1f}G " + " ".join(f"{r[4]:>6}/6 {r[3]:8,.0f}" for r in sweep if r[1] == budget_gb))
+    for other, other_rows in all_rows.items():
+        if other == first:
+            continue
+        print(f"\nresumable tokens per GB, --kv-cache-dtype {other} next to {first} (measured; same budgets, "
+              "same conversations, each dtype's own chunk):")
+        print(f"{'phase':18} {'budget':>7} {'policy':16} {first + ' tok/GB':>14} {other + ' tok/GB':>14} "
+              f"{'ratio':>6} {'warm ' + first:>10} {'warm ' + other:>10}")
+        for label, budget_gb, name, per_gb, warm, _ in all_rows[first]:
+            match = next((r for r in other_rows if r[:3] == (label, budget_gb, name)), None)
+            if match is None:
+                continue
+            ratio = f"{match[3] / per_gb:.2f}x" if per_gb else ("inf" if match[3] else "-")
+            print(f"{label:18} {budget_gb:6.1f}G {name:16} {per_gb:14,.0f} {match[3]:14,.0f} {ratio:>6} "
+                  f"{'' if warm is None else f'{warm} of 6':>10} {'' if match[4] is None else f'{match[4]} of 6':>10}")
 
 
 def _plot(rows: list, path: str) -> None:
