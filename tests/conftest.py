@@ -72,7 +72,6 @@ def sides(server):
 # `vllm_free` (found here from the sources, so a new import moves a test back) and runs once.
 
 import ast  # noqa: E402
-import os  # noqa: E402
 from functools import cache  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -163,76 +162,28 @@ def pytest_collection_modifyitems(config, items):
         used = [m for name in getattr(item, "fixturenames", ()) for m in fixtures.get(name, ())]
         if not _touches_vllm(module) and not any(_touches_vllm(m) for m in used):
             item.add_marker(pytest.mark.vllm_free)
-    # First-lane modules, then the other engine modules, then the rest (see "Two lanes").
-    items.sort(key=lambda item: _queue_rank(item.nodeid.split("::", 1)[0]))
 
 
 # -- Two lanes (`make test` runs pytest-xdist with two workers) ----------------------------------
 #
-# vLLM's CPU worker binds its compute threads (OpenMP) to the host's cores but the last,
-# which it keeps for its front end: on two cores, every engine computes on core 0, and two
-# engines at once would take turns on it. So each lane places its engines as an operator
-# places two engines on one host, with vLLM's own setting, VLLM_CPU_OMP_THREADS_BIND: the
-# first lane keeps vLLM's automatic placement, the second computes on the last core (unless
-# the user set the variable). Measured here: test_connector_glm (101 s) and
-# test_connector_drafts_e2e (145 s) at once, one per core, took what each takes alone.
-#
-# Every module is a unit of its own (its module fixtures start once), engine modules queued
-# first (the long ones; the engine-free ones fill the lanes' ends). Modules marked
-# `first_lane` run in the first lane only: tensor-parallel engines (one list of cores per
-# rank, which vLLM's automatic placement gives) and modules with two engines up at once (two
-# such modules side by side would hold four engines' memory). In a module marked
-# `test_per_unit` each test is a unit (tests that share no module fixture: the notebooks,
-# 1-3 minutes each, which would otherwise run one after another in one lane); they are
-# queued right after the first-lane ones, so the second lane starts with them.
-
-ENGINE_CORE_ENV = "VLLM_CPU_OMP_THREADS_BIND"
-
-
-def _lane() -> int | None:
-    """This xdist worker's index (gw0 is 0), None outside xdist."""
-    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
-    return int(worker[2:]) if worker.startswith("gw") and worker[2:].isdigit() else None
-
-
-def pytest_configure(config):
-    cores, lane = sorted(os.sched_getaffinity(0)), _lane()
-    if lane and lane < len(cores) and ENGINE_CORE_ENV not in os.environ:
-        os.environ[ENGINE_CORE_ENV] = str(cores[-lane])
+# vLLM's CPU worker binds its compute threads to the first core and keeps the other for its
+# front end, so two engines at once would share one core and twice the memory. Every module
+# with an engine test runs in one lane, one module after another as without xdist; each other
+# module is a unit of its own (its fixtures start once), so the second worker runs the ~700
+# engine-free tests (servers, clients, connector sides) beside the engines.
 
 
 @cache
-def _source(path: str) -> str:
-    return (_ROOT / path).read_text()
-
-
-def _queue_rank(path: str) -> int:
-    text = _source(path)
-    if "mark.first_lane" in text:
-        return 0
-    if "mark.test_per_unit" in text:
-        return 1
-    return 2 if "mark.engine" in text else 3
+def _engine_module(path: str) -> bool:
+    return "mark.engine" in (_ROOT / path).read_text()
 
 
 def pytest_xdist_make_scheduler(config, log):
     from xdist.scheduler import LoadScopeScheduling
 
-    config.option.loadscopereorder = False  # the queue keeps the collection's order (above)
-
-    class Lanes(LoadScopeScheduling):
+    class EngineLane(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             path = nodeid.split("::", 1)[0]
-            return nodeid if "mark.test_per_unit" in _source(path) else path
+            return "engines" if _engine_module(path) else path
 
-        def _assign_work_unit(self, node) -> None:
-            if node.gateway.id != "gw0":  # first-lane units wait for gw0
-                scope = next((s for s in self.workqueue if "mark.first_lane" not in _source(s.split("::", 1)[0])), None)
-                if scope is None:
-                    if not self._pending_of(self.assigned_work.get(node, {})):
-                        node.shutdown()
-                    return
-                self.workqueue.move_to_end(scope, last=False)
-            super()._assign_work_unit(node)
-
-    return Lanes(config, log)
+    return EngineLane(config, log)

@@ -27,7 +27,7 @@ from cache_server.client import CacheClient
 from glm5next_plugin import tiny_checkpoint
 from testing.server_process import ServerProcess
 
-pytestmark = [pytest.mark.engine, pytest.mark.first_lane]
+pytestmark = pytest.mark.engine
 
 C = 128  # the server's minimum chunk == the tiny checkpoint's unified block
 # MTP drafts on vLLM's defaults (the padded drafter batch), as operators serve GLM-5.3-Flash:

@@ -32,7 +32,7 @@ import pytest
 from testing.server_process import ServerProcess
 from validation.serving import VllmServer, chat, connector_config, metric_sum, scrape_metrics
 
-pytestmark = [pytest.mark.engine, pytest.mark.first_lane]
+pytestmark = pytest.mark.engine
 
 C = 128
 TOKENS = 8

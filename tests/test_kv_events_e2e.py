@@ -41,7 +41,7 @@ from testing.server_process import ServerProcess, free_port
 from tests.engines import random_prompt
 from validation.serving import VllmServer, complete, connector_config, post_json
 
-pytestmark = [pytest.mark.engine, pytest.mark.first_lane]
+pytestmark = pytest.mark.engine
 
 C = 128
 CAPPED = 256  # lmcache.max_offload_tokens of the capped request

@@ -15,7 +15,7 @@ import pytest
 
 from validation.build_notebooks import NOTEBOOKS, PARAMETERS, SMALL, build, execute
 
-pytestmark = [pytest.mark.engine, pytest.mark.test_per_unit]  # each notebook its own unit
+pytestmark = pytest.mark.engine
 
 VALIDATION = Path(__file__).resolve().parent.parent / "validation"
 

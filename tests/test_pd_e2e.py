@@ -39,7 +39,7 @@ from tests.engines import random_prompt
 from tests.test_pd_proxy import _get, _post  # the proxy's raw HTTP helpers (status, JSON)
 from validation.serving import VllmServer, complete, metric_sum, post_json, scrape_metrics
 
-pytestmark = [pytest.mark.engine, pytest.mark.first_lane]
+pytestmark = pytest.mark.engine
 
 C = 128
 MAX_TOKENS = 8

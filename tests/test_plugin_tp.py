@@ -34,8 +34,6 @@ from torch import nn
 from glm5next_plugin.model import Glm5NextModel, load_by_name, tp_shards_of
 from glm5next_plugin.tp import TP1, Shard, TPInfo
 
-pytestmark = pytest.mark.first_lane  # TP 2 engines: vLLM's own core placement (tests/conftest.py)
-
 # TP 2 vs TP 1, both float32: only the order of the row-parallel sums differs. Measured
 # max |diff| 3.3e-5 (prompt log-probs, 700 + 37 tokens) and 5e-6 (greedy-token log-probs)
 # (MLA cache rows: 1.7e-5 against TP 1), printing the differences from
