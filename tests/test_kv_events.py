@@ -3,7 +3,7 @@ vLLM requests (vLLM's sha256 block hasher): what is announced is what the server
 resumable, never deeper; removals when a chain gets shallower, a chunk shared by two
 chains staying while one reaches it; re-announcement after vLLM's clear; bounded memory
 when nobody takes the events; nothing at all when events are off. Seconds, no engine
-(tests/test_kv_events_e2e.py runs the engines and real consumers)."""
+(tests/test_replicas_e2e.py runs the engines and real consumers)."""
 
 from __future__ import annotations
 

@@ -5,7 +5,8 @@ the protocol (op ``query``). Objects are stored through the client exactly as th
 names them: token-chain keys of :func:`connector.keys.chunk_hashes` (salted by the request's
 cache salt), or :func:`connector.keys.block_hash_keys` of vLLM's block hashes; one object per
 group (MLA latent 0, indexer 1 at every chunk; KDA state 2 at each chunk's end), with the
-engine's layout and key scheme declared at hello as the connector declares them."""
+engine's layout and key scheme declared at hello as the connector declares them. What a real
+engine's connector saves, queried the same way: ``test_connector_glm.py``."""
 
 from __future__ import annotations
 
@@ -16,7 +17,6 @@ import random
 import time
 
 import pytest
-from engines import stop_engine
 
 from cache_server import protocol as p
 from cache_server.client import CacheClient
@@ -282,48 +282,6 @@ def test_l2_hung_is_unknown_not_zero(server, redis, prompts):
         proc.send_signal(signal.SIGCONT)
     assert got == again == {"longest_matched": 0, "CPU": 0}  # B left L1 with test_l2_only's clear
     assert first_s < 3.0 and again_s < 0.5, (first_s, again_s)
-
-
-@pytest.fixture(scope="module")
-def engine_server():
-    """A plain server (no token, no L2) for the real engine below."""
-    with ServerProcess("--separate-object-groups", "--chunk-size", "256") as s:
-        yield s
-
-
-@pytest.mark.engine
-def test_real_connector_saves_what_a_router_query_finds(tmp_path_factory, engine_server):
-    """The tiny GLM-5.3-Flash with GlmCacheConnector (its default keys: vLLM's block hashes)
-    saves a 600-token prompt; its hello told the server its key scheme, so /status names the
-    span, and a router that hashes the prompt as vLLM does (vLLM's own block hasher, the
-    request's salt) finds the strict prefix the connector stored: 2 chunks of 256 (the 88
-    tokens after them are a partial chunk). Token ids alone cannot name such chunks: 400."""
-    from engines import generate_one, random_prompt, tiny_glm_engine
-
-    from testing.vllm_keys import vllm_hashed_request
-
-    llm = tiny_glm_engine(tmp_path_factory, engine_server.url, 256)
-    try:
-        prompt = random_prompt(600, seed=5)
-        generate_one(llm, prompt, "router-salt", 4)
-        doc = json.loads(http_get(engine_server, "/status"))
-        (ns, info), = doc["namespaces"].items()
-        assert info["chunk_keys"]["scheme"] == "vllm" and info["chunk_keys"]["lookahead"] == 0
-        span = info["chunk_keys"]["span"]
-        model = ns.rsplit("-", 1)[0]
-        hashes = vllm_hashed_request("router", prompt, span, "router-salt").block_hashes
-        status, got = post(engine_server, "/query_by_hash", {"model": model, "seq_hashes": [h.hex() for h in hashes]},
-                           token=None)
-        assert status == 200 and got == {"default": {ns: {"longest_matched": 512, "CPU": 512}}}
-        other = vllm_hashed_request("router", prompt, span, "another-salt").block_hashes
-        status, got = post(engine_server, "/query_by_hash", {"model": model, "seq_hashes": [h.hex() for h in other]},
-                           token=None)
-        assert got["default"][ns]["longest_matched"] == 0
-        status, got = post(engine_server, "/query", {"model": model, "token_ids": prompt}, token=None)
-        assert status == 400 and "seq_hashes" in got["error"]
-    finally:
-        stop_engine(llm)
-        del llm
 
 
 def http_get(server: ServerProcess, path: str) -> bytes:

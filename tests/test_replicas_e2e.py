@@ -1,9 +1,12 @@
-"""KV events for routers, read by real consumers (issue 33, items 1 and 3).
+"""Two ``vllm serve`` replicas of the tiny GLM-5.3-Flash (float32, chunk 128 = vLLM's block,
+its vision tower with one image a prompt and vLLM's processor cache off, so each request's
+pixels are its own) share one real glm-cache-server; each publishes KV events with vLLM's
+own ZMQ publisher (``--kv-events-config``, its own topic). One pair of engines for two
+concerns (a pair's start-up costs about a minute of the suite's engine lane): KV events for
+routers, then hostile clients.
 
-Two ``vllm serve`` replicas of the tiny GLM-5.3-Flash (float32, chunk 128 = vLLM's block)
-share one real glm-cache-server; each publishes with vLLM's own ZMQ publisher
-(``--kv-events-config``, its own topic). Two consumers read the streams:
-
+**KV events for routers, read by real consumers (issue 33, items 1 and 3).** Two consumers
+read the streams:
 * vLLM's own decoder (``msgspec`` with ``vllm.distributed.kv_events.KVEventBatch``) on a
   SUB socket: every message decodes, and the connector's ``BlockStored(medium="CPU")``
   events carry the hashes, tokens, parent, group and spec kind of vLLM's own GPU events
@@ -21,15 +24,34 @@ server is cleared, both replicas' scores drop to 0.
 Before the fix, measured with these prompts: the indexer kept ``"gpu":256/384/896``
 after the reset (vLLM queues its ``AllBlocksCleared`` and publishes it only from the next
 step, which an idle engine never takes) and had no CPU blocks.
+
+**Hostile API clients** (run after the events' tests, whose streams they would add to): no
+request field stops the engine, and no client can plant one image's KV under another image's
+name.
+- Odd ``kv_transfer_params``, ``cache_salt`` and media uuids (infinities, 10^40, NaN, nested
+  objects, wrong types, very long keys and strings) are each sent as a raw JSON body; each
+  is answered (200, or vLLM's own 400 for what its API refuses), never a 500, and a plain
+  request is answered after each. Before the fix, ``"lmcache.max_offload_tokens": 1e999``
+  raised OverflowError inside vLLM's scheduler: a fatal EngineCore error.
+- The planting attack: on replica 1 a client sends image A under a uuid equal to vLLM's own
+  content hash of image B (anyone holding B can compute it); a later request with B and no
+  uuid then resumes from A's rows there (vLLM trusts the uuid: its prefix and encoder caches
+  are keyed by it). The connector must not save those rows under the key that names B's
+  pixels: replica 2's output for B equals B's cold output, and it resumes only before the
+  image.
 """
 
 from __future__ import annotations
 
+import base64
+import io
 import json
+import random
 import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable
 from typing import Any
@@ -39,7 +61,7 @@ import pytest
 from connector.events import RECHECK_S, VERIFY_DELAYS_S
 from testing.server_process import ServerProcess, free_port
 from tests.engines import random_prompt
-from validation.serving import VllmServer, complete, connector_config, post_json
+from validation.serving import VllmServer, chat, complete, connector_config, metric_sum, post_json, scrape_metrics
 
 pytestmark = pytest.mark.engine
 
@@ -171,7 +193,10 @@ def _wait_for(what: str, check: Callable[[], Any], timeout_s: float = 30.0) -> A
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    pytest.importorskip("dynamo.llm", reason="Dynamo's indexer: pip install ai-dynamo-runtime (the test extras)")
+    """(engines, server, event tap, Dynamo's indexer or None where it is not installed,
+    checkpoint path); the events' tests skip without the indexer, the hostile ones run."""
+    import importlib.util
+
     from glm5next_plugin.tiny_checkpoint import ensure_checkpoint
 
     tmp = tmp_path_factory.mktemp("kv_events")
@@ -180,10 +205,11 @@ def stack(tmp_path_factory):
     ports = [free_port() for _ in TOPICS]
     endpoints = [f"tcp://127.0.0.1:{p}" for p in ports]
     tap = EventTap(endpoints)  # subscribed before the publishers bind: nothing is missed
-    indexer = Indexer(endpoints, str(tmp / "indexer.log"))
+    indexer = Indexer(endpoints, str(tmp / "indexer.log")) if importlib.util.find_spec("dynamo") else None
     with ServerProcess("--separate-object-groups", "--chunk-size", str(C), "--l1-size-gb", "1") as srv:
         engines = [VllmServer(ckpt, "--enforce-eager", "--max-num-batched-tokens", str(C),
                               "--prefix-cache-retention-interval", str(C), "--dtype", "float32",
+                              "--limit-mm-per-prompt", json.dumps({"image": 1}), "--mm-processor-cache-gb", "0",
                               "--max-num-seqs", "4", "--kv-events-config",
                               json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
                                           "endpoint": f"tcp://*:{port}", "topic": topic}),
@@ -199,23 +225,34 @@ def stack(tmp_path_factory):
             warm = random_prompt(C + 5, 7)
             for i, e in enumerate(engines):
                 complete(e.base_url, warm, max_tokens=1)
-                _wait_for(f"replica {i + 1}'s GPU events indexed", lambda i=i: indexer.score(warm, i + 1)[0] == C)
-            yield engines, srv, tap, indexer
+                if indexer is not None:
+                    _wait_for(f"replica {i + 1}'s GPU events indexed", lambda i=i: indexer.score(warm, i + 1)[0] == C)
+            yield engines, srv, tap, indexer, str(ckpt)
         finally:
             for e in engines:
                 e.stop()
-            indexer.stop()
+            if indexer is not None:
+                indexer.stop()
             tap.close()
+
+
+@pytest.fixture(scope="module")
+def events(stack):
+    """The pair with its consumers, for the events' tests: (engines, server, tap, indexer)."""
+    engines, srv, tap, indexer = events
+    if indexer is None:
+        pytest.skip("Dynamo's indexer: pip install ai-dynamo-runtime (the test extras)")
+    return engines, srv, tap, indexer
 
 
 PROMPTS = {n: random_prompt(n, n) for n in (383, 385, 941)}
 CAPPED_PROMPT = random_prompt(941, 4)
 
 
-def test_resumable_prefix_scored_at_cpu_after_reset(stack):
+def test_resumable_prefix_scored_at_cpu_after_reset(events):
     """Replica 1 computes the prompts; after its prefix cache is reset (no request since),
     the index scores each 0 on the GPU tier and its resumable prefix at the CPU tier."""
-    engines, _, tap, indexer = stack
+    engines, _, tap, indexer = events
     r1 = engines[0]
     for p in PROMPTS.values():
         complete(r1.base_url, p, max_tokens=1)
@@ -261,10 +298,10 @@ def test_resumable_prefix_scored_at_cpu_after_reset(stack):
     assert ("BlockStored", "CPU") in kinds[cleared:]
 
 
-def test_second_replica_scored_the_same(stack):
+def test_second_replica_scored_the_same(events):
     """Replica 2 finds the prompts on the server at lookup and announces them: after its own
     reset it is scored as replica 1 is."""
-    engines, _, tap, indexer = stack
+    engines, _, tap, indexer = events
     r2 = engines[1]
     for p in PROMPTS.values():
         assert complete(r2.base_url, p, max_tokens=1).cached_tokens >= C
@@ -276,10 +313,10 @@ def test_second_replica_scored_the_same(stack):
     assert tap.undecodable == []
 
 
-def test_server_clear_drops_scores(stack):
+def test_server_clear_drops_scores(events):
     """After the server is cleared, the replicas' rechecks find the chains gone and publish
     BlockRemoved(medium CPU): the index scores 0 everywhere."""
-    engines, srv, tap, indexer = stack
+    engines, srv, tap, indexer = events
     post_json(srv.http_url + "/cache/clear", {"force": True})
     time.sleep(RECHECK_S)
     for e in engines:  # rechecks run while an engine steps
@@ -291,3 +328,145 @@ def test_server_clear_drops_scores(stack):
         removed = tap.of(topic, "BlockRemoved", "CPU")
         assert removed and all(e.group_idx is not None for e in removed)
     assert tap.undecodable == []
+
+
+# -- hostile clients ----------------------------------------------------------------------------------
+
+TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def replicas(stack):
+    """The pair as the hostile clients' tests see it: (engines, server, checkpoint path)."""
+    engines, srv, _, _, ckpt = stack
+    return engines, srv, ckpt
+
+
+def _raw_post(url: str, body: bytes) -> tuple[int, bytes]:
+    req = urllib.request.Request(url, data=body, method="POST", headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=300) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def _completion(prompt: list[int], extra: str = "") -> bytes:
+    """A completion request's JSON text with ``extra`` spliced in verbatim (so it can carry
+    what Python's json would not write: 1e999, big integer literals, NaN)."""
+    base = json.dumps({"model": "model", "prompt": prompt, "max_tokens": 4, "temperature": 0.0})
+    return (base[:-1] + (", " + extra if extra else "") + "}").encode()
+
+
+def _nested(depth: int) -> str:
+    return '{"a": ' * depth + "1" + "}" * depth
+
+
+PROMPT = [random.Random(5).randrange(16, 512) for _ in range(300)]
+
+HOSTILE_FIELDS = [
+    '"kv_transfer_params": {"lmcache.max_offload_tokens": 1e999}',
+    '"kv_transfer_params": {"lmcache.max_offload_tokens": -1e999}',
+    '"kv_transfer_params": {"lmcache.max_offload_tokens": NaN}',
+    '"kv_transfer_params": {"lmcache.max_offload_tokens": 1e40}',
+    '"kv_transfer_params": {"lmcache.max_offload_tokens": 10000000000000000000000000000000000000000}',
+    '"kv_transfer_params": {"lmcache.max_offload_tokens": -5}',
+    '"kv_transfer_params": {"lmcache.max_offload_tokens": 12.5}',
+    '"kv_transfer_params": {"lmcache.max_offload_tokens": "1e999"}',
+    '"kv_transfer_params": {"lmcache.max_offload_tokens": true}',
+    '"kv_transfer_params": {"lmcache.max_offload_tokens": [1, 2]}',
+    '"kv_transfer_params": {"lmcache.max_offload_tokens": ' + _nested(60) + "}",
+    '"kv_transfer_params": {"lmcache.skip_load": ' + _nested(60) + "}",
+    '"kv_transfer_params": {"lmcache.skip_load": "' + "t" * 100_000 + '"}',
+    '"kv_transfer_params": {"lmcache.' + "k" * 100_000 + '": 1}',
+    '"kv_transfer_params": {' + ", ".join(f'"lmcache.x{i}": {i}' for i in range(2000)) + "}",
+    '"kv_transfer_params": {"glm_strict_prefix": false, "lmcache.skip_load": 1e999}',
+    '"kv_transfer_params": [1, 2, 3]',
+    '"kv_transfer_params": "lmcache.skip_load"',
+    '"kv_transfer_params": 1e999',
+    '"cache_salt": "' + "s" * 200_000 + '"',
+    '"cache_salt": 1e40',
+    '"cache_salt": {"a": [1, 2]}',
+    '"cache_salt": ""',
+]
+
+
+def test_no_request_field_stops_the_engine(replicas):
+    (engine, _), _srv, _ = replicas
+    url = engine.base_url + "/v1/completions"
+    plain = _completion(PROMPT[:40])
+    assert _raw_post(url, plain)[0] == 200
+    before = metric_sum(scrape_metrics(engine.base_url), "vllm:glm_cache_params_ignored_total")
+    statuses = []
+    for extra in HOSTILE_FIELDS:
+        status, body = _raw_post(url, _completion(PROMPT, extra))
+        statuses.append(status)
+        assert status in (200, 400), f"{extra[:80]}: {status} {body[:300]!r}"
+        status, body = _raw_post(url, plain)
+        assert status == 200, f"after {extra[:80]}: the engine no longer answers: {status} {body[:300]!r}"
+        assert json.loads(body)["choices"][0]["text"] is not None
+    # the infinities, NaN and 1e40 reached the connector (vLLM's API refuses a few of the others itself)
+    assert statuses[:4] == [200] * 4 and statuses.count(200) >= 12, statuses
+    # the malformed caps and unknown keys reached the connector and were counted, not honoured
+    after = metric_sum(scrape_metrics(engine.base_url), "vllm:glm_cache_params_ignored_total")
+    assert after - before >= 10
+    assert engine.proc.poll() is None
+
+
+def _png(seed: int, size: int = 112) -> bytes:
+    from PIL import Image
+
+    rng = random.Random(seed)
+    img = Image.frombytes("RGB", (size, size), bytes(rng.randrange(256) for _ in range(size * size * 3)))
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _vllm_image_id(png: bytes, model_id: str) -> str:
+    """vLLM's own identifier for this image when no uuid is given (what its prefix and
+    encoder caches key the image by), computed as vLLM's renderer does for a data URL:
+    anyone who holds the image can compute it."""
+    from vllm.multimodal.hasher import MultiModalHasher
+    from vllm.multimodal.media.image import ImageMediaIO
+
+    return MultiModalHasher.hash_kwargs("blake3", model_id=model_id, image=ImageMediaIO().load_bytes(png))
+
+
+def _message(png: bytes, uuid: str | None = None) -> list[dict]:
+    rng = random.Random(11)
+    words = ["cache", "state", "chunk", "prefix", "token", "layer", "block", "server", "the", "of", "and", "to"]
+    before = " ".join(rng.choice(words) for _ in range(300))
+    after = " ".join(rng.choice(words) for _ in range(200)) + "\nDescribe the image."
+    part: dict = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(png).decode()}}
+    if uuid is not None:
+        part["uuid"] = uuid
+    return [{"role": "user", "content": [{"type": "text", "text": before}, part, {"type": "text", "text": after}]}]
+
+
+def test_a_client_uuid_cannot_plant_one_images_kv_under_anothers_pixels(replicas):
+    (one, two), _srv, model_id = replicas
+    a, b = _png(1), _png(2)
+    forged = _vllm_image_id(b, model_id)
+    salt = "tenant-shared"
+
+    # replica 1: A under B's identifier, then B itself (no uuid)
+    planted = chat(one.base_url, _message(a, uuid=forged), TOKENS, cache_salt=salt)
+    victim = chat(one.base_url, _message(b), TOKENS, cache_salt=salt)
+    strict = C * ((victim.prompt_tokens - 1) // C)
+    # vLLM's own caches took A's rows for B on replica 1 (the forged id matched): the attack is real
+    assert victim.cached_tokens == strict, (victim.cached_tokens, strict)
+    assert planted.prompt_tokens == victim.prompt_tokens
+
+    # replica 2: B cold (a salt of its own), then B under the shared salt from the server
+    cold_b = chat(two.base_url, _message(b), TOKENS, cache_salt="b-cold")
+    assert cold_b.cached_tokens == 0
+    assert victim.text != cold_b.text or victim.top_logprobs[0] != cold_b.top_logprobs[0]
+    reloaded_b = chat(two.base_url, _message(b), TOKENS, cache_salt=salt)
+    assert reloaded_b.text == cold_b.text
+    assert reloaded_b.top_logprobs[0] == cold_b.top_logprobs[0]
+    # only the text chunks before the image came from the server (they hold text rows only)
+    assert C <= reloaded_b.cached_tokens < strict, reloaded_b.cached_tokens
+
+    # replica 1 said so in its counters
+    assert metric_sum(scrape_metrics(one.base_url), "vllm:glm_cache_media_withheld_total") >= 1
