@@ -39,7 +39,10 @@ the counts below (it is only that sizing knob: no LMCache server is involved).
 
 TTFT mean / p50 / p99 and the request count are the tool's own (``bench_summary.json``, from
 ``--json --output-dir``), measured by its streaming OpenAI client on ``/v1/chat/completions``
-(first non-empty content). The counters are vLLM's ``/metrics`` (plus the connector's
+(first non-empty content); decode tok/s, mean and p50 over requests, is its
+per-request output tokens over the time from the first token to the last: what a decoding
+request pays for the other requests' prefills and loads, side by side with and without the
+connector. The counters are vLLM's ``/metrics`` (plus the connector's
 ``vllm:glm_cache_loaded_bytes_total``), differences over the whole tool run, warm-up included:
 prompt tokens, local prefix-cache hits (``vllm:prefix_cache_hits_total`` /
 ``vllm:prefix_cache_queries_total``), external hits (``vllm:external_prefix_cache_hits_total`` /
@@ -135,8 +138,10 @@ def run_workload(engine: VllmServer, name: str, args: list[str], work: Path, tag
     row = {"workload": name, "config": tag, "requests": res["successful_requests"], "failed": res["failed_requests"],
            "input_tokens": res["total_input_tokens"], "duration_s": res["elapsed_time"],
            "ttft_mean_ms": res["mean_ttft_ms"], "ttft_p50_ms": res["p50_ttft_ms"], "ttft_p99_ms": res["p99_ttft_ms"],
+           "decode_mean_tok_s": res["mean_decode_speed"], "decode_p50_tok_s": res["p50_decode_speed"],
            **{k: after[k] - before[k] for k in after}}
-    print(f"    {row['requests']} requests, TTFT mean {row['ttft_mean_ms']:.0f} ms; "
+    print(f"    {row['requests']} requests, TTFT mean {row['ttft_mean_ms']:.0f} ms, decode "
+          f"{row['decode_mean_tok_s']:.1f} tok/s; "
           f"local hits {row['local_hit']:.0f}, external hits {row['ext_hit']:.0f} tokens", flush=True)
     return row
 
@@ -167,16 +172,24 @@ def pct(hit: float, q: float) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    head = ("| workload | config | requests | TTFT mean ms | TTFT p50 ms | TTFT p99 ms | prompt tokens | "
-            "computed | local hits / queries | external hits / queries | loaded from server |")
+    head = ("| workload | config | requests | TTFT mean ms | TTFT p50 ms | TTFT p99 ms | decode tok/s mean | "
+            "decode tok/s p50 | prompt tokens | computed | local hits / queries | external hits / queries | "
+            "loaded from server |")
     lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
     for r in sorted(rows, key=lambda r: (r["workload"], r["config"])):
         fail = f" ({r['failed']} failed)" if r["failed"] else ""
         lines.append(
             f"| {r['workload']} | {r['config']} | {r['requests']}{fail} | {r['ttft_mean_ms']:.0f} | "
-            f"{r['ttft_p50_ms']:.0f} | {r['ttft_p99_ms']:.0f} | {r['prompt']:.0f} | {r['computed']:.0f} | "
+            f"{r['ttft_p50_ms']:.0f} | {r['ttft_p99_ms']:.0f} | {r['decode_mean_tok_s']:.1f} | "
+            f"{r['decode_p50_tok_s']:.1f} | {r['prompt']:.0f} | {r['computed']:.0f} | "
             f"{pct(r['local_hit'], r['local_q'])} | {pct(r['ext_hit'], r['ext_q'])} | "
             f"{r['glm_loaded_bytes'] / 2**20:.1f} MiB |")
+    by = {(r["workload"], r["config"]): r for r in rows}
+    for w in sorted({r["workload"] for r in rows}):
+        on, off = by.get((w, "vllm+glm-cache")), by.get((w, "vllm"))
+        if on and off and off["decode_mean_tok_s"] and off["ttft_mean_ms"]:
+            lines.append(f"\n{w}: decode tok/s with / without the connector {on['decode_mean_tok_s'] / off['decode_mean_tok_s']:.3f} "
+                         f"(mean), TTFT without / with {off['ttft_mean_ms'] / on['ttft_mean_ms']:.2f}x")
     return "\n".join(lines)
 
 

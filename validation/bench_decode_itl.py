@@ -1,0 +1,228 @@
+"""Decode under other requests' loads: does a decoding request's inter-token latency (ITL)
+pay for reloads running for other requests?
+
+    python -m validation.bench_decode_itl [--sizes 1024 4096 8000] [--reps 3] [--json]
+
+One ``vllm serve`` of a small GLM-5.3-Flash checkpoint (random weights; ``--layers``, by
+default 2 KDA + 8 sparse-MLA layers so a reload moves kilobytes per token, not hundreds of
+bytes) with ``GlmCacheConnector`` and a real ``glm-cache-server`` (chunk = block = 128
+tokens). The decode batch is held fixed: ``--decoders`` streamed completions of fresh
+64-token prompts, ``--decode-tokens`` tokens each (``ignore_eos``). Once every decoder has
+streamed a few tokens, ``--arrivals`` other requests of ``S`` prompt tokens are sent,
+``--inflight`` at a time, one output token each; the decoders' token gaps that end between
+the first arrival's send and the last arrival's answer are the window's ITL. Three
+conditions per size, in a rotated order each repetition:
+
+- ``none``: the decode batch alone (no arrivals): the floor;
+- ``local``: the arrivals' prompts are in vLLM's own prefix cache (primed just before, no
+  decoder running), so they prefill only their tail: what arrivals cost without any load;
+- ``loads``: vLLM's prefix cache reset, the same arrivals resume from glm-cache-server: the
+  same tail prefill (chunk = block, the same strict prefix), plus the loads.
+
+``loads / local`` is what the loads cost the decode batch (goal: within 3%); ``loads /
+none`` is what arrivals cost at all. The arrivals' prompts are stored once beforehand (a cold
+run each, then the server's saves waited for). Loaded bytes and computed tokens are
+vLLM's ``/metrics`` deltas per condition, so both the loads and the equal tail compute are
+shown, not assumed.
+
+ITL comes from the client's clock on the SSE stream (one event per token,
+``--stream-interval`` 1), so it includes HTTP framing, the same in every condition. On 2
+CPU cores the model's compute threads hold one core and everything else (vLLM's front end,
+the connector's transfer threads, the server, this client) shares the other. The last line
+is JSON with ``--json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
+from pathlib import Path
+
+from testing.server_process import ServerProcess
+from validation.serving import VllmServer, complete, connector_config, metric_sum, scrape_metrics
+
+C = 128  # the checkpoint's block and the server's chunk
+DECODER_PROMPT = 64
+WARM_TOKENS = 4  # tokens every decoder streams before the arrivals start
+COUNTERS = {
+    "loaded_bytes": ("vllm:glm_cache_loaded_bytes_total", {}),
+    "ext_hit": ("vllm:external_prefix_cache_hits_total", {}),
+    "local_hit": ("vllm:prefix_cache_hits_total", {}),
+    "computed": ("vllm:prompt_tokens_by_source_total", {"source": "local_compute"}),
+}
+
+
+def counters(base_url: str) -> dict[str, float]:
+    samples = scrape_metrics(base_url)
+    return {k: metric_sum(samples, name, **labels) for k, (name, labels) in COUNTERS.items()}
+
+
+def stream_times(base_url: str, prompt: list[int], max_tokens: int, started: threading.Event | None = None,
+                 times: list[float] | None = None) -> list[float]:
+    """Stream a greedy completion; the client's time of each token's arrival."""
+    body = {"model": "model", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
+            "ignore_eos": True, "return_token_ids": True}
+    req = urllib.request.Request(base_url + "/v1/completions", data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    out = times if times is not None else []
+    with urllib.request.urlopen(req, timeout=600) as r:
+        for raw in r:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            now = time.perf_counter()
+            for choice in json.loads(line[5:]).get("choices", []):
+                out.extend([now] * max(1, len(choice.get("token_ids") or [])))
+            if started is not None and len(out) >= WARM_TOKENS:
+                started.set()
+    return out
+
+
+def window_gaps(streams: list[list[float]], t0: float, t1: float) -> list[float]:
+    """Gaps between consecutive tokens of each stream whose later token came in [t0, t1]."""
+    return [b - a for s in streams for a, b in zip(s, s[1:]) if t0 <= b <= t1]
+
+
+def run_condition(base_url: str, rng: random.Random, decoders: int, decode_tokens: int,
+                  arrivals: list[list[int]], inflight: int, idle_window_s: float) -> dict:
+    """One decode batch, with ``arrivals`` sent once it streams (none: a window of
+    ``idle_window_s``, measured from the same point)."""
+    streams: list[list[float]] = [[] for _ in range(decoders)]
+    warm = [threading.Event() for _ in range(decoders)]
+    prompts = [[rng.randrange(8, 500) for _ in range(DECODER_PROMPT)] for _ in range(decoders)]
+    before = counters(base_url)
+    with ThreadPoolExecutor(decoders + inflight) as pool:
+        decs = [pool.submit(stream_times, base_url, p, decode_tokens, e, s) for p, e, s in zip(prompts, warm, streams)]
+        for e in warm:
+            if not e.wait(300):
+                raise RuntimeError("a decoder never started streaming")
+        t0 = time.perf_counter()
+        ttfts: list[float] = []
+        if arrivals:
+            def one(prompt: list[int]) -> None:
+                t = time.perf_counter()
+                complete(base_url, prompt, max_tokens=1, top_logprobs=0)
+                ttfts.append(time.perf_counter() - t)
+
+            with ThreadPoolExecutor(inflight) as senders:
+                list(senders.map(one, arrivals))
+        else:
+            time.sleep(idle_window_s)
+        t1 = time.perf_counter()
+        for d in decs:
+            d.result()
+    after = counters(base_url)
+    if min(len(s) for s in streams) < decode_tokens or any(s[-1] < t1 for s in streams):
+        raise RuntimeError(f"the decode batch ended before the arrivals did: raise --decode-tokens "
+                           f"(window {t1 - t0:.1f} s)")
+    gaps = window_gaps(streams, t0, t1)
+    return {"window_s": t1 - t0, "gaps": len(gaps), "itl_mean_ms": 1e3 * statistics.fmean(gaps),
+            "itl_p50_ms": 1e3 * statistics.median(gaps),
+            "itl_p90_ms": 1e3 * statistics.quantiles(gaps, n=10)[-1] if len(gaps) >= 10 else float("nan"),
+            "arrival_ttft_ms": 1e3 * statistics.fmean(ttfts) if ttfts else 0.0,
+            **{k: after[k] - before[k] for k in after}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sizes", type=int, nargs="+", default=[1024, 4096, 8000],
+                    help="prompt tokens of each arrival (one table row per size)")
+    ap.add_argument("--arrivals", type=int, default=6, help="arriving requests per condition")
+    ap.add_argument("--inflight", type=int, default=2, help="arrivals in flight at once")
+    ap.add_argument("--decoders", type=int, default=4, help="requests in the fixed decode batch")
+    ap.add_argument("--decode-tokens", type=int, default=400)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--layers", default="LLIIIIIIII", help="layer types of the checkpoint (L: KDA, I: sparse MLA)")
+    ap.add_argument("--checkpoint", help="use this checkpoint instead of writing one")
+    ap.add_argument("--keep", type=Path, help="keep logs and the checkpoint in this directory")
+    ap.add_argument("--json", action="store_true", help="last line: the results as JSON")
+    args = ap.parse_args(argv)
+    max_len = max(args.sizes) + 64
+    if max_len > 8192:
+        ap.error("--sizes: at most 8128 tokens (the checkpoint's 8192 positions)")
+    work = args.keep or Path(tempfile.mkdtemp(prefix="bench-decode-itl-"))
+    work.mkdir(parents=True, exist_ok=True)
+    if args.checkpoint:
+        ckpt = Path(args.checkpoint)
+    else:
+        from glm5next_plugin.tiny_checkpoint import write_checkpoint
+
+        ckpt = work / f"ckpt-{args.layers}"
+        if not (ckpt / "model.safetensors").exists():
+            print(f"writing a checkpoint with layers {args.layers} into {ckpt}", flush=True)
+            write_checkpoint(ckpt, layer_types=args.layers, trained_mtp=False)
+    rng = random.Random(0)
+    started = time.perf_counter()
+    rows: list[dict] = []
+    with ExitStack() as stack:
+        srv = stack.enter_context(ServerProcess("--separate-object-groups", "--l1-size-gb", "4",
+                                                "--chunk-size", str(C), log_path=work / "server.log"))
+        engine = VllmServer(ckpt, "--enforce-eager", "--max-num-batched-tokens", "2048", "--stream-interval", "1",
+                            kv_transfer_config=connector_config(srv.url), max_model_len=max_len,
+                            env={"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}, log_path=work / "vllm.log")
+        stack.enter_context(engine)
+        url = engine.base_url
+        for size in args.sizes:
+            # distinct prompts (their first block differs), stored once: a cold run each
+            arrivals = [[rng.randrange(8, 500) for _ in range(size)] for _ in range(args.arrivals)]
+            for p in arrivals:
+                complete(url, p, max_tokens=1, top_logprobs=0)
+            time.sleep(2.0)  # the last saves land (asynchronous)
+            per: dict[str, list[dict]] = {"none": [], "local": [], "loads": []}
+            idle_window_s = 3.0  # the "none" window: the last local window once there is one
+            order = ["local", "loads", "none"]
+            for rep in range(args.reps):
+                for cond in order[rep % 3:] + order[:rep % 3]:
+                    if not engine.reset_prefix_cache():
+                        raise RuntimeError("reset_prefix_cache refused (requests still running?)")
+                    if cond == "local":
+                        for p in arrivals:  # primed from the server, no decoder running
+                            complete(url, p, max_tokens=1, top_logprobs=0)
+                    res = run_condition(url, rng, args.decoders, args.decode_tokens,
+                                        [] if cond == "none" else arrivals, args.inflight, idle_window_s)
+                    if cond == "local":
+                        idle_window_s = res["window_s"]
+                    per[cond].append(res)
+                    print(f"  S={size} rep {rep} {cond:5s}: ITL mean {res['itl_mean_ms']:.2f} ms "
+                          f"p50 {res['itl_p50_ms']:.2f} p90 {res['itl_p90_ms']:.2f} over {res['gaps']} gaps, "
+                          f"window {res['window_s']:.2f} s; loaded {res['loaded_bytes'] / 2**20:.1f} MiB, "
+                          f"external hits {res['ext_hit']:.0f}, local hits {res['local_hit']:.0f}, "
+                          f"computed {res['computed']:.0f}", flush=True)
+            med = {c: {k: statistics.median(r[k] for r in v) for k in v[0]} for c, v in per.items()}
+            rows.append({"size": size, "median": med, "runs": per,
+                         "loads_vs_local": med["loads"]["itl_mean_ms"] / med["local"]["itl_mean_ms"],
+                         "loads_vs_none": med["loads"]["itl_mean_ms"] / med["none"]["itl_mean_ms"]})
+    elapsed = time.perf_counter() - started
+    print()
+    print(f"Decode ITL with other requests' loads in flight: {args.decoders} decoders x {args.decode_tokens} tokens, "
+          f"{args.arrivals} arrivals per condition ({args.inflight} in flight), layers {args.layers}, chunk {C}; "
+          f"medians of {args.reps} repetitions")
+    print()
+    print("| arrival prompt tokens | loaded per condition | ITL mean ms: none / local / loads | ITL p90 ms: none / "
+          "local / loads | loads / local | loads / none | arrival TTFT ms: local / loads |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        m = r["median"]
+        print(f"| {r['size']} | {m['loads']['loaded_bytes'] / 2**20:.1f} MiB | "
+              f"{m['none']['itl_mean_ms']:.2f} / {m['local']['itl_mean_ms']:.2f} / {m['loads']['itl_mean_ms']:.2f} | "
+              f"{m['none']['itl_p90_ms']:.2f} / {m['local']['itl_p90_ms']:.2f} / {m['loads']['itl_p90_ms']:.2f} | "
+              f"{r['loads_vs_local']:.3f} | {r['loads_vs_none']:.3f} | "
+              f"{m['local']['arrival_ttft_ms']:.0f} / {m['loads']['arrival_ttft_ms']:.0f} |")
+    print(f"\n{elapsed:.0f} s in all; logs in {work}")
+    if args.json:
+        print(json.dumps({"rows": [{k: v for k, v in r.items() if k != "runs"} for r in rows],
+                          "args": vars(args) | {"keep": str(args.keep)}}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
