@@ -239,7 +239,7 @@ def stack(tmp_path_factory):
 @pytest.fixture(scope="module")
 def events(stack):
     """The pair with its consumers, for the events' tests: (engines, server, tap, indexer)."""
-    engines, srv, tap, indexer = events
+    engines, srv, tap, indexer, _ = stack
     if indexer is None:
         pytest.skip("Dynamo's indexer: pip install ai-dynamo-runtime (the test extras)")
     return engines, srv, tap, indexer
