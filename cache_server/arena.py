@@ -54,6 +54,7 @@ import time
 from typing import Any
 
 import numpy as np
+import xxhash
 
 from cache_server import protocol as p
 from cache_server.shm import _MAP_FAILED, TMPFS_MAGIC, SharedMapping, _fs_type, _libc
@@ -62,6 +63,7 @@ NAME_PREFIX = "glmcache-arena-"
 NONCE_BYTES = 16
 HEAD_BYTES = 4096  # the first page holds the nonce; objects start after it
 ALIGN = 64
+VERIFY_PIECE_BYTES = 512 << 10  # place() copies, then hashes, a piece at a time: within L2
 MIN_ARENA_BYTES = 256 << 10  # smaller objects stay outside (a get of them is cheap either way)
 F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)  # Python 3.11's fcntl lacks it
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_SEAL
@@ -127,6 +129,7 @@ class Arena:
         self._starts = [HEAD_BYTES]  # free ranges, by offset
         self._lens = [self.size - HEAD_BYTES]
         self._released: collections.deque[tuple[int, int]] = collections.deque()  # freed by _Range.__del__
+        self._checked: set[int] = set()  # offsets of objects verified when placed (place's expect)
         self.used = 0
         self.placed_total = 0
         self.full_total = 0  # objects that did not fit (kept outside the arena)
@@ -147,9 +150,18 @@ class Arena:
         except Exception:  # noqa: BLE001 - interpreter shutdown
             pass
 
-    def place(self, src: np.ndarray) -> memoryview | None:
+    def place(self, src: np.ndarray, expect: tuple[bytes, bytes] | None = None) -> memoryview | None:
         """A copy of ``src`` in the arena, as a view whose last reference frees its range;
-        None where no free range fits it."""
+        None where no free range fits it.
+
+        With ``expect`` (the object's key prefix and stored checksum,
+        :func:`cache_server.protocol.checksum`), the copy is verified as it is made: each
+        piece of :data:`VERIFY_PIECE_BYTES` is copied, then hashed from the arena while it
+        is in cache (the arena's bytes, which only this process can write: never the
+        client's segment, which it could change between a hash and a copy). A range whose
+        bytes match is *checked* (:meth:`checked`) until it is freed or written again (the
+        fault hook), and readers copy it without hashing it again: the object is verified
+        once, at the one copy a save makes into the server's memory."""
         n = src.nbytes
         span = _align(max(n, 1))
         with self._lock:
@@ -167,8 +179,33 @@ class Arena:
             self.used += span
             self.placed_total += 1
         arr = np.asarray(_Range(self, off, n, span))
-        np.copyto(arr, src.reshape(-1).view(np.uint8))  # numpy copies without the GIL
+        flat = src.reshape(-1).view(np.uint8)
+        if expect is None:
+            np.copyto(arr, flat)  # numpy copies without the GIL
+            return memoryview(arr)
+        h = xxhash.xxh3_128(expect[0])
+        for i in range(0, n, VERIFY_PIECE_BYTES):  # copy, then hash the arena's piece (in cache)
+            piece = arr[i:i + VERIFY_PIECE_BYTES]
+            np.copyto(piece, flat[i:i + VERIFY_PIECE_BYTES])
+            h.update(piece)
+        if h.digest() == expect[1]:
+            with self._lock:
+                self._checked.add(off)
         return memoryview(arr)
+
+    def checked(self, payload: Any) -> bool:
+        """Whether an arena payload's bytes were verified against its checksum when placed
+        and not written since."""
+        at = self.offset_of(payload)
+        return at is not None and at[0] in self._checked
+
+    def written(self, payload: Any) -> None:
+        """The server wrote into an arena payload after placing it (the fault hook): it is
+        no longer checked, and readers verify it again."""
+        at = self.offset_of(payload)
+        if at is not None:
+            with self._lock:
+                self._checked.discard(at[0])
 
     def _drain_locked(self) -> None:
         while self._released:
@@ -176,6 +213,7 @@ class Arena:
             self._free_locked(off, span)
 
     def _free_locked(self, off: int, span: int) -> None:
+        self._checked.discard(off)
         self.used -= span
         i = bisect.bisect_left(self._starts, off)
         if i > 0 and self._starts[i - 1] + self._lens[i - 1] == off:  # join the range before

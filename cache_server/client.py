@@ -33,6 +33,10 @@ from cache_server.shm import ClientSegment, align_up
 _U32 = next(t for t in ("I", "L") if array.array(t).itemsize == 4)
 
 Payload = bytes | bytearray | memoryview
+# Where a get's payload is (CacheClient._get_locked): copied to us (verified on arrival), a view
+# of the server's arena the reader verifies as it copies, or one the server verified when it
+# placed it there (the arena's bytes cannot change under a read pin: the reader copies it as is).
+BY_COPY, IN_ARENA, IN_ARENA_CHECKED = 0, 1, 2
 PIN_MARGIN_S = 1.0  # a copy under a read pin must end this long (or a tenth of the pin) before it ends
 
 
@@ -438,14 +442,14 @@ class CacheClient:
         header = {"op": "get", "ns": namespace, "keys": [list(k) for k in keys]}
         with self._lock:
             reply, frames, _ = self._get_locked(header, bool(keys), timeout_s)
-        return self._verified(namespace, keys, reply, frames, [False] * len(frames)).payloads
+        return self._verified(namespace, keys, reply, frames, [BY_COPY] * len(frames)).payloads
 
     def get_in_place(self, namespace: str, keys: Sequence[tuple[bytes, int, int]], *,
                      timeout_s: float | None = None, pin_s: float = DEFAULT_PIN_S) -> InPlace:
         """:meth:`get`, except that objects the server holds in its arena
-        (:mod:`cache_server.arena`) come as read-only views of it, *not verified*: for each
-        such key :attr:`InPlace.unverified` gives the key prefix and stored checksum the
-        caller verifies while it copies the bytes, before :attr:`InPlace.deadline` (the
+        (:mod:`cache_server.arena`) come as read-only views of it: those the server verified
+        when it placed them are ready to copy; for each other one :attr:`InPlace.unverified`
+        gives the key prefix and stored checksum the caller verifies while it copies the bytes, before :attr:`InPlace.deadline` (the
         server may reuse the range after its pin; a copy that ends later must be taken as
         failed), then reports failures with :meth:`delete_corrupt` and hands the pin back
         with :meth:`release_pin`. Without an arena (another host, an old server) this is
@@ -463,9 +467,10 @@ class CacheClient:
         return "no arena mapped" if arena is None else arena.register_cuda()
 
     def _get_locked(self, header: dict[str, Any], any_keys: bool, timeout_s: float | None
-                    ) -> tuple[dict[str, Any], list[memoryview], list[bool]]:
+                    ) -> tuple[dict[str, Any], list[memoryview], list[int]]:
         """Send a get, through a segment where one is agreed; the reply, the found objects'
-        payloads in order, and which of them are views of the server's arena."""
+        payloads in order, and where each is (:data:`BY_COPY`, :data:`IN_ARENA`,
+        :data:`IN_ARENA_CHECKED`)."""
         plain = {k: v for k, v in header.items() if k not in ("arena", "pin_s")}
         for _attempt in range(2):
             seg = self._shm.segment(0, self._send_header_locked, timeout_s) if any_keys else None
@@ -491,7 +496,7 @@ class CacheClient:
                 spans = self._arena_spans(reply, arena) if arena is not None else None
                 if spans is None:
                     placed = self._place_shm_locked(seg, reply, frames)
-                    return reply, placed, [False] * len(placed)
+                    return reply, placed, [BY_COPY] * len(placed)
                 copied = self._place_shm_locked(seg, {"shm": reply.get("shm"), "found": [x is None for x in spans]},
                                                 frames)
             except BaseException:
@@ -501,9 +506,23 @@ class CacheClient:
             if isinstance(pin, int) and not isinstance(pin, bool) and pin > 0:
                 reply["deadline"] = sent + float(granted) - max(PIN_MARGIN_S, 0.1 * float(granted))
             it = iter(copied)
-            return reply, [arena.view(*x) if x is not None else next(it) for x in spans], [x is not None for x in spans]
+            checked = self._arena_checked(reply, spans)
+            return reply, [arena.view(*x) if x is not None else next(it) for x in spans], \
+                [BY_COPY if x is None else IN_ARENA_CHECKED if c else IN_ARENA for x, c in zip(spans, checked)]
         reply, frames = self._request_locked(plain, (), timeout_s)  # no segment, or a second unknown one
-        return reply, frames, [False] * len(frames)
+        return reply, frames, [BY_COPY] * len(frames)
+
+    @staticmethod
+    def _arena_checked(reply: dict[str, Any], spans: list[tuple[int, int] | None]) -> list[bool]:
+        """Which arena placements the server verified when it placed them (its
+        ``arena_checked``; a server that does not say: none)."""
+        checked = reply.get("arena_checked")
+        if checked is None:
+            return [False] * len(spans)
+        if not isinstance(checked, list) or len(checked) != len(spans) or not all(c is True or c is False
+                                                                                 for c in checked):
+            raise CacheServerError("bad_reply", "get answered a malformed arena_checked")
+        return checked
 
     def _arena_spans(self, reply: dict[str, Any], arena: Any) -> list[tuple[int, int] | None] | None:
         """Where a get's reply placed found objects in the arena (None: it placed nothing
@@ -530,9 +549,10 @@ class CacheClient:
         return out
 
     def _verified(self, namespace: str, keys: Sequence[tuple[bytes, int, int]], reply: dict[str, Any],
-                  frames: list[memoryview], in_arena: list[bool]) -> InPlace:
+                  frames: list[memoryview], in_arena: list[int]) -> InPlace:
         """Check every payload not in the arena (a corrupt one is deleted and answered as
-        absent); the arena ones are the caller's to check."""
+        absent); the arena ones are the caller's to check, but those the server verified
+        when it placed them (:data:`IN_ARENA_CHECKED`)."""
         found, sums = reply["found"], reply.get("sums")
         if len(found) != len(keys) or sum(found) != len(frames) or not isinstance(sums, list) \
                 or len(sums) != len(frames):
@@ -550,7 +570,8 @@ class CacheClient:
             key = (key[0], key[1], key[2])
             if arena:
                 out.append(frame)
-                unverified[-1] = (p.key_prefix(namespace, key), stored)
+                if arena != IN_ARENA_CHECKED:
+                    unverified[-1] = (p.key_prefix(namespace, key), stored)
             elif stored != p.checksum(frame, namespace, key):
                 corrupt.append(key)
                 out.append(None)

@@ -366,7 +366,9 @@ class CacheServer:
             if pin is None:  # nothing there, or past a bound: by copy
                 spans = [None] * len(hits)
             reply.update(arena=[list(x) if x is not None else None for x in spans], pin=pin, pin_s=pin_s,
-                         arena_nonce=self.arena.nonce)
+                         arena_nonce=self.arena.nonce,
+                         # verified when placed (Arena.place): the reader copies them without a hash
+                         arena_checked=[x is not None and self.arena.checked(h) for h, x in zip(hits, spans)])
         payloads, places = [], []
         for x, span in zip(hits, spans):
             if span is not None:
@@ -417,7 +419,8 @@ class CacheServer:
                                   f"parent must list one {p.HASH_BYTES}-byte hash, nil or empty bytes per key")
         self.namespaces.admit(ns)
         if spans is not None:  # the store keeps its own copy: the client reuses its segment
-            frames = [owned_copy(view[off:off + n], self.arena) for off, n in spans]
+            frames = [owned_copy(view[off:off + n], self.arena, (p.key_prefix(ns, tuple(key)), s))
+                      for (off, n), key, s in zip(spans, keys, sums)]
             self.segments.count(put_bytes=sum(n for _, n in spans))
         results = [self.store.put((ns, *key), frame, prev, s, parent).value
                    for key, frame, prev, s, parent in zip(keys, frames, prevs, sums, parents)]
@@ -459,6 +462,7 @@ class CacheServer:
         if self.arena is not None and self.arena.offset_of(found[0]) is not None:  # in place, in the arena
             view = found[0]
             view[offset % view.nbytes] ^= 0xFF
+            self.arena.written(view)  # readers verify it again, and find the flip
             logger.warning("debug fault hook: flipped byte %d of an arena object in namespace %r",
                            offset % view.nbytes, ns)
             return {"corrupted": True}, []

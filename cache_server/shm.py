@@ -473,12 +473,13 @@ _POPULATED = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE
 OWN_MAPPING_BYTES = 1 << 20
 
 
-def owned_copy(src: np.ndarray, arena: Any = None) -> memoryview:
+def owned_copy(src: np.ndarray, arena: Any = None, expect: tuple[bytes, bytes] | None = None) -> memoryview:
     """The store's own copy of a payload a client left in shared memory.
 
     With an ``arena`` (:class:`cache_server.arena.Arena`), one of at least
     :data:`~cache_server.arena.MIN_ARENA_BYTES` goes there when a range fits it (same-host
-    engines then read it in place); otherwise, as below.
+    engines then read it in place), verified against ``expect`` (key prefix, checksum) as
+    it is copied (:meth:`~cache_server.arena.Arena.place`); otherwise, as below.
 
     A large one gets its own pre-faulted anonymous mapping (freed with the object). Not
     ``np.empty``: numpy asks for transparent huge pages on large arrays, and once the
@@ -488,7 +489,7 @@ def owned_copy(src: np.ndarray, arena: Any = None) -> memoryview:
     mapping of its own too, past the server's mmap threshold (``cli``)."""
     n = src.nbytes
     if arena is not None and n >= arena.min_bytes:
-        placed = arena.place(src)
+        placed = arena.place(src, expect)
         if placed is not None:
             return placed
     if n < OWN_MAPPING_BYTES:

@@ -358,9 +358,9 @@ class WorkerSide:
 
     def _fetch(self, namespace: str, moves: list[ObjectMove], sizes: list[int],
                idx: range) -> InPlace:
-        """One batch's objects: those in the server's arena as views of it, verified as
-        they are written (PagedKVCache.write_verified) under a read pin; the rest verified
-        by the client."""
+        """One batch's objects: those in the server's arena as views of it, under a read pin,
+        verified by the server when it placed them or, where it did not, as they are
+        written (PagedKVCache.write_verified); the rest verified by the client."""
         keys = [(moves[j].chunk_hash, moves[j].group_id, self._key_rank(moves[j].group_id))
                 for j in idx]
         nbytes = sum(sizes[j] for j in idx)
@@ -383,7 +383,7 @@ class WorkerSide:
         assert self._pages is not None
         hasher = self._hasher if NON_TEMPORAL_PAGES else None
         for move, payload, check in zip(moves, payloads, checks):
-            if check is None:  # verified by the client already
+            if check is None:  # verified already: by the client on arrival, or by the server in its arena
                 self._write(move, payload)
             elif not self._pages.write_verified(move.group_id, move.block_ids, payload, *check, hasher=hasher):
                 return move

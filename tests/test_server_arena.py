@@ -1,6 +1,7 @@
 """The server's arena (cache_server.arena) against a real glm-cache-server process: reloads
-read in place are the stored bytes, a corrupted arena object fails its checksum and is
-deleted, read pins keep a range from reuse until released or expired, no client can write
+read in place are the stored bytes, verified once (by the server as it places them: a put
+whose checksum does not match its bytes lands unchecked, and the reader verifies it), a
+corrupted arena object fails its checksum and is deleted, read pins keep a range from reuse until released or expired, no client can write
 into or resize the arena, a full arena stores and serves by copy, and hostile get and
 unpin headers get clear errors."""
 
@@ -16,7 +17,6 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-import xxhash
 
 from cache_server.arena import MIN_ARENA_BYTES, NAME_PREFIX, pack_pins
 from cache_server.client import CacheClient
@@ -34,12 +34,6 @@ def _key(i: int, tag: int = 0) -> tuple[bytes, int, int]:
 
 def _payload(i: int, n: int = MIB) -> bytes:
     return np.random.default_rng(i).integers(0, 256, n, dtype=np.uint8).tobytes()
-
-
-def _verify(view: memoryview, check: tuple[bytes, bytes]) -> bool:
-    h = xxhash.xxh3_128(check[0])
-    h.update(view)
-    return h.digest() == check[1]
 
 
 def _arena_fd(pid: int) -> str:
@@ -69,7 +63,7 @@ def small():
         yield srv
 
 
-def test_a_reload_in_place_is_the_stored_bytes_and_small_ones_come_verified(server):
+def test_a_reload_in_place_is_the_stored_bytes_verified_once_by_the_server(server):
     big, small, other = _payload(1, 3 * MIB + 5), _payload(2, MIN_ARENA_BYTES - 1), _payload(3, MIN_ARENA_BYTES)
     keys = [_key(1), _key(2), _key(3), _key(4)]  # the last is absent
     with CacheClient(server.url) as c:
@@ -77,11 +71,12 @@ def test_a_reload_in_place_is_the_stored_bytes_and_small_ones_come_verified(serv
         assert c.put(NS, [(*keys[0], big), (*keys[1], small), (*keys[2], other)]) == ["stored"] * 3
         got = c.get_in_place(NS, keys)
         assert got.pin and time.monotonic() < got.deadline < time.monotonic() + 30
-        assert [x is not None for x in got.unverified] == [True, False, True, False]  # small: verified by copy
+        # the arena's two were verified as the server placed them, the small one by copy here
+        assert got.unverified == [None] * 4
         assert bytes(got.payloads[0]) == big and bytes(got.payloads[1]) == small and bytes(got.payloads[2]) == other
         assert got.payloads[3] is None
-        assert got.payloads[0].readonly  # a read-only mapping of the server's arena
-        assert _verify(got.payloads[0], got.unverified[0]) and _verify(got.payloads[2], got.unverified[2])
+        assert got.payloads[0].readonly and got.payloads[2].readonly  # read-only mappings of the server's arena
+        assert not got.payloads[1].readonly  # copied to us
         assert _arena_stats(c)["pins"] == 1
         c.release_pin(got.pin)
         assert c.unpin() == 1
@@ -91,6 +86,28 @@ def test_a_reload_in_place_is_the_stored_bytes_and_small_ones_come_verified(serv
         assert c.get(NS, keys) == [big, small, other, None]
         got = c.get_in_place(NS, keys)
         assert got.pin is None and got.unverified == [None] * 4 and bytes(got.payloads[0]) == big
+
+
+def test_a_put_whose_checksum_lies_lands_unchecked_and_its_reader_finds_it(server, monkeypatch):
+    """The server verifies an arena object as it places it; one whose bytes do not match the
+    checksum it came with (a client's bug, bytes changed on the way) is stored all the
+    same, not marked checked: the reader verifies it in the copy, fails it and deletes it."""
+    from cache_server import client as client_module
+
+    key, data = _key(12), _payload(12, 2 * MIB)
+    with CacheClient(server.url) as c:
+        c.hello(NS, 16)
+        real = client_module.p.checksum
+        monkeypatch.setattr(client_module.p, "checksum", lambda v, ns, k: real(bytes(v)[:-1] + b"?", ns, k))
+        assert c.put(NS, [(*key, data)]) == ["stored"]
+        monkeypatch.setattr(client_module.p, "checksum", real)
+        got = c.get_in_place(NS, [key])
+        assert got.pin and got.payloads[0].readonly and got.unverified[0] is not None
+        pages = _pages(2 * MIB)
+        assert pages.write_verified(0, [0], got.payloads[0], *got.unverified[0]) is False
+        c.release_pin(got.pin)
+        c.delete_corrupt(NS, [key])
+        assert c.get(NS, [key]) == [None]
 
 
 def test_a_corrupted_arena_object_fails_its_checksum_in_the_copy_and_is_deleted(server):
@@ -111,7 +128,8 @@ def test_a_corrupted_arena_object_fails_its_checksum_in_the_copy_and_is_deleted(
         key2, data2 = _key(11), _payload(11, 2 * MIB)
         assert c.put(NS, [(*key2, data2)]) == ["stored"]
         got = c.get_in_place(NS, [key2])
-        assert pages.write_verified(0, [0], got.payloads[0], *got.unverified[0]) is True
+        assert got.unverified[0] is None  # checked by the server as it was placed
+        pages.write(0, [0], got.payloads[0])
         assert pages.read(0, [0]) == data2
 
 
@@ -139,7 +157,7 @@ def test_a_pin_keeps_a_deleted_objects_range_until_released_and_a_full_arena_ser
         assert c.put(NS, [(*_key(20), a)]) == ["stored"]
         got = c.get_in_place(NS, [_key(20)])
         view, pin = got.payloads[0], got.pin
-        assert pin and got.unverified[0] is not None
+        assert pin and view.readonly
         assert c.delete(NS, [_key(20)]) == 1  # gone from the store; its range is pinned
         for i, data in enumerate(rest):  # the store has room for four; the arena for three besides A
             assert c.put(NS, [(*_key(21 + i), data)]) == ["stored"]
@@ -149,7 +167,7 @@ def test_a_pin_keeps_a_deleted_objects_range_until_released_and_a_full_arena_ser
         # The one that did not fit is stored all the same, and served by copy (verified here).
         got_all = c.get_in_place(NS, [_key(21 + i) for i in range(4)])
         assert [bytes(x) for x in got_all.payloads] == rest
-        assert sum(x is None for x in got_all.unverified) >= 1
+        assert sum(not x.readonly for x in got_all.payloads) >= 1
         c.release_pin(got_all.pin)
         c.release_pin(pin)
         assert c.unpin() == 2
@@ -203,7 +221,7 @@ def test_no_client_can_write_into_or_resize_the_arena_and_the_server_keeps_servi
         finally:
             os.close(fd)
         got = c.get_in_place(NS, [key])
-        assert bytes(got.payloads[0]) == data and _verify(got.payloads[0], got.unverified[0])
+        assert bytes(got.payloads[0]) == data and got.unverified[0] is None
         c.release_pin(got.pin)
         c.unpin()
     # A client cannot pass the arena off as its own segment either.

@@ -15,9 +15,10 @@ of batch i, checksums checked) until it reports the request finished, and verify
 page against what was stored.
 
 The main line is the same-host path: the server keeps the objects in its arena
-(``cache_server.arena``), the worker maps it read-only once and copies each object
-straight into the pages, hashing it on the way (``PagedKVCache.write_verified``): one
-pass. One worker does every timed reload, as in an engine: the first reload also pays the
+(``cache_server.arena``), verified once by the server as it placed them (the puts below), the
+worker maps it read-only once and copies each object straight into the pages: one pass
+(an object the server could not vouch for is hashed on the way,
+``PagedKVCache.write_verified``). One worker does every timed reload, as in an engine: the first reload also pays the
 first-touch faults of the arena mapping and is reported apart from the median of the
 others. Next to it: the copy path of before (the server copies into the client's segment,
 the client checksums it there, the page write copies it out; arena refused), TCP, the
@@ -224,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         # thread, so that the machine's load falls on both alike.
         got = engine._load_client.get_in_place(ns, [(m.chunk_hash, m.group_id, 0) for m in moves], timeout_s=60)
         arena_lo = None
-        if got.pin and all(u is not None for u in got.unverified):
+        if got.pin and all(v is not None and v.readonly for v in got.payloads):  # all in the arena
             addrs = [np.frombuffer(v, dtype=np.uint8).ctypes.data for v in got.payloads]
             lo, hi = min(addrs), max(a + v.nbytes for a, v in zip(addrs, got.payloads))
             arena_lo = lo if hi - lo < nbytes + 64 * len(moves) else None
@@ -362,7 +363,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     print(f"machine load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     print(f"reload  {load_s:7.3f} s  {gb / load_s:6.2f} GB/s  (server -> worker -> paged cache, verified; "
-          + ("in place from the server's arena, one pass; median of the reloads after the first)" if in_place
+          + ("in place from the server's arena, one pass (verified by the server when placed); median of "
+                "the reloads after the first)" if in_place
              else "NO ARENA: served by copy)"))
     if first is not None:
         print(f"  first   {first:7.3f} s  {gb / first:6.2f} GB/s  (the first reload: maps the arena, first-touch faults)")
