@@ -207,6 +207,12 @@ class CacheClient:
         return "shm" if self._shm.agreed else "tcp"
 
     @property
+    def reads_in_place(self) -> bool:
+        """Whether this client has the server's arena mapped (:meth:`get_in_place` then
+        answers arena objects as views of it, copying nothing)."""
+        return self._shm.arena is not None
+
+    @property
     def shm_refusal(self) -> str | None:
         """Why payloads do not go through shared memory (None: they do, or not yet asked)."""
         return self._shm.refusal

@@ -257,6 +257,12 @@ class PagedKVCache:
         expected = g.object_bytes(len(block_ids))
         if len(payload) != expected:
             raise ValueError(f"group {group_id}: object of {len(payload)} bytes, expected {expected}")
+        if NON_TEMPORAL_PAGES and self._raw.device.type == "cpu" and all(part.rows == 1 for part in g.layers):
+            # one glibc memmove per page: past the engine's low non-temporal threshold it
+            # stores past the cache (torch's strided copy does not), at memmove speed
+            src_view = memoryview(payload).cast("B") if memoryview(payload).format != "B" else memoryview(payload)
+            self._memmove_pages(g, block_ids, np.frombuffer(src_view, dtype=np.uint8).ctypes.data if expected else 0)
+            return
         src = _as_uint8(payload)
         if self._raw.device.type != "cpu":
             # from page-locked host memory an asynchronous DMA (waited for below, or by the
@@ -274,6 +280,18 @@ class PagedKVCache:
                                              n * lane.obj_offset + t * lane.page_bytes))
         if wait:
             self._synchronize()
+
+    def _memmove_pages(self, g: CacheGroup, block_ids: list[int | None], src_addr: int) -> None:
+        """Copy a whole-page object (the group's layers in order, each its blocks' pages)
+        at ``src_addr`` into its pages, one ``memmove`` per page (None blocks skipped)."""
+        raw_addr, pos = self._raw.data_ptr(), 0
+        for part in g.layers:
+            lp = self._layers[part.name]
+            dst0 = raw_addr + lp.base + part.row_offset
+            for b in block_ids:
+                if b is not None:
+                    ctypes.memmove(dst0 + b * lp.block_stride, src_addr + pos, part.page_bytes)
+                pos += part.page_bytes
 
     def write_verified(self, group_id: int, block_ids: list[int | None], payload: bytes | memoryview,
                        prefix: bytes, expected: bytes, hasher: Executor | None = None) -> bool:
@@ -317,14 +335,7 @@ class PagedKVCache:
         raw_addr = self._raw.data_ptr()
         if hasher is not None:
             digest = hasher.submit(_digest, h, src)
-            pos = 0
-            for part in g.layers:
-                lp = self._layers[part.name]
-                dst0 = raw_addr + lp.base + part.row_offset
-                for b in block_ids:
-                    if b is not None:
-                        ctypes.memmove(dst0 + b * lp.block_stride, src_addr + pos, part.page_bytes)
-                    pos += part.page_bytes
+            self._memmove_pages(g, block_ids, src_addr)
             return digest.result() == expected
         memmove, piece = ctypes.memmove, VERIFY_PIECE_BYTES
         pos = start = 0  # the object's bytes [start, pos) are the piece being gathered

@@ -65,6 +65,10 @@ def batches(sizes: list[int], limit: int) -> list[range]:
 
 
 _PR_SET_NAME = 15
+# Load batches when the server's arena is mapped: each get then moves no bytes (it pins them),
+# so its round trip is the batch's overhead; measured (bench_reload, 2.82 GB, the glibc tunable):
+# 16 MiB batches 0.353 s, 64 MiB 0.321 s, 256 MiB 0.288 s against 0.24 s for one memmove.
+ARENA_BATCH_BYTES = 256 << 20
 
 
 def _start_thread(name: str, cpus: frozenset[int] | None) -> None:
@@ -302,7 +306,10 @@ class WorkerSide:
             if job.refused is not None:
                 raise RuntimeError(job.refused)
             sizes = [self._pages.object_bytes(m.group_id, len(m.block_ids)) for m in moves]
-            plan = batches(sizes, self._settings.batch_bytes)
+            batch = self._settings.batch_bytes
+            if self._load_client.reads_in_place:  # a get pins arena bytes, copies none: fewer, larger batches
+                batch = max(batch, ARENA_BATCH_BYTES)
+            plan = batches(sizes, batch)
             if plan:
                 fut = self._fetcher.submit(self._fetch, namespace, moves, sizes, plan[0])
             for i, idx in enumerate(plan):

@@ -53,6 +53,8 @@ class _Fetches:
         assert self.gate.wait(30)
         return [self.objects[(h, g)] for h, g, _ in keys]
 
+    reads_in_place = False  # no arena: loads batch by batch_bytes
+
     def get_in_place(self, namespace, keys, timeout_s=None):  # what the worker calls: nothing in an arena
         return InPlace(self.get(namespace, keys, timeout_s), [None] * len(keys), float("inf"), None)
 

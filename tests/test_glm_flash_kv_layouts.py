@@ -160,8 +160,14 @@ def _part(region: torch.Tensor, p) -> torch.Tensor:
     return region if p.rows == 1 else region.view(p.rows, p.row_stride)[:, p.row_offset : p.row_offset + p.row_width]
 
 
+@pytest.mark.parametrize("page_memmove", [False, True], ids=["strided", "memmove"])
 @pytest.mark.parametrize(("layout", "tp"), CASES)
-def test_round_trip_is_byte_exact_and_leaves_neighbours(cfg, layout, tp):
+def test_round_trip_is_byte_exact_and_leaves_neighbours(cfg, layout, tp, page_memmove, monkeypatch):
+    """Both CPU write paths: torch's strided copies, and one memmove per page (taken where
+    the engine runs with a low non-temporal threshold: ``kv_pages.NON_TEMPORAL_PAGES``)."""
+    from connector import kv_pages
+
+    monkeypatch.setattr(kv_pages, "NON_TEMPORAL_PAGES", page_memmove)
     built = L.build(layout, tp, num_blocks=4, cfg=cfg)
     raw, views = L.allocate(built)
     geo = L.resolve(built)
