@@ -24,8 +24,10 @@ object is a view of a :class:`_Range` that frees the range when the last view of
 the arena instead of copying it, and one read pin (:class:`PinTable`) that holds those
 views until the client releases it (``unpin``) or its deadline passes: an object evicted
 or deleted meanwhile keeps its bytes until then. The client copies within the deadline
-(checked on its own clock, with a margin) and verifies the object's checksum on the bytes
-it copied (:meth:`connector.kv_pages.PagedKVCache.write_verified`).
+(checked on its own clock, with a margin). Each object is verified once: the server hashes
+it as it places it (:meth:`Arena.place`) and the get's ``arena_checked`` says which
+matched their checksums; the client copies those as they are and verifies the others on
+the bytes it copied (:meth:`connector.kv_pages.PagedKVCache.write_verified`).
 
 Memory: a range once written stays resident after its object leaves (the seal that keeps
 other processes from writing also keeps the server from punching holes), so the arena's

@@ -300,8 +300,9 @@ class PagedKVCache:
         ``expected``. On a mismatch the pages written hold bytes that are not the object's:
         the caller must fail the load (vLLM then recomputes them).
 
-        For a payload read in place (the server's arena, :mod:`cache_server.arena`) this is
-        the only pass over its bytes: the object is walked in its own order in pieces of
+        For a payload read in place that the server did not check when it placed it (the
+        server's arena, :mod:`cache_server.arena`; checked ones are copied with :meth:`write`)
+        this is the only pass over its bytes: the object is walked in its own order in pieces of
         :data:`VERIFY_PIECE_BYTES` (small pages gathered, large ones split), each hashed and
         then copied to its pages while it is in cache (one ``memmove`` per page or part of
         one). Measured here (2 loaded cores, 1 MiB of L2 per core): 512 KiB pieces 7-8 GB/s

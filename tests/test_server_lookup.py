@@ -282,12 +282,3 @@ def test_l2_hung_is_unknown_not_zero(server, redis, prompts):
         proc.send_signal(signal.SIGCONT)
     assert got == again == {"longest_matched": 0, "CPU": 0}  # B left L1 with test_l2_only's clear
     assert first_s < 3.0 and again_s < 0.5, (first_s, again_s)
-
-
-def http_get(server: ServerProcess, path: str) -> bytes:
-    conn = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=10)
-    try:
-        conn.request("GET", path)
-        return conn.getresponse().read()
-    finally:
-        conn.close()
