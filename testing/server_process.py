@@ -23,6 +23,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class _PortTaken(RuntimeError):
+    """The server could not bind a port picked for it."""
+
+
 class ServerProcess:
     """``glm-cache-server`` as a child process on free loopback ports.
 
@@ -35,6 +39,7 @@ class ServerProcess:
                  log_path: str | Path | None = None, auth_token: str | None = None) -> None:
         self.port = port or free_port()
         self.http_port = http_port or free_port()
+        self._ports_picked = (port is None, http_port is None)  # ours to pick again if taken meanwhile
         self.extra_args = list(extra_args)
         self.log_path = Path(log_path) if log_path else Path(tempfile.mkdtemp(prefix="glm-cache-")) / "server.log"
         self.auth_token = auth_token
@@ -55,6 +60,21 @@ class ServerProcess:
         return f"http://127.0.0.1:{self.http_port}"
 
     def start(self, timeout_s: float = 30.0) -> ServerProcess:
+        """Start the server and wait until it answers. A port picked by :func:`free_port` can
+        be taken before the server binds it (another process's outgoing connection takes
+        ephemeral ports from the same range): then new ports are picked, up to three times."""
+        for attempt in range(3):
+            try:
+                return self._start(timeout_s)
+            except _PortTaken:
+                if attempt == 2 or not any(self._ports_picked):
+                    raise
+                self.proc = None
+                self.port = free_port() if self._ports_picked[0] else self.port
+                self.http_port = free_port() if self._ports_picked[1] else self.http_port
+        raise AssertionError("unreachable")
+
+    def _start(self, timeout_s: float) -> ServerProcess:
         cmd = [sys.executable, "-m", "cache_server.cli", "--port", str(self.port),
                "--http-port", str(self.http_port), *self.extra_args]
         self._log_file = open(self.log_path, "ab")
@@ -64,7 +84,11 @@ class ServerProcess:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"glm-cache-server exited with {self.proc.returncode}:\n{self.log()}")
+                atexit.unregister(self.stop)
+                self._log_file.close()
+                log = self.log()
+                kind = _PortTaken if "Address already in use" in log else RuntimeError
+                raise kind(f"glm-cache-server exited with {self.proc.returncode}:\n{log}")
             try:
                 with urllib.request.urlopen(self.http_url + "/healthcheck", timeout=1) as r:
                     if r.status == 200:

@@ -410,3 +410,26 @@ def test_server_binds_an_ipv6_host_and_clients_reach_it():
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def test_a_picked_port_taken_before_the_server_binds_it_is_picked_again():
+    """free_port's port can be taken by another process before the server binds it (CI saw
+    a module's fixture fail so): the harness picks new ports and starts again; a port the
+    caller named is not changed."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = taken.getsockname()[1]
+        srv = ServerProcess()
+        srv.http_port = busy  # as if the picked port had been taken meanwhile
+        with srv:
+            assert srv.http_port != busy
+            with urllib.request.urlopen(srv.http_url + "/healthcheck", timeout=5) as r:
+                assert r.status == 200
+        assert "Address already in use" in srv.log()
+        named = ServerProcess(http_port=busy)
+        with pytest.raises(RuntimeError, match="Address already in use"):
+            named.start()
+        assert named.http_port == busy
