@@ -350,8 +350,8 @@ def main() -> int:
               f"{sinto.gbps:>6.2f} {sinto.gbps / mem.gbps:>6.2f}x")
     print()
     print(f"aggregate GB/s of N concurrent client processes, each getting 40 MB objects ({rounds * 4} gets per "
-          "client), and the p99 of a ping sent meanwhile; arena: read in place from the server's arena and "
-          "verified there (no copy by the server)")
+          "client), and the p99 of a ping sent meanwhile; arena: a view of the server's arena, verified (once, "
+          "by the server as it placed the object; no copy by the server, none by the client)")
     sides = [(f"{stats['config']['workers']} workers", concurrent)] + ([("1 worker", single)] if single else [])
     print(f"{'':>8} | " + " | ".join(f"{name:^64}" for name, _ in sides))
     print(f"{'clients':>8} | " + " | ".join(" ".join(f"{m + ' get':>9} {'vs 1':>6} {'ping p99':>8}" for m in MODES)
