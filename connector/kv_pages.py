@@ -82,6 +82,17 @@ def _digest(h: Any, data: memoryview) -> bytes:
     return h.digest()
 
 
+def _bytes_view(payload: bytes | memoryview) -> memoryview:
+    """``payload`` as a memoryview of bytes (format ``B``)."""
+    view = memoryview(payload)
+    return view if view.format == "B" else view.cast("B")
+
+
+def _address(view: memoryview) -> int:
+    """The address of a byte view's first byte (0 for an empty one)."""
+    return np.frombuffer(view, dtype=np.uint8).ctypes.data if len(view) else 0
+
+
 def _as_uint8(payload: bytes | memoryview) -> torch.Tensor:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # read-only buffer: we only read from it
@@ -260,8 +271,7 @@ class PagedKVCache:
         if NON_TEMPORAL_PAGES and self._raw.device.type == "cpu" and all(part.rows == 1 for part in g.layers):
             # one glibc memmove per page: past the engine's low non-temporal threshold it
             # stores past the cache (torch's strided copy does not), at memmove speed
-            src_view = memoryview(payload).cast("B") if memoryview(payload).format != "B" else memoryview(payload)
-            self._memmove_pages(g, block_ids, np.frombuffer(src_view, dtype=np.uint8).ctypes.data if expected else 0)
+            self._memmove_pages(g, block_ids, _address(_bytes_view(payload)))
             return
         src = _as_uint8(payload)
         if self._raw.device.type != "cpu":
@@ -331,8 +341,8 @@ class PagedKVCache:
             h.update(payload)
             self._synchronize()
             return h.digest() == expected
-        src = memoryview(payload).cast("B") if memoryview(payload).format != "B" else memoryview(payload)
-        src_addr = np.frombuffer(src, dtype=np.uint8).ctypes.data if len(src) else 0
+        src = _bytes_view(payload)
+        src_addr = _address(src)
         raw_addr = self._raw.data_ptr()
         if hasher is not None:
             digest = hasher.submit(_digest, h, src)
