@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import signal
 import socket
@@ -12,6 +13,7 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 from testing.children import popen_tied
 
@@ -137,6 +139,14 @@ class ServerProcess:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+
+    def status(self, timeout_s: float = 60.0) -> dict[str, Any]:
+        """The server's /status document. The timeout is generous: on a 2-core machine
+        running an engine beside it, a reply has been seen to take over 10 s to arrive."""
+        headers = {"Authorization": f"Bearer {self.auth_token}"} if self.auth_token else {}
+        req = urllib.request.Request(self.http_url + "/status", headers=headers)
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:
+            return json.loads(r.read())
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""

@@ -14,11 +14,9 @@ CPU docs tell users to on a machine with one NUMA node: one core set per TP rank
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import time
-import urllib.request
 
 import pytest
 from engines import connector_engine, stop_engine
@@ -118,8 +116,7 @@ def test_tp2_stores_the_replicated_latent_once_and_states_per_rank(llm, server):
     hashes = lookahead_keys(vllm_chunk_keys(prompt, C, C, salt), prompt, C, 1, 0, 5)  # MTP: the next token too
     found = client.request({"op": "get", "ns": ns, "keys": [[hashes[0], latent, 1], [hashes[0], latent, 0]]})[0]
     assert found["found"] == [False, True]
-    with urllib.request.urlopen(server.http_url + "/status", timeout=5) as r:
-        status = json.loads(r.read())
+    status = server.status()
     # attention on the server is half of what two per-rank copies would be
     saved = status["namespaces"][ns]["bytes_saved_by_storing_once"]
     assert saved == status["namespaces"][ns]["replicated_bytes"] > 0

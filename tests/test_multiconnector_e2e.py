@@ -83,16 +83,11 @@ def _multi(children: list[dict[str, Any]]) -> str:
                        "kv_connector_extra_config": {"connectors": children}})
 
 
-def _status(srv: ServerProcess) -> dict[str, Any]:
-    with urllib.request.urlopen(srv.http_url + "/status", timeout=10) as r:
-        return json.loads(r.read())
-
-
 class Snapshot:
     """The server's /status and the engine's /metrics at one moment."""
 
     def __init__(self, srv: ServerProcess, engine: VllmServer) -> None:
-        self.server = _status(srv)
+        self.server = srv.status()
         self.metrics = scrape_metrics(engine.base_url)
 
     def glm(self, name: str) -> float:

@@ -28,7 +28,6 @@ import json
 import random
 import re
 import time
-import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
@@ -97,8 +96,7 @@ def pd(ckpt, server):
 
 
 def _objects(server: ServerProcess) -> int:
-    with urllib.request.urlopen(server.http_url + "/status", timeout=10) as r:
-        return int(json.loads(r.read())["objects"])
+    return int(server.status()["objects"])
 
 
 def _computed(engine: VllmServer) -> float:
