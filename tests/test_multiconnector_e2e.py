@@ -71,8 +71,16 @@ SINGLE = {"saved_objects": 8, "saved_bytes": 150272, "loaded_objects": 6, "loade
 GLM_ROLE_NIXL_FIRST = "kv_consumer"
 
 
+# This module checks how the two connectors compose, not deadlines: its requests get 30 s, not
+# the default 2: on 2 loaded cores one run saw a server reply take over 2 s here and served
+# the reload cold (a correct answer, which the tests below would read as a lost load), and CI
+# once saw a /status reply take over 10 s.
+TIMEOUT_S = 30.0
+
+
 def _glm(server_url: str, role: str) -> dict[str, Any]:
-    return {"kv_connector": "GlmCacheConnector", "kv_role": role, "kv_connector_extra_config": {"server": server_url}}
+    return {"kv_connector": "GlmCacheConnector", "kv_role": role,
+            "kv_connector_extra_config": {"server": server_url, "timeout_s": TIMEOUT_S}}
 
 
 NIXL = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}

@@ -14,9 +14,11 @@
   (or none) comes with: on the prompts it was fitted to (``validation/bench_drafts.py``'s)
   it drafts what the target generates, chained as vLLM drafts; elsewhere it agrees well
   above chance, random MTP weights at chance.
-- One engine pair (drafts off, then ``{"method":"mtp","num_speculative_tokens":2}``): the
+- One engine with drafts off, then ``{"method":"mtp","num_speculative_tokens":2}``: the
   same greedy tokens, and every verify step accepts exactly as many drafts as the offline
   draft chain (this module's layer over the drafts-off sequence) predicts.
+- Then ngram drafts (vLLM's prompt-lookup drafter) on repetitive prompts against the same
+  drafts-off engine: the same greedy tokens, some drafts accepted.
 """
 
 from __future__ import annotations
@@ -490,41 +492,66 @@ class KVCacheGroupNames:
         return [list(g.layer_names) for g in groups]
 
 
-def _greedy(ckpt, prompts: list[list[int]], max_tokens: int, **engine_args):
-    """Greedy outputs of ``prompts`` from one engine (started and stopped here), its draft
-    model class (None without drafts) and its KV cache groups' layer names."""
+def _greedy(ckpt, runs: list[tuple[list[list[int]], int]], **engine_args) -> SimpleNamespace:
+    """Greedy outputs from one engine (started and stopped here): one ``generate`` call per
+    ``(prompts, max_tokens)`` of ``runs``, so each batch is what it would be alone; the draft
+    model class (None without drafts), the KV cache groups' layer names and the engine's
+    speculative-decoding counters."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     llm = LLM(model=str(ckpt), dtype="float32", enable_prefix_caching=True, gpu_memory_utilization=0.15,
-              max_model_len=4096, enforce_eager=True, max_num_batched_tokens=128, seed=0,
+              max_model_len=4096, enforce_eager=True, max_num_batched_tokens=128, seed=0, disable_log_stats=False,
               worker_extension_cls=f"{__name__}.KVCacheGroupNames", **engine_args)
     try:
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        outs = []
+        for prompts, max_tokens in runs:
+            params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+            done = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+            outs.append([o.outputs[0] for o in done])
         spec = llm.llm_engine.vllm_config.speculative_config
         draft_cls = None
         if spec is not None:
             d = spec.draft_model_config
             draft_cls = d.registry.resolve_model_cls(d.architectures, d)[0]
         (groups,) = llm.collective_rpc("kv_cache_group_names")
-        return [o.outputs[0] for o in outs], draft_cls, groups
+        counters = {m.name: getattr(m, "value", None) for m in llm.get_metrics() if "spec_decode" in m.name}
+        return SimpleNamespace(outputs=outs, draft_cls=draft_cls, groups=groups, counters=counters)
     finally:
         stop_engine(llm)
         del llm
 
 
+NGRAM = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+NGRAM_TOKENS = 300
+
+
+def _ngram_prompts() -> list[list[int]]:
+    """Repetitive prompts give the ngram drafter matches; one random prompt between them."""
+    rng = random.Random(1)
+    motif = [rng.randrange(16, 512) for _ in range(20)]
+    return [(motif * 10)[:150], [rng.randrange(16, 512) for _ in range(300)], (motif * 20)[:260]]
+
+
 @pytest.fixture(scope="module")
 def engine_runs(ckpt):
-    """Prompts of 100-300 tokens (chunked at 128, the longer ones on the sparse top-k path),
-    96 greedy tokens each, drafts off (3 tokens more: the last verify steps check drafts past
-    the output) and MTP drafts on with per-step acceptance counts."""
+    """One drafts-off engine, then one per draft method, each stopped before the next starts.
+
+    MTP: prompts of 100-300 tokens (chunked at 128, the longer ones on the sparse top-k
+    path), 96 greedy tokens each (drafts off: 3 tokens more, the last verify steps check
+    drafts past the output), with per-step acceptance counts. Ngram: the prompts of
+    :func:`_ngram_prompts`, 300 tokens each."""
     rng = random.Random(5)
     prompts = [[rng.randrange(16, 512) for _ in range(n)] for n in (100, 200, 300)]
-    plain, _, _ = _greedy(ckpt, prompts, NEW_TOKENS + 3)
-    drafted, draft_cls, groups = _greedy(ckpt, prompts, NEW_TOKENS, speculative_config=SPEC,
-                                         per_request_spec_decode_metrics="detailed")
-    return SimpleNamespace(prompts=prompts, plain=plain, drafted=drafted, draft_cls=draft_cls, groups=groups)
+    ngram_prompts = _ngram_prompts()
+    plain = _greedy(ckpt, [(prompts, NEW_TOKENS + 3), (ngram_prompts, NGRAM_TOKENS)])
+    drafted = _greedy(ckpt, [(prompts, NEW_TOKENS)], speculative_config=SPEC,
+                      per_request_spec_decode_metrics="detailed")
+    ngram = _greedy(ckpt, [(ngram_prompts, NGRAM_TOKENS)], speculative_config=NGRAM)
+    return SimpleNamespace(prompts=prompts, plain=plain.outputs[0], drafted=drafted.outputs[0],
+                           draft_cls=drafted.draft_cls, groups=drafted.groups,
+                           ngram_plain=[list(o.token_ids) for o in plain.outputs[1]],
+                           ngram=[list(o.token_ids) for o in ngram.outputs[0]], ngram_counters=ngram.counters)
 
 
 @pytest.mark.engine
@@ -558,3 +585,14 @@ def test_every_verify_step_accepts_what_the_offline_draft_chain_predicts(engine_
         assert stats["per_step_accepted"] == expected
         accepted += sum(expected)
     assert accepted > 0
+
+
+@pytest.mark.engine
+def test_ngram_drafts_give_the_tokens_of_drafts_off(engine_runs):
+    """vLLM's ngram drafter through the plugin's verify path and the CPU copy kernels (align
+    mode, a 128-token block, prompts and outputs crossing blocks): the same greedy tokens
+    with drafts as without, and some drafts accepted, so verify steps that accept drafts
+    and roll the state to them ran (``test_plugin_spec_decode`` checks those steps alone)."""
+    assert engine_runs.ngram == engine_runs.ngram_plain
+    assert engine_runs.ngram_counters["vllm:spec_decode_num_draft_tokens"] > 100
+    assert engine_runs.ngram_counters["vllm:spec_decode_num_accepted_tokens"] > 0
