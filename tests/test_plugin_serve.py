@@ -195,3 +195,22 @@ def test_unified_block_size_grows_to_fit_kda_state_and_prefix_cache_resumes(serv
     cached = (second["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
     assert cached == block * ((len(ids) - 1) // block) == 2560
     assert second["choices"][0]["text"] == first["choices"][0]["text"]
+
+
+def test_a_port_taken_before_vllm_binds_it_is_picked_again(tmp_path):
+    """``validation.serving.VllmServer`` picks a free port, which another process can take
+    before ``vllm serve`` binds it: it then starts again on a new port (seen with the cache
+    server in CI). Shown without an engine: the first start finds its port taken, the
+    second gets past binding and stops at the model (a config vLLM does not recognise)."""
+    from validation.serving import VllmServer
+
+    (tmp_path / "config.json").write_text("{}")
+    v = VllmServer(tmp_path)
+    taken = v.port
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", taken))
+        s.listen()
+        with pytest.raises(RuntimeError, match="Unrecognized model") as err:
+            v.start(timeout_s=120, progress=False)
+    assert "Address already in use" not in str(err.value)
+    assert v.port != taken and v._relaunches == 1

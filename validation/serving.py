@@ -70,6 +70,7 @@ class VllmServer:
                     "PYTHONUNBUFFERED": "1", **(env or {})}
         self.log_path = Path(log_path) if log_path else Path(tempfile.mkdtemp(prefix="vllm-serve-")) / "vllm.log"
         self.proc: subprocess.Popen[bytes] | None = None
+        self._relaunches = 0
 
     @property
     def base_url(self) -> str:
@@ -95,6 +96,15 @@ class VllmServer:
         t0 = time.monotonic()
         while time.monotonic() - t0 < timeout_s:
             if self.proc.poll() is not None:
+                if self._relaunches < 2 and "Address already in use" in self.log_tail(10):
+                    # the port free_port() picked was taken before vLLM bound it (another
+                    # process's outgoing connection): pick another and start again
+                    self._relaunches += 1
+                    self._log.close()
+                    self.port = free_port()
+                    self.args[self.args.index("--port") + 1] = str(self.port)
+                    self.launch()
+                    continue
                 raise RuntimeError(f"vllm serve exited with {self.proc.returncode}; log tail:\n{self.log_tail()}")
             try:
                 with urllib.request.urlopen(self.base_url + "/health", timeout=2) as r:
