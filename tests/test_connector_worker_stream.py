@@ -108,6 +108,9 @@ def test_batches_cover_every_item_once_and_respect_the_limit():
     plan = batches(sizes, 10)
     assert [list(r) for r in plan] == [[0, 1], [2], [3], [4, 5], [6]]
     assert batches([], 10) == []
+    # a smaller first batch (the copy starts while the larger ones are fetched), then the limit
+    assert [list(r) for r in batches(sizes, 30, first=10)] == [[0, 1], [2, 3, 4, 5], [6]]
+    assert [list(r) for r in batches([20, 1], 30, first=10)] == [[0], [1]]
 
 
 def test_deadline_is_a_floor_plus_the_bytes_at_the_slowest_rate():
