@@ -241,7 +241,7 @@ def test_real_connector_saves_what_a_router_query_finds(llm, server):
     tokens after them are a partial chunk). Token ids alone cannot name such chunks: 400."""
     prompt = random_prompt(600, seed=5)
     generate_one(llm, prompt, "router-salt", 4)
-    doc = json.loads(http_get(server, "/status"))
+    doc = server.status()
     (ns, info), = doc["namespaces"].items()  # the one engine's
     assert info["chunk_keys"]["scheme"] == "vllm" and info["chunk_keys"]["lookahead"] == 0
     span = info["chunk_keys"]["span"]
@@ -254,15 +254,6 @@ def test_real_connector_saves_what_a_router_query_finds(llm, server):
     assert got["default"][ns]["longest_matched"] == 0
     status, got = post(server, "/query", {"model": model, "token_ids": prompt})
     assert status == 400 and "seq_hashes" in got["error"]
-
-
-def http_get(server, path: str) -> bytes:
-    conn = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=10)
-    try:
-        conn.request("GET", path)
-        return conn.getresponse().read()
-    finally:
-        conn.close()
 
 
 def post(server, path: str, body: object) -> tuple[int, dict]:

@@ -7,11 +7,9 @@ segment mapped on the server."""
 from __future__ import annotations
 
 import fcntl
-import json
 import mmap
 import os
 import secrets
-import urllib.request
 
 import numpy as np
 import pytest
@@ -41,8 +39,7 @@ def _key(i: int, tag: int) -> tuple[bytes, int, int]:
 
 
 def _status(server: ServerProcess) -> dict:
-    with urllib.request.urlopen(server.http_url + "/status", timeout=5) as r:
-        return json.load(r)["shm"]
+    return server.status()["shm"]
 
 
 class Memfd:

@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import sys
@@ -117,8 +116,7 @@ def run(args: argparse.Namespace) -> int:
             all_match &= match
             print(f"{turn:>4} {cold.prompt_tokens:>7} {reloaded.cached_tokens:>6} | {fmt_ms(cold.ttft_s):>12} "
                   f"{fmt_ms(reloaded.ttft_s):>12} {cold.ttft_s / reloaded.ttft_s:>7.2f}x | {str(match):>16}")
-        with urllib.request.urlopen(server.http_url + "/status", timeout=5) as r:
-            status = json.loads(r.read())
+        status = server.status()
         print(f"server: {status['objects']} objects, bytes per object group {status['bytes_by_group_name']}, "
               f"{status['hits']} lookup hits, {status['misses']} misses, {status['evictions']} evictions")
         print("engine (vllm serve /metrics, vllm:glm_cache_*):",

@@ -12,7 +12,6 @@ import json
 import os
 import random
 import sys
-import urllib.request
 
 from cache_server.client import CacheClient
 from connector.keys import chunk_hashes
@@ -63,8 +62,7 @@ def main() -> int:
         other = chunk_hashes(prompt, chunk, cache_salt="another-user")
         print(f"6. the same prompt under another cache_salt: "
               f"{client.lookup(namespace, other[:n_strict], [ATTN_GROUP], [STATE_GROUP])[0]} chunks hit")
-        with urllib.request.urlopen(server.http_url + "/status", timeout=5) as r:
-            status = json.loads(r.read())
+        status = server.status()
         print("7. /status:", json.dumps({k: status[k] for k in ("objects", "bytes_by_group", "hits", "misses",
                                                                   "evictions", "active_leases")}))
         return 0 if ok and hit == n_strict and ex_hit == 1 else 1
