@@ -69,8 +69,8 @@ _PR_SET_NAME = 15
 # Load batches when the server's arena is mapped: each get then moves no bytes (it pins them),
 # so its round trip is the batch's overhead; measured (bench_reload, 2.82 GB, the glibc tunable):
 # 16 MiB batches 0.353 s, 64 MiB 0.321 s, 256 MiB 0.288 s against 0.24 s for one memmove. The
-# first batch stays at batch_bytes: nothing is copied until it arrives (glibc defaults, this
-# session's Intel host: 0.309-0.310 s with a 256 MiB first batch, 0.298-0.300 s with 16 MiB).
+# first batch stays at batch_bytes: nothing is copied until it arrives (glibc defaults, a
+# 2-core Intel Xeon host: 0.309-0.310 s with a 256 MiB first batch, 0.298-0.300 s with 16 MiB).
 ARENA_BATCH_BYTES = 256 << 20
 
 
