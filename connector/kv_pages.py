@@ -71,10 +71,29 @@ def glibc_non_temporal_threshold(environ: Any = None) -> int | None:
     return None
 
 
-# Copies of a page (1.18 MB for GLM-5.3-Flash's latent) store past the cache only when the
-# engine runs with a low non-temporal threshold: then a page copy moves at memmove speed and
-# hashing on a second thread meanwhile costs nothing (write_verified's ``hasher``).
-NON_TEMPORAL_PAGES = (glibc_non_temporal_threshold() or 1 << 62) <= 1 << 20
+try:  # built at install where a C compiler is (pyproject.toml's ext-modules)
+    from connector import _streamcopy
+except ImportError:
+    _streamcopy = None
+
+# Copies of a page (1.18 MB for GLM-5.3-Flash's latent) on CPU store past the cache with
+# connector/_streamcopy.c's streaming stores (x86-64), or, where it is not built, with glibc's
+# memmove when the engine runs with a low non-temporal threshold; then a page copy moves at
+# memcpy speed and hashing on a second thread meanwhile costs nothing (write_verified's
+# ``hasher``). Otherwise torch's strided copies, which go through the cache.
+STREAMING_COPY = _streamcopy is not None and bool(_streamcopy.STREAMING)
+NON_TEMPORAL_PAGES = STREAMING_COPY or (glibc_non_temporal_threshold() or 1 << 62) <= 1 << 20
+
+
+def copy_table(table: list[tuple[int, int, int]]) -> None:
+    """Run each ``(destination, source, bytes)`` of ``table`` as a copy between addresses
+    the caller vouches for: streaming stores where built (:data:`STREAMING_COPY`, the GIL
+    released meanwhile), else one glibc ``memmove`` each."""
+    if STREAMING_COPY:
+        _streamcopy.copy_pages(np.array(table, dtype=np.uint64).reshape(-1, 3))
+        return
+    for dst, src, n in table:
+        ctypes.memmove(dst, src, n)
 
 
 def _digest(h: Any, data: memoryview) -> bytes:
@@ -269,9 +288,8 @@ class PagedKVCache:
         if len(payload) != expected:
             raise ValueError(f"group {group_id}: object of {len(payload)} bytes, expected {expected}")
         if NON_TEMPORAL_PAGES and self._raw.device.type == "cpu" and all(part.rows == 1 for part in g.layers):
-            # one glibc memmove per page: past the engine's low non-temporal threshold it
-            # stores past the cache (torch's strided copy does not), at memmove speed
-            self._memmove_pages(g, block_ids, _address(_bytes_view(payload)))
+            # one copy per page that stores past the cache (torch's strided copy does not)
+            self._copy_pages(g, block_ids, _address(_bytes_view(payload)))
             return
         src = _as_uint8(payload)
         if self._raw.device.type != "cpu":
@@ -291,17 +309,18 @@ class PagedKVCache:
         if wait:
             self._synchronize()
 
-    def _memmove_pages(self, g: CacheGroup, block_ids: list[int | None], src_addr: int) -> None:
+    def _copy_pages(self, g: CacheGroup, block_ids: list[int | None], src_addr: int) -> None:
         """Copy a whole-page object (the group's layers in order, each its blocks' pages)
-        at ``src_addr`` into its pages, one ``memmove`` per page (None blocks skipped)."""
-        raw_addr, pos = self._raw.data_ptr(), 0
+        at ``src_addr`` into its pages, one copy per page (None blocks skipped)."""
+        raw_addr, pos, table = self._raw.data_ptr(), 0, []
         for part in g.layers:
             lp = self._layers[part.name]
             dst0 = raw_addr + lp.base + part.row_offset
             for b in block_ids:
                 if b is not None:
-                    ctypes.memmove(dst0 + b * lp.block_stride, src_addr + pos, part.page_bytes)
+                    table.append((dst0 + b * lp.block_stride, src_addr + pos, part.page_bytes))
                 pos += part.page_bytes
+        copy_table(table)
 
     def write_verified(self, group_id: int, block_ids: list[int | None], payload: bytes | memoryview,
                        prefix: bytes, expected: bytes, hasher: Executor | None = None) -> bool:
@@ -314,8 +333,8 @@ class PagedKVCache:
         server's arena, :mod:`cache_server.arena`; checked ones are copied with :meth:`write`)
         this is the only pass over its bytes: the object is walked in its own order in pieces of
         :data:`VERIFY_PIECE_BYTES` (small pages gathered, large ones split), each hashed and
-        then copied to its pages while it is in cache (one ``memmove`` per page or part of
-        one). Measured here (2 loaded cores, 1 MiB of L2 per core): 512 KiB pieces 7-8 GB/s
+        then copied to its pages while it is in cache (:func:`copy_table`: one copy per page or
+        part of one). Measured here (2 loaded cores, 1 MiB of L2 per core): 512 KiB pieces 7-8 GB/s
         against 5-7 for 128 KiB and 1 MiB, and a single-threaded glibc memmove of the same
         bytes 9-12 GB/s. On an
         accelerator, or for pages that are parts of rows, the object is hashed whole, then
@@ -323,11 +342,11 @@ class PagedKVCache:
 
         With ``hasher`` (a one-thread executor: the caller passes one where
         :data:`NON_TEMPORAL_PAGES`), the object is hashed whole on that thread while this
-        one copies its pages: measured here with ``GLIBC_TUNABLES=
-        glibc.cpu.x86_non_temporal_threshold=0x40000``, page copies alone 11.2-11.5 GB/s and
-        copies with the concurrent hash 12.5-14.2 GB/s against 13.0-13.3 for one memmove of
-        the same bytes (and 7.6-8.0 for the pieces above); without the tunable the page
-        copies go through the cache and the concurrent hash slows them (4.4-4.9 GB/s)."""
+        one copies its pages (:meth:`_copy_pages`): measured with glibc's streaming memmove
+        (``GLIBC_TUNABLES=glibc.cpu.x86_non_temporal_threshold=0x40000``), page copies alone
+        11.2-11.5 GB/s and copies with the concurrent hash 12.5-14.2 GB/s against 13.0-13.3
+        for one memmove of the same bytes (and 7.6-8.0 for the pieces above); copies that go
+        through the cache are slowed by the concurrent hash (4.4-4.9 GB/s)."""
         g = self._groups[group_id]
         expected_bytes = g.object_bytes(len(block_ids))
         if len(payload) != expected_bytes:
@@ -346,11 +365,11 @@ class PagedKVCache:
         raw_addr = self._raw.data_ptr()
         if hasher is not None:
             digest = hasher.submit(_digest, h, src)
-            self._memmove_pages(g, block_ids, src_addr)
+            self._copy_pages(g, block_ids, src_addr)
             return digest.result() == expected
-        memmove, piece = ctypes.memmove, VERIFY_PIECE_BYTES
+        piece = VERIFY_PIECE_BYTES
         pos = start = 0  # the object's bytes [start, pos) are the piece being gathered
-        pages: list[tuple[int, int, int]] = []  # its copies: (destination, source offset, bytes)
+        pages: list[tuple[int, int, int]] = []  # its copies: (destination, source, bytes)
         for part in g.layers:
             lp = self._layers[part.name]
             dst0 = raw_addr + lp.base + part.row_offset
@@ -360,20 +379,18 @@ class PagedKVCache:
                 while n:  # a page larger than a piece is split: each piece is hashed, then copied
                     k = min(n, start + piece - pos)
                     if dst is not None:
-                        pages.append((dst, pos, k))
+                        pages.append((dst, src_addr + pos, k))
                         dst += k
                     pos += k
                     n -= k
                     if pos - start >= piece:
                         h.update(src[start:pos])
-                        for d, off, m in pages:
-                            memmove(d, src_addr + off, m)
+                        copy_table(pages)
                         pages.clear()
                         start = pos
         if pos > start:
             h.update(src[start:pos])
-            for d, off, m in pages:
-                memmove(d, src_addr + off, m)
+            copy_table(pages)
         return h.digest() == expected
 
     def write_layer_page(self, layer_name: str, group_id: int, block_id: int,

