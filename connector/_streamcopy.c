@@ -11,11 +11,13 @@
  * Intel Xeon: 2400 pages of 1.18 MB in a shuffled order at 12.1 GB/s, against 12.2 for one
  * glibc memmove of the same 2.8 GB and 6.9 for one-thread torch copies of the pages.
  *
- * copy_pages(table): ``table`` is a C-contiguous buffer of uint64 triples (destination
- * address, source address, bytes), one per copy; the GIL is released while they run. The
- * addresses are the caller's to vouch for (PagedKVCache computes them from its checked
- * geometry). STREAMING is 0 where the build has no streaming stores (not x86-64): the copies
- * are then plain memcpy and the caller keeps its own path.
+ * copy_pages(table, streaming=True): ``table`` is a C-contiguous buffer of uint64 triples
+ * (destination address, source address, bytes), one per copy, run with streaming stores, or
+ * with memcpy where ``streaming`` is false (parts of rows: pieces of a few hundred bytes,
+ * whose lines the next rows share); the GIL is released while they run. The addresses are
+ * the caller's to vouch for (PagedKVCache computes them from its checked geometry).
+ * STREAMING is 0 where the build has no streaming stores (not x86-64): every copy is then a
+ * memcpy, still one call for a whole table without the GIL.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -68,8 +70,12 @@ static void copy_streaming(char *d, const char *s, size_t n)
 #define FENCE() ((void)0)
 #endif
 
-static PyObject *copy_pages(PyObject *self, PyObject *table)
+static PyObject *copy_pages(PyObject *self, PyObject *args)
 {
+    PyObject *table;
+    int streaming = 1;
+    if (!PyArg_ParseTuple(args, "O|p:copy_pages", &table, &streaming))
+        return NULL;
     Py_buffer view;
     if (PyObject_GetBuffer(table, &view, PyBUF_C_CONTIGUOUS) < 0)
         return NULL;
@@ -85,18 +91,23 @@ static PyObject *copy_pages(PyObject *self, PyObject *table)
     for (size_t i = 0; i < count; i++, row += 3 * sizeof(uint64_t)) {
         uint64_t e[3];
         memcpy(e, row, sizeof e);  /* the table's alignment is the caller's */
-        COPY((char *)(uintptr_t)e[0], (const char *)(uintptr_t)e[1], (size_t)e[2]);
+        if (streaming)
+            COPY((char *)(uintptr_t)e[0], (const char *)(uintptr_t)e[1], (size_t)e[2]);
+        else
+            memcpy((char *)(uintptr_t)e[0], (const char *)(uintptr_t)e[1], (size_t)e[2]);
     }
-    FENCE();
+    if (streaming)
+        FENCE();
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&view);
     Py_RETURN_NONE;
 }
 
 static PyMethodDef methods[] = {
-    {"copy_pages", copy_pages, METH_O,
-     "copy_pages(table): run each (destination, source, bytes) uint64 triple of a C-contiguous "
-     "buffer as a copy, with streaming stores where STREAMING; the GIL is released meanwhile."},
+    {"copy_pages", copy_pages, METH_VARARGS,
+     "copy_pages(table, streaming=True): run each (destination, source, bytes) uint64 triple of a "
+     "C-contiguous buffer as a copy, with streaming stores where asked and STREAMING, else memcpy; "
+     "the GIL is released meanwhile."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -76,23 +76,26 @@ try:  # built at install where a C compiler is (pyproject.toml's ext-modules)
 except ImportError:
     _streamcopy = None
 
-# Copies of a page (1.18 MB for GLM-5.3-Flash's latent) on CPU store past the cache with
-# connector/_streamcopy.c's streaming stores (x86-64), or, where it is not built, with glibc's
-# memmove when the engine runs with a low non-temporal threshold; then a page copy moves at
-# memcpy speed and hashing on a second thread meanwhile costs nothing (write_verified's
-# ``hasher``). Otherwise torch's strided copies, which go through the cache.
-STREAMING_COPY = _streamcopy is not None and bool(_streamcopy.STREAMING)
+# On CPU a write is one table of copies run in C without the GIL (connector/_streamcopy.c):
+# whole pages (1.18 MB for GLM-5.3-Flash's latent) with streaming stores (x86-64), which write
+# past the cache, parts of rows with memcpy. Torch's strided copies (where it is not built)
+# go through the cache and cost about 50 us of the GIL per object, which the model's thread
+# waits for. Without it, glibc's memmove also streams where the engine runs with a low
+# non-temporal threshold: whole pages are then copied one memmove each. Where pages stream,
+# hashing on a second thread meanwhile costs nothing (write_verified's ``hasher``).
+TABLE_COPIES = _streamcopy is not None
+STREAMING_COPY = TABLE_COPIES and bool(_streamcopy.STREAMING)
 NON_TEMPORAL_PAGES = STREAMING_COPY or (glibc_non_temporal_threshold() or 1 << 62) <= 1 << 20
 
 
-def copy_table(table: list[tuple[int, int, int]]) -> None:
-    """Run each ``(destination, source, bytes)`` of ``table`` as a copy between addresses
-    the caller vouches for: streaming stores where built (:data:`STREAMING_COPY`, the GIL
-    released meanwhile), else one glibc ``memmove`` each."""
-    if STREAMING_COPY:
-        _streamcopy.copy_pages(np.array(table, dtype=np.uint64).reshape(-1, 3))
+def copy_table(table: np.ndarray, streaming: bool = True) -> None:
+    """Run each ``(destination, source, bytes)`` row of ``table`` as a copy between
+    addresses the caller vouches for: in C without the GIL where built (:data:`TABLE_COPIES`;
+    streaming stores where asked and :data:`STREAMING_COPY`), else one glibc ``memmove`` each."""
+    if TABLE_COPIES:
+        _streamcopy.copy_pages(np.ascontiguousarray(table, dtype=np.uint64), streaming and STREAMING_COPY)
         return
-    for dst, src, n in table:
+    for dst, src, n in np.asarray(table, dtype=np.uint64).tolist():
         ctypes.memmove(dst, src, n)
 
 
@@ -130,6 +133,7 @@ class PagedKVCache:
         self._groups = {g.group_id: g for g in groups}
         self._layers: dict[str, _Placement] = {}
         self._lanes: dict[int, tuple[_Lane, ...]] = {}
+        self._row_shapes: dict[int, tuple[tuple[Any, ...], ...]] = {}
         if not groups:  # served without the external cache: nothing to read or write
             self._raw = torch.empty(0, dtype=torch.uint8)
             return
@@ -151,6 +155,7 @@ class PagedKVCache:
                 self._layers[p.name] = _Placement(base, block_stride)
             self._check_disjoint(g, kv_cache_config.num_blocks, placements)
             self._lanes[g.group_id] = self._find_lanes(g)
+            self._row_shapes[g.group_id] = self._group_row_shapes(g)
         self._check_views(kv_caches, groups)
 
     def _find_lanes(self, g: CacheGroup) -> tuple[_Lane, ...]:
@@ -287,9 +292,9 @@ class PagedKVCache:
         expected = g.object_bytes(len(block_ids))
         if len(payload) != expected:
             raise ValueError(f"group {group_id}: object of {len(payload)} bytes, expected {expected}")
-        if NON_TEMPORAL_PAGES and self._raw.device.type == "cpu" and all(part.rows == 1 for part in g.layers):
-            # one copy per page that stores past the cache (torch's strided copy does not)
-            self._copy_pages(g, block_ids, _address(_bytes_view(payload)))
+        if self._raw.device.type == "cpu" and (TABLE_COPIES or (
+                NON_TEMPORAL_PAGES and all(part.rows == 1 for part in g.layers))):
+            self._copy([(group_id, block_ids, _address(_bytes_view(payload)))])
             return
         src = _as_uint8(payload)
         if self._raw.device.type != "cpu":
@@ -309,18 +314,77 @@ class PagedKVCache:
         if wait:
             self._synchronize()
 
-    def _copy_pages(self, g: CacheGroup, block_ids: list[int | None], src_addr: int) -> None:
-        """Copy a whole-page object (the group's layers in order, each its blocks' pages)
-        at ``src_addr`` into its pages, one copy per page (None blocks skipped)."""
-        raw_addr, pos, table = self._raw.data_ptr(), 0, []
+    def write_many(self, objects: list[tuple[int, list[int | None], bytes | memoryview]]) -> None:
+        """:meth:`write` for each ``(group_id, block_ids, payload)``; on CPU with
+        :data:`TABLE_COPIES` all of them as one table of copies, run without the GIL (a batch
+        of a load: one C call and a few numpy operations per group and layer, not two torch
+        calls per object)."""
+        for group_id, block_ids, payload in objects:
+            expected = self._groups[group_id].object_bytes(len(block_ids))
+            if len(payload) != expected:
+                raise ValueError(f"group {group_id}: object of {len(payload)} bytes, expected {expected}")
+        if not (TABLE_COPIES and self._raw.device.type == "cpu"):
+            for group_id, block_ids, payload in objects:
+                self.write(group_id, block_ids, payload)
+            return
+        self._copy([(group_id, block_ids, _address(_bytes_view(payload))) for group_id, block_ids, payload in objects])
+
+    def _copy(self, objects: list[tuple[int, list[int | None], int]]) -> None:
+        """Copy objects of the sizes their groups say, each ``(group_id, block_ids, address)``
+        (the group's layers in order, each its blocks' pages, parts of rows row after row),
+        into their pages; None blocks skipped. Whole pages stream past the cache."""
+        whole, parts = self._tables(objects)
+        if len(whole):
+            copy_table(whole, streaming=True)
+        if len(parts):
+            copy_table(parts, streaming=False)
+
+    def _tables(self, objects: list[tuple[int, list[int | None], int]]) -> tuple[np.ndarray, np.ndarray]:
+        """The copies of :meth:`_copy` as ``(destination, source, bytes)`` rows: those of
+        whole pages, then those of parts of rows (one per row). Built with a few numpy
+        operations per group, block count and row shape of its layers, over all the objects
+        at once."""
+        shapes: dict[tuple[int, int], list[tuple[list[int | None], int]]] = {}
+        for group_id, block_ids, addr in objects:
+            shapes.setdefault((group_id, len(block_ids)), []).append((block_ids, addr))
+        raw_addr = self._raw.data_ptr()
+        whole: list[np.ndarray] = []
+        parts: list[np.ndarray] = []
+        for (group_id, n), objs in shapes.items():
+            blocks = np.array([[-1 if b is None else b for b in ids] for ids, _ in objs], dtype=np.int64)
+            blocks = blocks.reshape(-1, 1, n)  # (object, layer, block)
+            addrs = np.array([addr for _, addr in objs], dtype=np.int64).reshape(-1, 1, 1)
+            t = np.arange(n, dtype=np.int64)
+            for rows, width, row_stride, page, base, stride, before in self._row_shapes[group_id]:
+                held = np.broadcast_to(blocks >= 0, (blocks.shape[0], base.shape[1], n))
+                dst = (raw_addr + base + blocks * stride)[held]
+                src = (addrs + n * before + t * page)[held]
+                if rows == 1:
+                    whole.append(np.stack([dst, src, np.full_like(dst, page)], axis=1))
+                else:
+                    r = np.arange(rows, dtype=np.int64)
+                    dst = (dst[:, None] + r * row_stride).ravel()
+                    src = (src[:, None] + r * width).ravel()
+                    parts.append(np.stack([dst, src, np.full_like(dst, width)], axis=1))
+        empty = np.empty((0, 3), dtype=np.int64)
+        return (np.concatenate(whole) if len(whole) != 1 else whole[0]) if whole else empty, \
+            (np.concatenate(parts) if parts else empty)
+
+    def _group_row_shapes(self, g: CacheGroup) -> tuple[tuple[Any, ...], ...]:
+        """The group's layers by row shape, for :meth:`_tables`: ``(rows, row_width,
+        row_stride, page_bytes)`` and, per layer of that shape, as ``(1, layers, 1)`` arrays:
+        the offset of its block 0's part in the KV buffer, its block stride, and the bytes
+        before its pages in a one-block object (a layer's pages in an n-block object start
+        n times that far in)."""
+        by_shape: dict[tuple[int, int, int, int], list[tuple[int, int, int]]] = {}
+        before = 0
         for part in g.layers:
             lp = self._layers[part.name]
-            dst0 = raw_addr + lp.base + part.row_offset
-            for b in block_ids:
-                if b is not None:
-                    table.append((dst0 + b * lp.block_stride, src_addr + pos, part.page_bytes))
-                pos += part.page_bytes
-        copy_table(table)
+            by_shape.setdefault((part.rows, part.row_width, part.row_stride, part.page_bytes), []).append(
+                (lp.base + part.row_offset, lp.block_stride, before))
+            before += part.page_bytes
+        return tuple((*shape, *(np.array(col, dtype=np.int64).reshape(1, -1, 1) for col in zip(*layers)))
+                     for shape, layers in by_shape.items())
 
     def write_verified(self, group_id: int, block_ids: list[int | None], payload: bytes | memoryview,
                        prefix: bytes, expected: bytes, hasher: Executor | None = None) -> bool:
@@ -342,7 +406,7 @@ class PagedKVCache:
 
         With ``hasher`` (a one-thread executor: the caller passes one where
         :data:`NON_TEMPORAL_PAGES`), the object is hashed whole on that thread while this
-        one copies its pages (:meth:`_copy_pages`): measured with glibc's streaming memmove
+        one copies its pages (:meth:`_copy`): measured with glibc's streaming memmove
         (``GLIBC_TUNABLES=glibc.cpu.x86_non_temporal_threshold=0x40000``), page copies alone
         11.2-11.5 GB/s and copies with the concurrent hash 12.5-14.2 GB/s against 13.0-13.3
         for one memmove of the same bytes (and 7.6-8.0 for the pieces above); copies that go
@@ -365,7 +429,7 @@ class PagedKVCache:
         raw_addr = self._raw.data_ptr()
         if hasher is not None:
             digest = hasher.submit(_digest, h, src)
-            self._copy_pages(g, block_ids, src_addr)
+            self._copy([(group_id, block_ids, src_addr)])
             return digest.result() == expected
         piece = VERIFY_PIECE_BYTES
         pos = start = 0  # the object's bytes [start, pos) are the piece being gathered
@@ -385,12 +449,12 @@ class PagedKVCache:
                     n -= k
                     if pos - start >= piece:
                         h.update(src[start:pos])
-                        copy_table(pages)
+                        copy_table(np.array(pages, dtype=np.int64).reshape(-1, 3))
                         pages.clear()
                         start = pos
         if pos > start:
             h.update(src[start:pos])
-            copy_table(pages)
+            copy_table(np.array(pages, dtype=np.int64).reshape(-1, 3))
         return h.digest() == expected
 
     def write_layer_page(self, layer_name: str, group_id: int, block_id: int,

@@ -395,10 +395,12 @@ class WorkerSide:
         30k-token bench_reload) and take a core from the engine."""
         assert self._pages is not None
         hasher = self._hasher if NON_TEMPORAL_PAGES else None
+        # verified already (by the client on arrival, or by the server in its arena): one
+        # table of copies for them all (PagedKVCache.write_many)
+        self._pages.write_many([(m.group_id, m.block_ids, p) for m, p, c in zip(moves, payloads, checks) if c is None])
         for move, payload, check in zip(moves, payloads, checks):
-            if check is None:  # verified already: by the client on arrival, or by the server in its arena
-                self._write(move, payload)
-            elif not self._pages.write_verified(move.group_id, move.block_ids, payload, *check, hasher=hasher):
+            if check is not None and not self._pages.write_verified(move.group_id, move.block_ids, payload, *check,
+                                                                     hasher=hasher):
                 return move
         return None
 
@@ -428,11 +430,6 @@ class WorkerSide:
             self._load_client.delete(namespace, keys, reason="size")
         except CLIENT_ERRORS as e:  # they stay until evicted; this load fails either way
             logger.warning("GlmCacheConnector: could not delete %d wrong-size object(s): %s", len(keys), e)
-
-    def _write(self, move: ObjectMove, payload: Any) -> None:
-        assert self._pages is not None
-        # None blocks are held locally already: the pages skip them (each layer its own size).
-        self._pages.write(move.group_id, move.block_ids, payload)
 
     # Saves ------------------------------------------------------------------------------
     #

@@ -160,15 +160,23 @@ def _part(region: torch.Tensor, p) -> torch.Tensor:
     return region if p.rows == 1 else region.view(p.rows, p.row_stride)[:, p.row_offset : p.row_offset + p.row_width]
 
 
-@pytest.mark.parametrize("page_copies", [False, True], ids=["strided", "per-page"])
-@pytest.mark.parametrize(("layout", "tp"), CASES)
-def test_round_trip_is_byte_exact_and_leaves_neighbours(cfg, layout, tp, page_copies, monkeypatch):
-    """Both CPU write paths: torch's strided copies, and one copy per page that stores past
-    the cache (``kv_pages.NON_TEMPORAL_PAGES``: connector/_streamcopy.c where built, else
-    glibc's memmove where the engine runs with a low non-temporal threshold)."""
+def _write_path(monkeypatch, path: str) -> None:
+    """Make PagedKVCache write on CPU as it does with ``path``: ``table`` (connector/_streamcopy.c
+    built: one table of copies in C), ``torch`` (not built: torch's strided copies), ``memmove``
+    (not built, the engine under a low glibc non-temporal threshold: one memmove per whole page)."""
     from connector import kv_pages
 
-    monkeypatch.setattr(kv_pages, "NON_TEMPORAL_PAGES", page_copies)
+    if path == "table" and not kv_pages.TABLE_COPIES:
+        pytest.skip("connector._streamcopy is not built here")
+    monkeypatch.setattr(kv_pages, "TABLE_COPIES", path == "table")
+    monkeypatch.setattr(kv_pages, "NON_TEMPORAL_PAGES", path != "torch")
+
+
+@pytest.mark.parametrize("path", ["table", "torch", "memmove"])
+@pytest.mark.parametrize(("layout", "tp"), CASES)
+def test_round_trip_is_byte_exact_and_leaves_neighbours(cfg, layout, tp, path, monkeypatch):
+    """Every CPU write path (:func:`_write_path`)."""
+    _write_path(monkeypatch, path)
     built = L.build(layout, tp, num_blocks=4, cfg=cfg)
     raw, views = L.allocate(built)
     geo = L.resolve(built)
@@ -197,3 +205,38 @@ def test_round_trip_is_byte_exact_and_leaves_neighbours(cfg, layout, tp, page_co
             assert torch.equal(raw, expected), (layout, tp, g.group_id, src, dst)
             kept = [(s, d) for s, d in zip(src, dst) if d is not None]
             assert pages.read(g.group_id, [d for _, d in kept]) == pages.read(g.group_id, [s for s, _ in kept])
+
+
+@pytest.mark.parametrize(("layout", "tp"), [("native", 4), ("plugin", 4), ("plugin", 1)])
+def test_a_batch_written_at_once_lands_as_each_object_written_alone(cfg, layout, tp, monkeypatch):
+    """``write_many`` (a load's batch: every group, one- and two-block objects, a skipped
+    block) against ``write`` of each object with torch's strided copies, on the same buffer."""
+    from connector import kv_pages
+
+    if not kv_pages.TABLE_COPIES:
+        pytest.skip("connector._streamcopy is not built here")
+    built = L.build(layout, tp, num_blocks=6, cfg=cfg)
+    raw, views = L.allocate(built)
+    geo = L.resolve(built)
+    pages = PagedKVCache(views, built.kv_cache_config, geo.groups)
+    raw.copy_(torch.randint(-128, 128, raw.shape, dtype=torch.int8, generator=torch.Generator().manual_seed(tp)))
+    batch = []
+    for g in geo.groups:
+        if g.is_state:
+            batch.append((g.group_id, [4], pages.read(g.group_id, [1])))
+        else:  # a two-block chunk into [3, 0], another object of the group into [5, None]
+            batch += [(g.group_id, [3, 0], pages.read(g.group_id, [1, 2])),
+                      (g.group_id, [5, None], pages.read(g.group_id, [2, 1]))]
+    before = raw.clone()
+    monkeypatch.setattr(kv_pages, "TABLE_COPIES", False)
+    monkeypatch.setattr(kv_pages, "NON_TEMPORAL_PAGES", False)
+    for gid, dst, payload in batch:
+        pages.write(gid, dst, payload)
+    expected = raw.clone()
+    raw.copy_(before)
+    monkeypatch.setattr(kv_pages, "TABLE_COPIES", True)
+    pages.write_many(batch)
+    assert torch.equal(raw, expected)
+    assert not torch.equal(raw, before)
+    with pytest.raises(ValueError, match="expected"):
+        pages.write_many([(batch[0][0], batch[0][1], bytes(len(batch[0][2]) - 1))])

@@ -92,6 +92,26 @@ def window_gaps(streams: list[list[float]], t0: float, t1: float) -> list[float]
     return [b - a for s in streams for a, b in zip(s, s[1:]) if t0 <= b <= t1]
 
 
+def span_itl_ms(streams: list[list[float]], span: float) -> float:
+    """The decoders' mean ITL over a fixed span from the arrivals' start: the span over the
+    tokens each decoder streamed in it (times relative to that start). One span for every
+    condition of a size (the longest arrivals window of any), so each counts the same
+    arrivals' work and only what else slowed the steps differs; a longer window of the
+    loads' would otherwise dilute the arrivals' prefills over more plain decode steps."""
+    if any(st[-1] <= span for st in streams):
+        raise RuntimeError("a decoder stopped inside the span: raise --decode-tokens")
+    tokens = sum(1 for st in streams for t in st if 0 < t <= span)
+    return 1e3 * span * len(streams) / tokens
+
+
+def bootstrap_ci(values: list[float], level: float = 0.95, draws: int = 4000) -> list[float]:
+    """A percentile bootstrap interval of the mean of ``values`` (fixed seed)."""
+    rng = random.Random(1)
+    means = sorted(statistics.fmean(rng.choices(values, k=len(values))) for _ in range(draws))
+    lo = int((1 - level) / 2 * draws)
+    return [means[lo], means[draws - 1 - lo]]
+
+
 def run_condition(base_url: str, rng: random.Random, decoders: int, decode_tokens: int,
                   arrivals: list[list[int]], inflight: int, idle_window_s: float) -> dict:
     """One decode batch, with ``arrivals`` sent once it streams (none: a window of
@@ -126,7 +146,7 @@ def run_condition(base_url: str, rng: random.Random, decoders: int, decode_token
                            f"(window {t1 - t0:.1f} s)")
     gaps = window_gaps(streams, t0, t1)
     run = [b - a for st in streams for a, b in zip(st[WARM_TOKENS:], st[WARM_TOKENS + 1:])]
-    return {"window_s": t1 - t0, "gaps": len(gaps),
+    return {"window_s": t1 - t0, "gaps": len(gaps), "streams": [[t - t0 for t in st] for st in streams],
             # the whole decode run from the arrivals' start on: the same tokens in every condition
             "itl_mean_ms": 1e3 * statistics.fmean(run), "itl_p90_ms": 1e3 * statistics.quantiles(run, n=10)[-1],
             # the gaps that ended while arrivals were in flight
@@ -200,10 +220,18 @@ def main(argv: list[str] | None = None) -> int:
                           f"{res['gaps']} gaps, {res['window_s']:.2f} s; loaded {res['loaded_bytes'] / 2**20:.1f} MiB, "
                           f"external hits {res['ext_hit']:.0f}, local hits {res['local_hit']:.0f}, "
                           f"computed {res['computed']:.0f}", flush=True)
+            span = max(r["window_s"] for c in ("local", "loads") for r in per[c])
+            for runs in per.values():
+                for r in runs:
+                    r["span_itl_ms"] = span_itl_ms(r.pop("streams"), span)
             med = {c: {k: statistics.median(r[k] for r in v) for k in v[0]} for c, v in per.items()}
-            rows.append({"size": size, "median": med, "runs": per,
+            paired = [a["span_itl_ms"] / b["span_itl_ms"] for a, b in zip(per["loads"], per["local"])]
+            rows.append({"size": size, "median": med, "runs": per, "span_s": span,
                          "loads_vs_local": med["loads"]["itl_mean_ms"] / med["local"]["itl_mean_ms"],
-                         "loads_vs_none": med["loads"]["itl_mean_ms"] / med["none"]["itl_mean_ms"]})
+                         "loads_vs_none": med["loads"]["itl_mean_ms"] / med["none"]["itl_mean_ms"],
+                         "span_loads_vs_local_paired": paired,
+                         "span_loads_vs_local_mean": statistics.fmean(paired),
+                         "span_loads_vs_local_ci95": bootstrap_ci(paired)})
     elapsed = time.perf_counter() - started
     print()
     print(f"Decode ITL with other requests' loads in flight: {args.decoders} decoders x {args.decode_tokens} tokens, "
@@ -220,6 +248,18 @@ def main(argv: list[str] | None = None) -> int:
               f"{m['none']['itl_p90_ms']:.2f} / {m['local']['itl_p90_ms']:.2f} / {m['loads']['itl_p90_ms']:.2f} | "
               f"{r['loads_vs_local']:.3f} | {r['loads_vs_none']:.3f} | "
               f"{m['local']['arrival_ttft_ms']:.0f} / {m['loads']['arrival_ttft_ms']:.0f} |")
+    print()
+    print("Over one span per size from the arrivals' start (the longest arrivals window of any condition), "
+          "each loads run against the local run of its repetition:")
+    print()
+    print("| arrival prompt tokens | span s | span ITL ms: none / local / loads (medians) | loads / local per "
+          "repetition | mean | 95% CI of the mean (bootstrap) |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        m, ci = r["median"], r["span_loads_vs_local_ci95"]
+        print(f"| {r['size']} | {r['span_s']:.2f} | {m['none']['span_itl_ms']:.2f} / {m['local']['span_itl_ms']:.2f} / "
+              f"{m['loads']['span_itl_ms']:.2f} | {', '.join(f'{x:.3f}' for x in r['span_loads_vs_local_paired'])} | "
+              f"{r['span_loads_vs_local_mean']:.3f} | {ci[0]:.3f}-{ci[1]:.3f} |")
     print(f"\n{elapsed:.0f} s in all; logs in {work}")
     if args.json:
         print(json.dumps({"rows": [{k: v for k, v in r.items() if k != "runs"} for r in rows],
