@@ -127,6 +127,7 @@ out of range ``bad_request``.
 from __future__ import annotations
 
 import enum
+import functools
 import re
 import struct
 from typing import Any
@@ -233,10 +234,17 @@ def key_prefix(namespace: str, key: ObjectKey) -> bytes:
     """What :func:`checksum` hashes before the payload: a tag, then the namespace, the chunk
     hash (each length-prefixed), the group and the rank (little-endian u64), so no two
     keys encode alike."""
-    ns = namespace.encode("utf-8", "surrogatepass")
     digest, group, rank = key
-    return b"".join((b"glmsum4\0", struct.pack("<I", len(ns)), ns, struct.pack("<I", len(digest)), bytes(digest),
-                     struct.pack("<QQ", group, rank)))
+    return b"".join((_namespace_prefix(namespace), _U32.pack(len(digest)), bytes(digest), _U64_PAIR.pack(group, rank)))
+
+
+_U32, _U64_PAIR = struct.Struct("<I"), struct.Struct("<QQ")
+
+
+@functools.lru_cache(maxsize=64)  # a load checks hundreds of keys of one namespace
+def _namespace_prefix(namespace: str) -> bytes:
+    ns = namespace.encode("utf-8", "surrogatepass")
+    return b"glmsum4\0" + _U32.pack(len(ns)) + ns
 
 
 def pack_header(header: dict[str, Any]) -> bytes:

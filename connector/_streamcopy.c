@@ -18,6 +18,18 @@
  * the caller's to vouch for (PagedKVCache computes them from its checked geometry).
  * STREAMING is 0 where the build has no streaming stores (not x86-64): every copy is then a
  * memcpy, still one call for a whole table without the GIL.
+ *
+ * copy_rows(table): each row of ``table`` (C-contiguous uint64 sextuples: destination, source,
+ * bytes per piece, pieces, destination stride, source stride) copies that many pieces with
+ * memcpy, each piece the strides further on both sides; the GIL is released meanwhile. A page
+ * of parts of rows (a group that holds part of each row of its layer's page) is one row here
+ * rather than one per piece: the table a load's batch builds is then hundreds of rows, not
+ * hundreds of thousands, and building it holds the GIL that much less.
+ *
+ * buffer_spans(buffers): the (address, bytes) of each C-contiguous buffer of a sequence, as
+ * uint64 pairs in one bytes object: a load's sources (hundreds of payloads) named in one call
+ * rather than a numpy array made per payload, which held the GIL for microseconds each that
+ * the model's thread in the same process waits for.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -103,11 +115,73 @@ static PyObject *copy_pages(PyObject *self, PyObject *args)
     Py_RETURN_NONE;
 }
 
+static PyObject *copy_rows(PyObject *self, PyObject *table)
+{
+    Py_buffer view;
+    if (PyObject_GetBuffer(table, &view, PyBUF_C_CONTIGUOUS) < 0)
+        return NULL;
+    if (view.len % (6 * (Py_ssize_t)sizeof(uint64_t))) {
+        PyBuffer_Release(&view);
+        PyErr_Format(PyExc_ValueError, "row table of %zd bytes: not whole (destination, source, bytes, pieces, "
+                     "destination stride, source stride) uint64 sextuples", view.len);
+        return NULL;
+    }
+    const char *row = view.buf;
+    size_t count = (size_t)view.len / (6 * sizeof(uint64_t));
+    Py_BEGIN_ALLOW_THREADS
+    for (size_t i = 0; i < count; i++, row += 6 * sizeof(uint64_t)) {
+        uint64_t e[6];
+        memcpy(e, row, sizeof e);
+        char *d = (char *)(uintptr_t)e[0];
+        const char *s = (const char *)(uintptr_t)e[1];
+        for (uint64_t k = 0; k < e[3]; k++, d += e[4], s += e[5])
+            memcpy(d, s, (size_t)e[2]);
+    }
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&view);
+    Py_RETURN_NONE;
+}
+
+static PyObject *buffer_spans(PyObject *self, PyObject *buffers)
+{
+    PyObject *seq = PySequence_Fast(buffers, "buffer_spans takes a sequence of buffers");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject *out = PyBytes_FromStringAndSize(NULL, n * 2 * (Py_ssize_t)sizeof(uint64_t));
+    if (out == NULL) {
+        Py_DECREF(seq);
+        return NULL;
+    }
+    char *row = PyBytes_AS_STRING(out);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    for (Py_ssize_t i = 0; i < n; i++, row += 2 * sizeof(uint64_t)) {
+        Py_buffer view;
+        if (PyObject_GetBuffer(items[i], &view, PyBUF_C_CONTIGUOUS) < 0) {
+            Py_DECREF(out);
+            Py_DECREF(seq);
+            return NULL;
+        }
+        uint64_t e[2] = {view.len ? (uint64_t)(uintptr_t)view.buf : 0, (uint64_t)view.len};
+        memcpy(row, e, sizeof e);
+        PyBuffer_Release(&view);
+    }
+    Py_DECREF(seq);
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"copy_pages", copy_pages, METH_VARARGS,
      "copy_pages(table, streaming=True): run each (destination, source, bytes) uint64 triple of a "
      "C-contiguous buffer as a copy, with streaming stores where asked and STREAMING, else memcpy; "
      "the GIL is released meanwhile."},
+    {"copy_rows", copy_rows, METH_O,
+     "copy_rows(table): each (destination, source, bytes, pieces, destination stride, source stride) uint64 "
+     "sextuple of a C-contiguous buffer as that many memcpy pieces, the strides apart; the GIL is released "
+     "meanwhile."},
+    {"buffer_spans", buffer_spans, METH_O,
+     "buffer_spans(buffers): the (address, bytes) of each C-contiguous buffer, as uint64 pairs in one "
+     "bytes object (address 0 for an empty one)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -108,7 +109,7 @@ class CacheGroup:
         """Each layer's page, in layer order."""
         return tuple(p.page_bytes for p in self.layers)
 
-    @property
+    @cached_property  # asked per object of every load and save
     def object_bytes_per_block(self) -> int:
         return sum(p.page_bytes for p in self.layers)
 

@@ -78,7 +78,7 @@ except ImportError:
 
 # On CPU a write is one table of copies run in C without the GIL (connector/_streamcopy.c):
 # whole pages (1.18 MB for GLM-5.3-Flash's latent) with streaming stores (x86-64), which write
-# past the cache, parts of rows with memcpy. Torch's strided copies (where it is not built)
+# past the cache, parts of rows with memcpy (one strided row of the table per page). Torch's strided copies (where it is not built)
 # go through the cache and cost about 50 us of the GIL per object, which the model's thread
 # waits for. Without it, glibc's memmove also streams where the engine runs with a low
 # non-temporal threshold: whole pages are then copied one memmove each. Where pages stream,
@@ -97,6 +97,21 @@ def copy_table(table: np.ndarray, streaming: bool = True) -> None:
         return
     for dst, src, n in np.asarray(table, dtype=np.uint64).tolist():
         ctypes.memmove(dst, src, n)
+
+
+def copy_rows(table: np.ndarray) -> None:
+    """Run each ``(destination, source, bytes, pieces, destination stride, source stride)``
+    row of ``table`` as that many copies of ``bytes``, the strides apart on either side
+    (parts of rows: memcpy, not streaming stores, whose lines the next rows share); in C
+    without the GIL where built, else as the :func:`copy_table` of every piece."""
+    if TABLE_COPIES:
+        _streamcopy.copy_rows(np.ascontiguousarray(table, dtype=np.uint64))
+        return
+    t = np.asarray(table, dtype=np.int64).reshape(-1, 6)
+    pieces = [np.stack([d + np.arange(k) * ds, s + np.arange(k) * ss, np.full(k, n)], axis=1)
+              for d, s, n, k, ds, ss in t.tolist()]
+    if pieces:
+        copy_table(np.concatenate(pieces), streaming=False)
 
 
 def _digest(h: Any, data: memoryview) -> bytes:
@@ -319,15 +334,19 @@ class PagedKVCache:
         :data:`TABLE_COPIES` all of them as one table of copies, run without the GIL (a batch
         of a load: one C call and a few numpy operations per group and layer, not two torch
         calls per object)."""
-        for group_id, block_ids, payload in objects:
-            expected = self._groups[group_id].object_bytes(len(block_ids))
-            if len(payload) != expected:
-                raise ValueError(f"group {group_id}: object of {len(payload)} bytes, expected {expected}")
         if not (TABLE_COPIES and self._raw.device.type == "cpu"):
             for group_id, block_ids, payload in objects:
                 self.write(group_id, block_ids, payload)
             return
-        self._copy([(group_id, block_ids, _address(_bytes_view(payload))) for group_id, block_ids, payload in objects])
+        # every payload's address and bytes in one C call
+        spans = np.frombuffer(_streamcopy.buffer_spans([payload for _, _, payload in objects]),
+                              dtype=np.uint64).reshape(-1, 2)
+        expected = [self._groups[group_id].object_bytes(len(block_ids)) for group_id, block_ids, _ in objects]
+        if not np.array_equal(spans[:, 1], expected):
+            i = int(np.flatnonzero(spans[:, 1] != np.asarray(expected, dtype=np.uint64))[0])
+            raise ValueError(f"group {objects[i][0]}: object of {int(spans[i, 1])} bytes, expected {expected[i]}")
+        self._copy([(group_id, block_ids, addr)
+                    for (group_id, block_ids, _), addr in zip(objects, spans[:, 0].tolist())])
 
     def _copy(self, objects: list[tuple[int, list[int | None], int]]) -> None:
         """Copy objects of the sizes their groups say, each ``(group_id, block_ids, address)``
@@ -337,13 +356,13 @@ class PagedKVCache:
         if len(whole):
             copy_table(whole, streaming=True)
         if len(parts):
-            copy_table(parts, streaming=False)
+            copy_rows(parts)
 
     def _tables(self, objects: list[tuple[int, list[int | None], int]]) -> tuple[np.ndarray, np.ndarray]:
-        """The copies of :meth:`_copy` as ``(destination, source, bytes)`` rows: those of
-        whole pages, then those of parts of rows (one per row). Built with a few numpy
-        operations per group, block count and row shape of its layers, over all the objects
-        at once."""
+        """The copies of :meth:`_copy`: whole pages as ``(destination, source, bytes)`` rows
+        (:func:`copy_table`), then pages of parts of rows as one :func:`copy_rows` row each.
+        Built with a few numpy operations per group, block count and row shape of its layers,
+        over all the objects at once."""
         shapes: dict[tuple[int, int], list[tuple[list[int | None], int]]] = {}
         for group_id, block_ids, addr in objects:
             shapes.setdefault((group_id, len(block_ids)), []).append((block_ids, addr))
@@ -351,7 +370,10 @@ class PagedKVCache:
         whole: list[np.ndarray] = []
         parts: list[np.ndarray] = []
         for (group_id, n), objs in shapes.items():
-            blocks = np.array([[-1 if b is None else b for b in ids] for ids, _ in objs], dtype=np.int64)
+            try:  # no block skipped (the common case): one conversion
+                blocks = np.array([ids for ids, _ in objs], dtype=np.int64)
+            except TypeError:  # None: a block held locally, not written
+                blocks = np.array([[-1 if b is None else b for b in ids] for ids, _ in objs], dtype=np.int64)
             blocks = blocks.reshape(-1, 1, n)  # (object, layer, block)
             addrs = np.array([addr for _, addr in objs], dtype=np.int64).reshape(-1, 1, 1)
             t = np.arange(n, dtype=np.int64)
@@ -361,14 +383,11 @@ class PagedKVCache:
                 src = (addrs + n * before + t * page)[held]
                 if rows == 1:
                     whole.append(np.stack([dst, src, np.full_like(dst, page)], axis=1))
-                else:
-                    r = np.arange(rows, dtype=np.int64)
-                    dst = (dst[:, None] + r * row_stride).ravel()
-                    src = (src[:, None] + r * width).ravel()
-                    parts.append(np.stack([dst, src, np.full_like(dst, width)], axis=1))
-        empty = np.empty((0, 3), dtype=np.int64)
-        return (np.concatenate(whole) if len(whole) != 1 else whole[0]) if whole else empty, \
-            (np.concatenate(parts) if parts else empty)
+                else:  # the object holds the parts row after row
+                    parts.append(np.stack([dst, src, *(np.full_like(dst, x) for x in (width, rows, row_stride, width))],
+                                          axis=1))
+        return (np.concatenate(whole) if len(whole) != 1 else whole[0]) if whole else np.empty((0, 3), dtype=np.int64), \
+            (np.concatenate(parts) if parts else np.empty((0, 6), dtype=np.int64))
 
     def _group_row_shapes(self, g: CacheGroup) -> tuple[tuple[Any, ...], ...]:
         """The group's layers by row shape, for :meth:`_tables`: ``(rows, row_width,

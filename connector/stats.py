@@ -26,6 +26,8 @@ COUNTERS: dict[str, str] = {
     "loaded_bytes": "Bytes loaded from glm-cache-server into the KV cache (all ranks)",
     "loaded_objects": "Objects loaded from glm-cache-server (all ranks)",
     "load_failures": "Loads that failed part-way or could not start; vLLM recomputed those requests",
+    "load_cpu_seconds": "CPU time the workers' load and fetch threads spent (all ranks): what loads take from "
+                        "the host's cores beside the model, page copies included on a CPU host",
     "load_wrong_size_objects": "Objects a load found not their group's size: deleted on the server, saved again",
     "saved_bytes": "Bytes glm-cache-server stored from this engine (all ranks)",
     "saved_objects": "Objects glm-cache-server stored from this engine (all ranks)",

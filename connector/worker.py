@@ -296,6 +296,7 @@ class WorkerSide:
         return sorted(job.objects, key=lambda m: m.group_id not in self._state_ids)
 
     def _run_load(self, namespace: str, job: LoadJob) -> None:
+        cpu = time.thread_time()
         ok = False
         fut: Future | None = None
         moves = self._load_order(job)
@@ -368,12 +369,22 @@ class WorkerSide:
             self._loads_done.add(job.req_id)
             if not ok:
                 self._loads_failed.add(job.req_id)
+            self.stats["load_cpu_seconds"] += time.thread_time() - cpu
 
     def _fetch(self, namespace: str, moves: list[ObjectMove], sizes: list[int],
                idx: range) -> InPlace:
         """One batch's objects: those in the server's arena as views of it, under a read pin,
         verified by the server when it placed them or, where it did not, as they are
         written (PagedKVCache.write_verified); the rest verified by the client."""
+        cpu = time.thread_time()
+        try:
+            got = self._get_in_place(namespace, moves, sizes, idx)
+        finally:
+            with self._lock:
+                self.stats["load_cpu_seconds"] += time.thread_time() - cpu
+        return got
+
+    def _get_in_place(self, namespace: str, moves: list[ObjectMove], sizes: list[int], idx: range) -> InPlace:
         keys = [(moves[j].chunk_hash, moves[j].group_id, self._key_rank(moves[j].group_id))
                 for j in idx]
         nbytes = sum(sizes[j] for j in idx)

@@ -132,11 +132,14 @@ def test_load_streams_in_batches_with_scaled_deadlines_and_lands_every_page(serv
         return real_get(ns, keys, timeout_s=timeout_s)
 
     w._load_client.get_in_place = counting_get
+    started = time.monotonic()
     try:
         w.start_load_kv(GlmConnectorMetadata(namespace=NS, loads=[_load_job(chunks)]))
         assert wait_load(w, "req-1")
     finally:
         w.shutdown()
+    # the load's and its fetches' thread CPU time is counted (two threads: at most twice the wall time)
+    assert 0 < w.stats["load_cpu_seconds"] < 2 * (time.monotonic() - started)
     # The state goes first (a missing resume state fails before attention moves), then
     # attention, at most two objects' bytes per batch: 4 gets, not one get of everything,
     # each with a deadline of the floor plus its bytes at min_rate_mb_s.

@@ -238,5 +238,10 @@ def test_a_batch_written_at_once_lands_as_each_object_written_alone(cfg, layout,
     pages.write_many(batch)
     assert torch.equal(raw, expected)
     assert not torch.equal(raw, before)
-    with pytest.raises(ValueError, match="expected"):
-        pages.write_many([(batch[0][0], batch[0][1], bytes(len(batch[0][2]) - 1))])
+    # one object of the wrong size inside a batch: named, and no object of the batch written
+    raw.copy_(before)
+    gid, dst, payload = batch[2]
+    short = batch[:2] + [(gid, dst, bytes(len(payload) - 1))] + batch[3:]
+    with pytest.raises(ValueError, match=f"group {gid}: object of {len(payload) - 1} bytes, expected {len(payload)}"):
+        pages.write_many(short)
+    assert torch.equal(raw, before)

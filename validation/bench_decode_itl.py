@@ -21,9 +21,10 @@ conditions per size, in a rotated order each repetition:
 
 ``loads / local`` is what the loads cost the decode batch (goal: within 3%); ``loads /
 none`` is what arrivals cost at all. The arrivals' prompts are stored once beforehand (a cold
-run each, then the server's saves waited for). Loaded bytes and computed tokens are
-vLLM's ``/metrics`` deltas per condition, so both the loads and the equal tail compute are
-shown, not assumed.
+run each, then the server's saves waited for). Loaded bytes, computed tokens and the CPU
+time of the connector's load threads (``vllm:glm_cache_load_cpu_seconds_total``, printed per
+load) are vLLM's ``/metrics`` deltas per condition, so the loads, the equal tail compute and
+what the loads took from the cores are shown, not assumed.
 
 ITL comes from the client's clock on the SSE stream (one event per token,
 ``--stream-interval`` 1), so it includes HTTP framing, the same in every condition. On 2
@@ -55,6 +56,7 @@ DECODER_PROMPT = 64
 WARM_TOKENS = 4  # tokens every decoder streams before the arrivals start
 COUNTERS = {
     "loaded_bytes": ("vllm:glm_cache_loaded_bytes_total", {}),
+    "load_cpu_s": ("vllm:glm_cache_load_cpu_seconds_total", {}),
     "ext_hit": ("vllm:external_prefix_cache_hits_total", {}),
     "local_hit": ("vllm:prefix_cache_hits_total", {}),
     "computed": ("vllm:prompt_tokens_by_source_total", {"source": "local_compute"}),
@@ -217,7 +219,8 @@ def main(argv: list[str] | None = None) -> int:
                     per[cond].append(res)
                     print(f"  S={size} rep {rep} {cond:5s}: ITL mean {res['itl_mean_ms']:.2f} ms "
                           f"p90 {res['itl_p90_ms']:.2f}; in the window {res['window_itl_mean_ms']:.2f} over "
-                          f"{res['gaps']} gaps, {res['window_s']:.2f} s; loaded {res['loaded_bytes'] / 2**20:.1f} MiB, "
+                          f"{res['gaps']} gaps, {res['window_s']:.2f} s; loaded {res['loaded_bytes'] / 2**20:.1f} MiB "
+                          f"(connector CPU {1e3 * res['load_cpu_s']:.0f} ms), "
                           f"external hits {res['ext_hit']:.0f}, local hits {res['local_hit']:.0f}, "
                           f"computed {res['computed']:.0f}", flush=True)
             span = max(r["window_s"] for c in ("local", "loads") for r in per[c])
@@ -238,12 +241,13 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.arrivals} arrivals per condition ({args.inflight} in flight), layers {args.layers}, chunk {C}; "
           f"medians of {args.reps} repetitions")
     print()
-    print("| arrival prompt tokens | loaded per condition | ITL mean ms: none / local / loads | ITL p90 ms: none / "
-          "local / loads | loads / local | loads / none | arrival TTFT ms: local / loads |")
-    print("|---|---|---|---|---|---|---|")
+    print("| arrival prompt tokens | loaded per condition | connector CPU per load | ITL mean ms: none / local / loads "
+          "| ITL p90 ms: none / local / loads | loads / local | loads / none | arrival TTFT ms: local / loads |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         m = r["median"]
         print(f"| {r['size']} | {m['loads']['loaded_bytes'] / 2**20:.1f} MiB | "
+              f"{1e3 * m['loads']['load_cpu_s'] / args.arrivals:.1f} ms | "
               f"{m['none']['itl_mean_ms']:.2f} / {m['local']['itl_mean_ms']:.2f} / {m['loads']['itl_mean_ms']:.2f} | "
               f"{m['none']['itl_p90_ms']:.2f} / {m['local']['itl_p90_ms']:.2f} / {m['loads']['itl_p90_ms']:.2f} | "
               f"{r['loads_vs_local']:.3f} | {r['loads_vs_none']:.3f} | "
