@@ -82,6 +82,20 @@ static void copy_streaming(char *d, const char *s, size_t n)
 #define FENCE() ((void)0)
 #endif
 
+/* ``table``'s buffer, whole rows of ``columns`` uint64 each; -1 with an exception set when
+ * it is not (``rows`` names them in the message). */
+static int table_view(PyObject *table, Py_buffer *view, size_t columns, const char *rows)
+{
+    if (PyObject_GetBuffer(table, view, PyBUF_C_CONTIGUOUS) < 0)
+        return -1;
+    if (view->len % (Py_ssize_t)(columns * sizeof(uint64_t))) {
+        PyErr_Format(PyExc_ValueError, "table of %zd bytes: not whole %s", view->len, rows);
+        PyBuffer_Release(view);
+        return -1;
+    }
+    return 0;
+}
+
 static PyObject *copy_pages(PyObject *self, PyObject *args)
 {
     PyObject *table;
@@ -89,14 +103,8 @@ static PyObject *copy_pages(PyObject *self, PyObject *args)
     if (!PyArg_ParseTuple(args, "O|p:copy_pages", &table, &streaming))
         return NULL;
     Py_buffer view;
-    if (PyObject_GetBuffer(table, &view, PyBUF_C_CONTIGUOUS) < 0)
+    if (table_view(table, &view, 3, "(destination, source, bytes) uint64 triples") < 0)
         return NULL;
-    if (view.len % (3 * (Py_ssize_t)sizeof(uint64_t))) {
-        PyBuffer_Release(&view);
-        PyErr_Format(PyExc_ValueError, "copy table of %zd bytes: not whole (destination, source, bytes) "
-                     "uint64 triples", view.len);
-        return NULL;
-    }
     const char *row = view.buf;
     size_t count = (size_t)view.len / (3 * sizeof(uint64_t));
     Py_BEGIN_ALLOW_THREADS
@@ -118,14 +126,9 @@ static PyObject *copy_pages(PyObject *self, PyObject *args)
 static PyObject *copy_rows(PyObject *self, PyObject *table)
 {
     Py_buffer view;
-    if (PyObject_GetBuffer(table, &view, PyBUF_C_CONTIGUOUS) < 0)
+    if (table_view(table, &view, 6, "(destination, source, bytes, pieces, destination stride, source stride) "
+                   "uint64 sextuples") < 0)
         return NULL;
-    if (view.len % (6 * (Py_ssize_t)sizeof(uint64_t))) {
-        PyBuffer_Release(&view);
-        PyErr_Format(PyExc_ValueError, "row table of %zd bytes: not whole (destination, source, bytes, pieces, "
-                     "destination stride, source stride) uint64 sextuples", view.len);
-        return NULL;
-    }
     const char *row = view.buf;
     size_t count = (size_t)view.len / (6 * sizeof(uint64_t));
     Py_BEGIN_ALLOW_THREADS
