@@ -140,6 +140,18 @@ class ServerProcess:
             self.proc.kill()
             self.proc.wait()
 
+    def pin(self, cpus: set[int]) -> set[int]:
+        """Keep every thread of the server on ``cpus`` (threads it starts later inherit it from
+        theirs), as an operator keeps it off the engine's model cores (``taskset -a``); the
+        CPUs its main thread is then allowed."""
+        assert self.proc is not None
+        for task in Path(f"/proc/{self.proc.pid}/task").iterdir():
+            try:
+                os.sched_setaffinity(int(task.name), cpus)
+            except ProcessLookupError:  # a thread that ended meanwhile
+                pass
+        return os.sched_getaffinity(self.proc.pid)
+
     def status(self, timeout_s: float = 60.0) -> dict[str, Any]:
         """The server's /status document. The timeout is generous: on a 2-core machine
         running an engine beside it, a reply has been seen to take over 10 s to arrive."""

@@ -29,8 +29,11 @@ what the loads took from the cores are shown, not assumed.
 ITL comes from the client's clock on the SSE stream (one event per token,
 ``--stream-interval`` 1), so it includes HTTP framing, the same in every condition. On 2
 CPU cores the model's compute threads hold one core and everything else (vLLM's front end,
-the connector's transfer threads, the server, this client) shares the other. The last line
-is JSON with ``--json``.
+the connector's transfer threads, this client) shares the other; so does ``glm-cache-server``,
+which is kept there (``--server-cpus transfer``, the connector's transfer CPUs from its
+start-up line), as an operator keeps it off the model's cores: left where the kernel puts
+it, it serves a load on the model's core part of the time. The last line is JSON with
+``--json``.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import re
 import statistics
 import sys
 import tempfile
@@ -87,6 +91,13 @@ def stream_times(base_url: str, prompt: list[int], max_tokens: int, started: thr
             if started is not None and len(out) >= WARM_TOKENS:
                 started.set()
     return out
+
+
+def transfer_cpus(vllm_log: Path) -> set[int] | None:
+    """The CPUs of the connector's transfer threads, from its start-up line in vLLM's log
+    (None: it did not place them)."""
+    m = re.search(r"transfer threads on CPUs \[([\d, ]+)\]", vllm_log.read_text(errors="replace"))
+    return {int(c) for c in m.group(1).split(",")} if m else None
 
 
 def window_gaps(streams: list[list[float]], t0: float, t1: float) -> list[float]:
@@ -167,6 +178,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decode-tokens", type=int, default=300)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--layers", default="LLIIIIIIII", help="layer types of the checkpoint (L: KDA, I: sparse MLA)")
+    ap.add_argument("--server-cpus", choices=["transfer", "any"], default="transfer",
+                    help="transfer: keep glm-cache-server on the CPUs of the connector's transfer threads (the "
+                         "cores vLLM leaves to its front end), as an operator keeps it off the model's; any: "
+                         "leave it where the kernel puts it")
     ap.add_argument("--checkpoint", help="use this checkpoint instead of writing one")
     ap.add_argument("--keep", type=Path, help="keep logs and the checkpoint in this directory")
     ap.add_argument("--json", action="store_true", help="last line: the results as JSON")
@@ -196,6 +211,10 @@ def main(argv: list[str] | None = None) -> int:
                             env={"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}, log_path=work / "vllm.log")
         stack.enter_context(engine)
         url = engine.base_url
+        placed = transfer_cpus(work / "vllm.log") if args.server_cpus == "transfer" else None
+        if placed:
+            placed = srv.pin(placed)
+        print(f"glm-cache-server on CPUs {sorted(placed) if placed else 'any'}", flush=True)
         for size in args.sizes:
             # distinct prompts (their first block differs), stored once: a cold run each
             arrivals = [[rng.randrange(8, 500) for _ in range(size)] for _ in range(args.arrivals)]
@@ -239,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(f"Decode ITL with other requests' loads in flight: {args.decoders} decoders x {args.decode_tokens} tokens, "
           f"{args.arrivals} arrivals per condition ({args.inflight} in flight), layers {args.layers}, chunk {C}; "
-          f"medians of {args.reps} repetitions")
+          f"glm-cache-server on CPUs {sorted(placed) if placed else 'any'}; medians of {args.reps} repetitions")
     print()
     print("| arrival prompt tokens | loaded per condition | connector CPU per load | ITL mean ms: none / local / loads "
           "| ITL p90 ms: none / local / loads | loads / local | loads / none | arrival TTFT ms: local / loads |")
@@ -267,6 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{elapsed:.0f} s in all; logs in {work}")
     if args.json:
         print(json.dumps({"rows": [{k: v for k, v in r.items() if k != "runs"} for r in rows],
+                          "server_cpus": sorted(placed) if placed else None,
                           "args": vars(args) | {"keep": str(args.keep)}}))
     return 0
 
