@@ -78,9 +78,9 @@ except ImportError:
 
 # On CPU a write is one table of copies run in C without the GIL (connector/_streamcopy.c):
 # whole pages (1.18 MB for GLM-5.3-Flash's latent) with streaming stores (x86-64), which write
-# past the cache, parts of rows with memcpy (one strided row of the table per page). Torch's strided copies (where it is not built)
-# go through the cache and cost about 50 us of the GIL per object, which the model's thread
-# waits for. Without it, glibc's memmove also streams where the engine runs with a low
+# past the cache, parts of rows with memcpy (a page of them one strided row of the table).
+# Torch's strided copies (where it is not built) go through the cache and cost about 50 us
+# of the GIL per object, which the model's thread waits for. Without it, glibc's memmove also streams where the engine runs with a low
 # non-temporal threshold: whole pages are then copied one memmove each. Where pages stream,
 # hashing on a second thread meanwhile costs nothing (write_verified's ``hasher``).
 TABLE_COPIES = _streamcopy is not None
@@ -335,6 +335,10 @@ class PagedKVCache:
         of a load: one C call and a few numpy operations per group and layer, not two torch
         calls per object)."""
         if not (TABLE_COPIES and self._raw.device.type == "cpu"):
+            for group_id, block_ids, payload in objects:  # all checked before any is written
+                expected = self._groups[group_id].object_bytes(len(block_ids))
+                if len(payload) != expected:
+                    raise ValueError(f"group {group_id}: object of {len(payload)} bytes, expected {expected}")
             for group_id, block_ids, payload in objects:
                 self.write(group_id, block_ids, payload)
             return
