@@ -80,9 +80,10 @@ except ImportError:
 # whole pages (1.18 MB for GLM-5.3-Flash's latent) with streaming stores (x86-64), which write
 # past the cache, parts of rows with memcpy (a page of them one strided row of the table).
 # Torch's strided copies (where it is not built) go through the cache and cost about 50 us
-# of the GIL per object, which the model's thread waits for. Without it, glibc's memmove also streams where the engine runs with a low
-# non-temporal threshold: whole pages are then copied one memmove each. Where pages stream,
-# hashing on a second thread meanwhile costs nothing (write_verified's ``hasher``).
+# of the GIL per object, which the model's thread waits for. Without it, glibc's memmove
+# also streams where the engine runs with a low non-temporal threshold: whole pages are
+# then copied one memmove each. Where pages stream, hashing on a second thread meanwhile
+# costs nothing (write_verified's ``hasher``).
 TABLE_COPIES = _streamcopy is not None
 STREAMING_COPY = TABLE_COPIES and bool(_streamcopy.STREAMING)
 NON_TEMPORAL_PAGES = STREAMING_COPY or (glibc_non_temporal_threshold() or 1 << 62) <= 1 << 20
@@ -334,23 +335,21 @@ class PagedKVCache:
         :data:`TABLE_COPIES` all of them as one table of copies, run without the GIL (a batch
         of a load: one C call and a few numpy operations per group and layer, not two torch
         calls per object)."""
-        if not (TABLE_COPIES and self._raw.device.type == "cpu"):
-            for group_id, block_ids, payload in objects:  # all checked before any is written
-                expected = self._groups[group_id].object_bytes(len(block_ids))
-                if len(payload) != expected:
-                    raise ValueError(f"group {group_id}: object of {len(payload)} bytes, expected {expected}")
-            for group_id, block_ids, payload in objects:
-                self.write(group_id, block_ids, payload)
+        table = TABLE_COPIES and self._raw.device.type == "cpu"
+        if table:  # every payload's address and bytes in one C call
+            spans = np.frombuffer(_streamcopy.buffer_spans([payload for _, _, payload in objects]),
+                                  dtype=np.uint64).reshape(-1, 2).tolist()
+        else:
+            spans = [(None, len(payload)) for _, _, payload in objects]
+        for (group_id, block_ids, _), (_, size) in zip(objects, spans):  # all checked before any is written
+            expected = self._groups[group_id].object_bytes(len(block_ids))
+            if size != expected:
+                raise ValueError(f"group {group_id}: object of {size} bytes, expected {expected}")
+        if table:
+            self._copy([(group_id, block_ids, addr) for (group_id, block_ids, _), (addr, _) in zip(objects, spans)])
             return
-        # every payload's address and bytes in one C call
-        spans = np.frombuffer(_streamcopy.buffer_spans([payload for _, _, payload in objects]),
-                              dtype=np.uint64).reshape(-1, 2)
-        expected = [self._groups[group_id].object_bytes(len(block_ids)) for group_id, block_ids, _ in objects]
-        if not np.array_equal(spans[:, 1], expected):
-            i = int(np.flatnonzero(spans[:, 1] != np.asarray(expected, dtype=np.uint64))[0])
-            raise ValueError(f"group {objects[i][0]}: object of {int(spans[i, 1])} bytes, expected {expected[i]}")
-        self._copy([(group_id, block_ids, addr)
-                    for (group_id, block_ids, _), addr in zip(objects, spans[:, 0].tolist())])
+        for group_id, block_ids, payload in objects:
+            self.write(group_id, block_ids, payload)
 
     def _copy(self, objects: list[tuple[int, list[int | None], int]]) -> None:
         """Copy objects of the sizes their groups say, each ``(group_id, block_ids, address)``
@@ -390,8 +389,8 @@ class PagedKVCache:
                 else:  # the object holds the parts row after row
                     parts.append(np.stack([dst, src, *(np.full_like(dst, x) for x in (width, rows, row_stride, width))],
                                           axis=1))
-        return (np.concatenate(whole) if len(whole) != 1 else whole[0]) if whole else np.empty((0, 3), dtype=np.int64), \
-            (np.concatenate(parts) if parts else np.empty((0, 6), dtype=np.int64))
+        pages = (whole[0] if len(whole) == 1 else np.concatenate(whole)) if whole else np.empty((0, 3), dtype=np.int64)
+        return pages, np.concatenate(parts) if parts else np.empty((0, 6), dtype=np.int64)
 
     def _group_row_shapes(self, g: CacheGroup) -> tuple[tuple[Any, ...], ...]:
         """The group's layers by row shape, for :meth:`_tables`: ``(rows, row_width,
