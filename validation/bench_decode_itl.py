@@ -172,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", type=int, nargs="+", default=[1024, 4096, 8000],
                     help="prompt tokens of each arrival (one table row per size)")
-    ap.add_argument("--arrivals", type=int, default=8, help="arriving requests per condition")
+    ap.add_argument("--arrivals", type=int, default=32,
+                    help="arriving requests per condition (32: a window of about 4-7 s, a third of the decode run)")
     ap.add_argument("--inflight", type=int, default=2, help="arrivals in flight at once")
     ap.add_argument("--decoders", type=int, default=4, help="requests in the fixed decode batch")
     ap.add_argument("--decode-tokens", type=int, default=300)
