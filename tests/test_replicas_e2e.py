@@ -158,6 +158,11 @@ class Indexer:
     def score(self, tokens: list[int], worker: int) -> tuple[int, int]:
         return self.scores(tokens).get(worker, (0, 0))
 
+    def log_tail(self, n: int = 30) -> str:
+        self._log.flush()
+        with open(self.log_path, errors="replace") as f:
+            return "".join(f.readlines()[-n:])
+
     def stop(self) -> None:
         self.proc.terminate()
         try:
@@ -221,12 +226,6 @@ def stack(tmp_path_factory):
                 e.launch()
             for e in engines:
                 e.wait_ready(progress=False)
-            # the subscriptions work: a short warm-up prompt shows up on each replica's GPU tier
-            warm = random_prompt(C + 5, 7)
-            for i, e in enumerate(engines):
-                complete(e.base_url, warm, max_tokens=1)
-                if indexer is not None:
-                    _wait_for(f"replica {i + 1}'s GPU events indexed", lambda i=i: indexer.score(warm, i + 1)[0] == C)
             yield engines, srv, tap, indexer, str(ckpt)
         finally:
             for e in engines:
@@ -242,7 +241,27 @@ def events(stack):
     engines, srv, tap, indexer, _ = stack
     if indexer is None:
         pytest.skip("Dynamo's indexer: pip install ai-dynamo-runtime (the test extras)")
+    for worker, e in enumerate(engines, 1):
+        _subscribed(e, indexer, worker)
     return engines, srv, tap, indexer
+
+
+def _subscribed(engine: VllmServer, indexer: Indexer, worker: int, tries: int = 8) -> None:
+    """Wait until the indexer hears the replica: a fresh one-block prompt until one is scored on
+    its GPU tier. Dynamo's SUB socket (the Rust ``zeromq`` crate) joins a publisher about 2 s
+    after it binds, and vLLM can bind, become healthy and publish a first request's events
+    within that: a PUB drops what it sends before the subscription arrives, and a single
+    warm-up prompt's events were lost so, in CI and here."""
+    for k in range(tries):
+        warm = random_prompt(C + 5, 100 * worker + k)
+        complete(engine.base_url, warm, max_tokens=1)
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline:
+            if indexer.score(warm, worker)[0] == C:
+                return
+            time.sleep(0.2)
+    pytest.fail(f"replica {worker}'s events never reached Dynamo's indexer ({tries} prompts); "
+                f"its log:\n{indexer.log_tail()}")
 
 
 PROMPTS = {n: random_prompt(n, n) for n in (383, 385, 941)}
