@@ -47,6 +47,9 @@ from cache_server.workers import Later, Reply, Waiting, work
 
 logger = logging.getLogger("glm_cache_server")
 
+# A request answered slower than this is logged: its client (2 s by default) may have given up.
+SLOW_REQUEST_S = 2.0
+
 
 class CacheServer:
     """Serves the protocol of :mod:`cache_server.protocol` on a ZMQ ROUTER socket."""
@@ -220,7 +223,10 @@ class CacheServer:
             logger.exception("internal error handling %s", request.op)
             self.metrics.errors.labels(code=p.ErrorCode.INTERNAL.value).inc()
             out = [p.pack_header(p.error_reply(request.id, p.ErrorCode.INTERNAL, f"{type(e).__name__}: {e}"))]
-        self.metrics.requests.labels(op=request.op).observe(time.perf_counter() - request.start)
+        took = time.perf_counter() - request.start
+        self.metrics.requests.labels(op=request.op).observe(took)
+        if took > SLOW_REQUEST_S:
+            logger.warning("%r (request %s) took %.1f s to answer", request.op, request.id, took)
         return out
 
     def _size_refusal(self, frames: list[Any]) -> p.ProtocolError | None:

@@ -49,3 +49,25 @@ def test_handle_answers_every_request_exactly_once_without_raising():
     finally:
         server.stop()
         server.serve_forever()
+
+
+def test_a_slow_answer_is_logged_with_its_op_and_id(monkeypatch, caplog):
+    """A request answered after SLOW_REQUEST_S is a warning in the server's log: what its
+    client's timeout message ('did not answer') is matched against."""
+    import time
+
+    from cache_server import server as srv
+
+    server = CacheServer(ServerConfig(port=0, http_port=0, l1_size_bytes=1 << 20, max_object_bytes=1 << 10))
+    monkeypatch.setattr(srv, "SLOW_REQUEST_S", 0.05)
+    real_ping = server._handlers["ping"]
+    monkeypatch.setitem(server._handlers, "ping", lambda h, f: (time.sleep(0.1), real_ping(h, f))[1])
+    try:
+        with caplog.at_level("WARNING", logger="glm_cache_server"):
+            assert msgpack.unpackb(server.handle([msgpack.packb({"op": "ping", "id": 7})])[0])["ok"]
+            assert msgpack.unpackb(server.handle([msgpack.packb({"op": "stats", "id": 8})])[0])["ok"]
+        slow = [r.getMessage() for r in caplog.records if "to answer" in r.getMessage()]
+        assert len(slow) == 1 and slow[0].startswith("'ping' (request 7) took 0.1 s"), slow
+    finally:
+        server.stop()
+        server.serve_forever()
