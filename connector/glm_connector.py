@@ -25,7 +25,9 @@ the chunk exceeds its block: :mod:`connector.scheduler`.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -49,6 +51,8 @@ from connector.namespace import model_cache_row_format, model_numerics_version
 from connector.scheduler import SchedulerSide
 from connector.stats import SCHEDULER_KEYS, DeltaReporter, GlmCachePromMetrics, GlmCacheStats
 from connector.worker import WorkerSide
+
+_T = TypeVar("_T")
 
 if TYPE_CHECKING:
     import torch
@@ -121,27 +125,27 @@ class GlmCacheConnector(KVConnectorBase_V1, SupportsHMA):
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         assert self._scheduler is not None
-        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+        return self._metered(self._scheduler.get_num_new_matched_tokens, request, num_computed_tokens)
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         assert self._scheduler is not None
-        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+        self._metered(self._scheduler.update_state_after_alloc, request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self._scheduler is not None
-        return self._scheduler.build_connector_meta(scheduler_output)
+        return self._metered(self._scheduler.build_connector_meta, scheduler_output)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         assert self._scheduler is not None
-        self._scheduler.update_connector_output(connector_output)
+        self._metered(self._scheduler.update_connector_output, connector_output)
 
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
-        return self._scheduler.request_finished_all_groups(request, block_ids)
+        return self._metered(self._scheduler.request_finished_all_groups, request, block_ids)
 
     def request_finished(
         self, request: Request, block_ids: list[int]
@@ -154,12 +158,12 @@ class GlmCacheConnector(KVConnectorBase_V1, SupportsHMA):
     def take_events(self) -> list[Any]:
         """What glm-cache-server can resume, as vLLM's KV events (``--kv-events-config``;
         :mod:`connector.events`)."""
-        return self._scheduler.take_events() if self._scheduler is not None else []
+        return self._metered(self._scheduler.take_events) if self._scheduler is not None else []
 
     def has_pending_push_work(self) -> bool:
         """Keep an idle engine stepping while KV events wait to be published (vLLM publishes
         only from steps): a reset of vLLM's prefix cache, chunks being confirmed on the server."""
-        return self._scheduler is not None and self._scheduler.events_pending()
+        return self._scheduler is not None and self._metered(self._scheduler.events_pending)
 
     # Worker side ------------------------------------------------------------------------
 
@@ -185,7 +189,7 @@ class GlmCacheConnector(KVConnectorBase_V1, SupportsHMA):
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         assert self._worker is not None
-        self._worker.start_load_kv(self._connector_metadata)
+        self._metered(self._worker.start_load_kv, self._connector_metadata)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads complete before the request is scheduled (async, whole request)
@@ -201,12 +205,12 @@ class GlmCacheConnector(KVConnectorBase_V1, SupportsHMA):
 
     def wait_for_save(self) -> None:
         assert self._worker is not None
-        self._worker.wait_for_save(self._connector_metadata)
+        self._metered(self._worker.wait_for_save, self._connector_metadata)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         if self._worker is None:
             return KVConnectorTransferResults()
-        return self._worker.get_transfer_results()
+        return self._metered(self._worker.get_transfer_results)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         # Never block ids: a failed load fails its whole request (see connector.worker:
@@ -216,9 +220,22 @@ class GlmCacheConnector(KVConnectorBase_V1, SupportsHMA):
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         """Saves that did not land, for the scheduler side to save again."""
-        return self._worker.build_connector_worker_meta() if self._worker is not None else None
+        return self._metered(self._worker.build_connector_worker_meta) if self._worker is not None else None
 
     # Metrics (both sides) -------------------------------------------------------------
+
+    def _metered(self, hook: Callable[..., _T], *args: Any) -> _T:
+        """``hook(*args)``, its thread CPU time added to this side's counter: what the
+        connector takes from each step (``vllm:glm_cache_scheduler_cpu_seconds_total``,
+        ``..._step_cpu_seconds_total``; the background threads count in their own)."""
+        start = time.thread_time()
+        try:
+            return hook(*args)
+        finally:
+            if self._scheduler is not None:
+                self._scheduler.save_stats["cpu"] += time.thread_time() - start
+            else:
+                self.stats["step_cpu_seconds"] += time.thread_time() - start
 
     def get_kv_connector_stats(self) -> GlmCacheStats | None:
         """What our counters gained since the last call (vLLM sums the workers' and the

@@ -28,6 +28,11 @@ COUNTERS: dict[str, str] = {
     "load_failures": "Loads that failed part-way or could not start; vLLM recomputed those requests",
     "load_cpu_seconds": "CPU time the workers' load and fetch threads spent (all ranks): what loads take from "
                         "the host's cores beside the model, page copies included on a CPU host",
+    "step_cpu_seconds": "CPU time the connector's hooks took on the workers' step path (all ranks: planning "
+                        "loads, copying saved pages, collecting results), the load, fetch and save threads not "
+                        "included",
+    "scheduler_cpu_seconds": "CPU time the connector's hooks took inside vLLM's scheduler (the engine core's "
+                             "step), its lookup thread not included",
     "load_wrong_size_objects": "Objects a load found not their group's size: deleted on the server, saved again",
     "saved_bytes": "Bytes glm-cache-server stored from this engine (all ranks)",
     "saved_objects": "Objects glm-cache-server stored from this engine (all ranks)",
@@ -57,6 +62,7 @@ SCHEDULER_KEYS: dict[str, str] = {
     "handoffs_saved": "handoffs_saved",
     "handoffs_loaded": "handoffs_loaded",
     "handoffs_missed": "handoffs_missed",
+    "cpu": "scheduler_cpu_seconds",
 }
 
 

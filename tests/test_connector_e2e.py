@@ -65,9 +65,18 @@ def llm(model_dir, server):
 
 
 def _counters(llm) -> dict[str, float]:
-    """The engine's ``vllm:glm_cache_*`` counters (what ``vllm serve`` shows on /metrics)."""
-    return {m.name.removeprefix("vllm:glm_cache_").removesuffix("_total"): m.value
-            for m in llm.get_metrics() if m.name.startswith("vllm:glm_cache_")}
+    """The engine's ``vllm:glm_cache_*`` counters (what ``vllm serve`` shows on /metrics), read
+    from this process's Prometheus registry, where ``LLM``'s stat loggers keep them
+    (``llm.get_metrics()`` rounds counters down to integers: CPU seconds would read 0)."""
+    from prometheus_client import REGISTRY
+
+    out: dict[str, float] = {}
+    for family in REGISTRY.collect():
+        for sample in family.samples:
+            if sample.name.startswith("vllm:glm_cache_") and sample.name.endswith("_total"):
+                key = sample.name.removeprefix("vllm:glm_cache_").removesuffix("_total")
+                out[key] = out.get(key, 0.0) + sample.value
+    return out
 
 
 def _delta(after: dict, before: dict, *keys: str) -> dict:
@@ -110,11 +119,17 @@ def _cold_then_reloaded(llm, prompt, salt, max_tokens=CONTINUATION):
 
 
 def test_reload_after_reset_resumes_at_strict_prefix(llm):
+    before = _counters(llm)
     prompt = _prompt(1000, seed=1)
     cold, reloaded = _cold_then_reloaded(llm, prompt, salt="reload-1000")
     assert reloaded[2] == _strict_hit(1000) == 768
     assert reloaded[0] == cold[0]
     assert reloaded[1] == cold[1]
+    # what the connector took from the steps (both sides) and its load threads is counted
+    grown = _delta(_counters(llm), before, "loaded_objects", "load_cpu_seconds", "step_cpu_seconds",
+                   "scheduler_cpu_seconds")
+    assert all(v > 0 for v in grown.values()), grown
+    assert grown["scheduler_cpu_seconds"] < 10 and grown["step_cpu_seconds"] < 10, grown
 
 
 @pytest.mark.parametrize("k", [1, 2, 3])

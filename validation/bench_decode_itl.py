@@ -22,9 +22,12 @@ conditions per size, in a rotated order each repetition:
 ``loads / local`` is what the loads cost the decode batch (goal: within 3%); ``loads /
 none`` is what arrivals cost at all. The arrivals' prompts are stored once beforehand (a cold
 run each, then the server's saves waited for). Loaded bytes, computed tokens and the CPU
-time of the connector's load threads (``vllm:glm_cache_load_cpu_seconds_total``, printed per
-load) are vLLM's ``/metrics`` deltas per condition, so the loads, the equal tail compute and
-what the loads took from the cores are shown, not assumed.
+time of the connector's load threads (``vllm:glm_cache_load_cpu_seconds_total``) and of its
+hooks on the step's path (``..._step_cpu_seconds_total`` in the worker,
+``..._scheduler_cpu_seconds_total`` in vLLM's scheduler), printed per arrival, are vLLM's
+``/metrics`` deltas per condition, with ``glm-cache-server``'s process CPU time, so the loads,
+the equal tail compute and what the loads took from the cores and from each step are shown,
+not assumed.
 
 ITL comes from the client's clock on the SSE stream (one event per token,
 ``--stream-interval`` 1), so it includes HTTP framing, the same in every condition. On 2
@@ -40,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import re
 import statistics
@@ -61,6 +65,8 @@ WARM_TOKENS = 4  # tokens every decoder streams before the arrivals start
 COUNTERS = {
     "loaded_bytes": ("vllm:glm_cache_loaded_bytes_total", {}),
     "load_cpu_s": ("vllm:glm_cache_load_cpu_seconds_total", {}),
+    "step_cpu_s": ("vllm:glm_cache_step_cpu_seconds_total", {}),
+    "sched_cpu_s": ("vllm:glm_cache_scheduler_cpu_seconds_total", {}),
     "ext_hit": ("vllm:external_prefix_cache_hits_total", {}),
     "local_hit": ("vllm:prefix_cache_hits_total", {}),
     "computed": ("vllm:prompt_tokens_by_source_total", {"source": "local_compute"}),
@@ -125,14 +131,21 @@ def bootstrap_ci(values: list[float], level: float = 0.95, draws: int = 4000) ->
     return [means[lo], means[draws - 1 - lo]]
 
 
+def process_cpu_s(pid: int) -> float:
+    """User and system CPU seconds of a process, all its threads (``/proc/<pid>/stat``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def run_condition(base_url: str, rng: random.Random, decoders: int, decode_tokens: int,
-                  arrivals: list[list[int]], inflight: int, idle_window_s: float) -> dict:
+                  arrivals: list[list[int]], inflight: int, idle_window_s: float, server_pid: int) -> dict:
     """One decode batch, with ``arrivals`` sent once it streams (none: a window of
     ``idle_window_s``, measured from the same point)."""
     streams: list[list[float]] = [[] for _ in range(decoders)]
     warm = [threading.Event() for _ in range(decoders)]
     prompts = [[rng.randrange(8, 500) for _ in range(DECODER_PROMPT)] for _ in range(decoders)]
     before = counters(base_url)
+    server_before = process_cpu_s(server_pid)
     with ThreadPoolExecutor(decoders + inflight) as pool:
         decs = [pool.submit(stream_times, base_url, p, decode_tokens, e, s) for p, e, s in zip(prompts, warm, streams)]
         for e in warm:
@@ -154,6 +167,7 @@ def run_condition(base_url: str, rng: random.Random, decoders: int, decode_token
         for d in decs:
             d.result()
     after = counters(base_url)
+    server_cpu_s = process_cpu_s(server_pid) - server_before
     if min(len(s) for s in streams) < decode_tokens or any(s[-1] < t1 for s in streams):
         raise RuntimeError(f"the decode batch ended before the arrivals did: raise --decode-tokens "
                            f"(window {t1 - t0:.1f} s)")
@@ -164,7 +178,7 @@ def run_condition(base_url: str, rng: random.Random, decoders: int, decode_token
             "itl_mean_ms": 1e3 * statistics.fmean(run), "itl_p90_ms": 1e3 * statistics.quantiles(run, n=10)[-1],
             # the gaps that ended while arrivals were in flight
             "window_itl_mean_ms": 1e3 * statistics.fmean(gaps) if gaps else float("nan"),
-            "arrival_ttft_ms": 1e3 * statistics.fmean(ttfts) if ttfts else 0.0,
+            "arrival_ttft_ms": 1e3 * statistics.fmean(ttfts) if ttfts else 0.0, "server_cpu_s": server_cpu_s,
             **{k: after[k] - before[k] for k in after}}
 
 
@@ -233,14 +247,17 @@ def main(argv: list[str] | None = None) -> int:
                         for p in arrivals:  # primed from the server, no decoder running
                             complete(url, p, max_tokens=1, top_logprobs=0)
                     res = run_condition(url, rng, args.decoders, args.decode_tokens,
-                                        [] if cond == "none" else arrivals, args.inflight, idle_window_s)
+                                        [] if cond == "none" else arrivals, args.inflight, idle_window_s,
+                                        srv.proc.pid)
                     if cond == "local":
                         idle_window_s = res["window_s"]
                     per[cond].append(res)
                     print(f"  S={size} rep {rep} {cond:5s}: ITL mean {res['itl_mean_ms']:.2f} ms "
                           f"p90 {res['itl_p90_ms']:.2f}; in the window {res['window_itl_mean_ms']:.2f} over "
                           f"{res['gaps']} gaps, {res['window_s']:.2f} s; loaded {res['loaded_bytes'] / 2**20:.1f} MiB "
-                          f"(connector CPU {1e3 * res['load_cpu_s']:.0f} ms), "
+                          f"(connector CPU: load threads {1e3 * res['load_cpu_s']:.0f} ms, step hooks "
+                          f"{1e3 * res['step_cpu_s']:.0f} ms, scheduler hooks {1e3 * res['sched_cpu_s']:.0f} ms; "
+                          f"server {1e3 * res['server_cpu_s']:.0f} ms), "
                           f"external hits {res['ext_hit']:.0f}, local hits {res['local_hit']:.0f}, "
                           f"computed {res['computed']:.0f}", flush=True)
             span = max(r["window_s"] for c in ("local", "loads") for r in per[c])
@@ -261,13 +278,20 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.arrivals} arrivals per condition ({args.inflight} in flight), layers {args.layers}, chunk {C}; "
           f"glm-cache-server on CPUs {sorted(placed) if placed else 'any'}; medians of {args.reps} repetitions")
     print()
-    print("| arrival prompt tokens | loaded per condition | connector CPU per load | ITL mean ms: none / local / loads "
+    print("| arrival prompt tokens | loaded per condition | CPU ms per arrival, loads: connector's load threads / "
+          "step hooks / scheduler hooks / server (local: step / scheduler / server) | ITL mean ms: none / local / loads "
           "| ITL p90 ms: none / local / loads | loads / local | loads / none | arrival TTFT ms: local / loads |")
     print("|---|---|---|---|---|---|---|---|")
+    def per_arrival(m: dict, key: str) -> float:
+        return 1e3 * m[key] / args.arrivals
+
     for r in rows:
         m = r["median"]
         print(f"| {r['size']} | {m['loads']['loaded_bytes'] / 2**20:.1f} MiB | "
-              f"{1e3 * m['loads']['load_cpu_s'] / args.arrivals:.1f} ms | "
+              f"{per_arrival(m['loads'], 'load_cpu_s'):.2f} / {per_arrival(m['loads'], 'step_cpu_s'):.2f} / "
+              f"{per_arrival(m['loads'], 'sched_cpu_s'):.2f} / {per_arrival(m['loads'], 'server_cpu_s'):.2f} "
+              f"({per_arrival(m['local'], 'step_cpu_s'):.2f} / {per_arrival(m['local'], 'sched_cpu_s'):.2f} / "
+              f"{per_arrival(m['local'], 'server_cpu_s'):.2f}) | "
               f"{m['none']['itl_mean_ms']:.2f} / {m['local']['itl_mean_ms']:.2f} / {m['loads']['itl_mean_ms']:.2f} | "
               f"{m['none']['itl_p90_ms']:.2f} / {m['local']['itl_p90_ms']:.2f} / {m['loads']['itl_p90_ms']:.2f} | "
               f"{r['loads_vs_local']:.3f} | {r['loads_vs_none']:.3f} | "
