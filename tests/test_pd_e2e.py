@@ -112,14 +112,14 @@ def _prefill(engine: VllmServer, prompt: list[int], salt: str | None = None) -> 
     return post_json(engine.base_url + "/v1/completions", body).get("kv_transfer_params") or {}
 
 
-def _saves_landed(server, before: int, timeout_s: float = 30.0) -> None:
+def _saves_landed(server: ServerProcess, before: int, timeout_s: float = 30.0) -> None:
     """Wait until the server holds more objects than ``before`` and the count has stayed put
     for half a second: vLLM answers the prefill leg before its asynchronous saves land, and
     a decode leg sent at once can look up first (CI saw the decode compute all its tokens)."""
     deadline = time.monotonic() + timeout_s
     last = None
     while time.monotonic() < deadline:
-        now = server.status()["objects"]
+        now = _objects(server)
         if now > before and now == last:
             return
         last = now
@@ -328,7 +328,7 @@ def test_mtp_drafts_outputs_are_a_single_instances(ckpt, server, pd):
         for n in (C + 2, 2 * C + 1):
             prompt = random_prompt(n, 2000 + n)
             cold = _cold(decode, prompt, f"mtp-{n}")
-            before = server.status()["objects"]
+            before = _objects(server)
             params = _prefill(prefill, prompt)
             assert params.get("glm_handoff") is False
             _saves_landed(server, before)  # no hand-off: the decode resumes from what the prefill saved

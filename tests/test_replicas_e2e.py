@@ -184,8 +184,8 @@ def _wait_equal(what: str, get: Callable[[], Any], expected: Any, timeout_s: flo
     pytest.fail(f"{what}: not within {timeout_s:.0f} s (last: {last!r}, expected {expected!r})")
 
 
-def _wait_for(what: str, check: Callable[[], Any], timeout_s: float = 30.0) -> Any:
-    """Poll ``check`` until it returns a truthy value; fails with its last value."""
+def _poll(check: Callable[[], Any], timeout_s: float) -> Any:
+    """Poll ``check`` until it returns a truthy value or ``timeout_s`` passes; its last value."""
     deadline = time.monotonic() + timeout_s
     last: Any = None
     while time.monotonic() < deadline:
@@ -193,7 +193,15 @@ def _wait_for(what: str, check: Callable[[], Any], timeout_s: float = 30.0) -> A
         if last:
             return last
         time.sleep(0.2)
-    pytest.fail(f"{what}: not within {timeout_s:.0f} s (last: {last!r})")
+    return last
+
+
+def _wait_for(what: str, check: Callable[[], Any], timeout_s: float = 30.0) -> Any:
+    """Poll ``check`` until it returns a truthy value; fails with its last value."""
+    last = _poll(check, timeout_s)
+    if not last:
+        pytest.fail(f"{what}: not within {timeout_s:.0f} s (last: {last!r})")
+    return last
 
 
 @pytest.fixture(scope="module")
@@ -255,11 +263,8 @@ def _subscribed(engine: VllmServer, indexer: Indexer, worker: int, tries: int = 
     for k in range(tries):
         warm = random_prompt(C + 5, 100 * worker + k)
         complete(engine.base_url, warm, max_tokens=1)
-        deadline = time.monotonic() + 5.0
-        while time.monotonic() < deadline:
-            if indexer.score(warm, worker)[0] == C:
-                return
-            time.sleep(0.2)
+        if _poll(lambda w=warm: indexer.score(w, worker)[0] == C, 5.0):
+            return
     pytest.fail(f"replica {worker}'s events never reached Dynamo's indexer ({tries} prompts); "
                 f"its log:\n{indexer.log_tail()}")
 
