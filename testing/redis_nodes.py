@@ -141,6 +141,19 @@ class RedisNodes:
                 proc.kill()
                 proc.wait()
 
+    def restart(self, i: int, timeout_s: float = 30.0) -> None:
+        """Start node ``i`` again on its port after :meth:`kill` (empty: persistence is off).
+        A cluster node rejoins with its old identity and slots (its ``nodes.conf`` is kept);
+        returns once every node reports ``cluster_state:ok``."""
+        self._start_node(i)
+        if not self.cluster:
+            return
+        deadline = time.monotonic() + timeout_s
+        while not all("cluster_state:ok" in self._cli("-p", str(p), "cluster", "info") for p in self.ports):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"redis cluster not ok {timeout_s:.0f} s after restarting node {i}")
+            time.sleep(0.1)
+
     def stop(self) -> None:
         atexit.unregister(self.stop)
         for proc in self.procs:
