@@ -8,13 +8,15 @@ socket otherwise (another host, no /dev/shm, ``--no-shm``, or ``shm=False`` here
 from __future__ import annotations
 
 import array
+import collections
+import contextlib
 import hashlib
 import itertools
 import logging
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,6 +56,17 @@ class InPlace:
     pin: int | None
 
 logger = logging.getLogger("vllm.glm_cache_client")
+
+
+# A request that timed out stays pending this long (or until the socket is closed) for its
+# late reply; then it counts as never answered.
+PENDING_HORIZON_S = 60.0
+MAX_PENDING = 1024  # pending requests kept; the oldest past this counts as never answered
+# The outcomes :attr:`CacheClient.outcomes` counts per op: requests sent, answered within
+# their deadline (error replies included), answered after it (the reply came on the kept
+# socket after the call gave up), never answered (no reply by the horizon, or the socket
+# was closed first).
+OUTCOMES = ("sent", "in_time", "late", "unanswered")
 
 
 # Handshakes that failed without a reason after which a client without a token takes the
@@ -118,6 +131,13 @@ class CacheClient:
         self._plain = auth_token is not None  # present the token at connection (flipped by a NULL server)
         self.corrupt_objects = 0  # payloads that failed their checksum (deleted on the server)
         self._unpins: list[int] = []  # read pins handed back, sent with the next get (or unpin())
+        # One deadline per call (:meth:`_within`): every request and wait of the call ends by it.
+        self._call_deadline: float | None = None
+        # (op, outcome) -> count, outcome one of OUTCOMES; read with :meth:`counts`
+        self.outcomes: collections.Counter[tuple[str, str]] = collections.Counter()
+        # requests that timed out on a socket kept open: id -> (op, monotonic time they gave up)
+        self._pending: dict[int, tuple[str, float]] = {}
+        self._late_leases: list[int] = []  # leases that came in late replies: the caller releases them
 
     def _socket(self) -> zmq.Socket:
         if self._sock is None:
@@ -230,6 +250,7 @@ class CacheClient:
             self._shm.agreed = False
 
     def _reset(self) -> None:
+        self._forget_pending_locked(float("inf"))  # their replies can no longer arrive
         if self._sock is not None:
             self._sock.disable_monitor()
             self._sock.close(linger=0)
@@ -251,38 +272,126 @@ class CacheClient:
                 timeout_s: float | None = None) -> tuple[dict[str, Any], list[memoryview]]:
         """Send one request and wait for its reply; raises on error replies and timeouts.
         ``timeout_s`` overrides :attr:`timeout_s` for this request."""
+        with self._lock, self._within(timeout_s):
+            return self._request_locked(header, payloads, None)
+
+    @contextlib.contextmanager
+    def _within(self, timeout_s: float | None) -> Iterator[None]:
+        """One deadline for the whole call (lock held): its requests (a segment's attach
+        and the request itself, a retry through frames) and their waits all end by it."""
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        if not timeout > 0:
+            raise ValueError(f"timeout_s must be positive, got {timeout}")
+        outer = self._call_deadline
+        if outer is None:
+            self._call_deadline = time.monotonic() + timeout
+        try:
+            yield
+        finally:
+            self._call_deadline = outer
+
+    def counts(self, op: str) -> dict[str, int]:
+        """How ``op``'s requests ended on this client: ``sent``, ``in_time``, ``late``,
+        ``unanswered`` (:data:`OUTCOMES`); those still pending are in none but ``sent``.
+        Never waits for a request in flight (then those past the horizon are counted at
+        the next call)."""
+        if self._lock.acquire(blocking=False):
+            try:
+                self._forget_pending_locked(time.monotonic() - PENDING_HORIZON_S)
+            finally:
+                self._lock.release()
+        return {o: self.outcomes[op, o] for o in OUTCOMES}
+
+    def take_late_leases(self) -> list[int]:
+        """Leases granted in replies that came after their lookup gave up: the caller
+        releases them (through this client: a lease is its connection's)."""
         with self._lock:
-            return self._request_locked(header, payloads, timeout_s)
+            out, self._late_leases = self._late_leases, []
+            return out
+
+    def _forget_pending_locked(self, before: float) -> None:
+        """Requests pending since before ``before`` will not be answered: count them."""
+        for request_id, (op, since) in list(self._pending.items()):
+            if since < before:
+                del self._pending[request_id]
+                self.outcomes[op, "unanswered"] += 1
+
+    def _late_reply_locked(self, reply: dict[str, Any]) -> None:
+        """A reply to a request that had timed out (dropped otherwise): count it, and keep
+        a lease it granted for :meth:`take_late_leases`."""
+        pending = self._pending.pop(reply.get("id"), None) if isinstance(reply.get("id"), int) else None
+        if pending is None:
+            return
+        self.outcomes[pending[0], "late"] += 1
+        lease_id = reply.get("lease_id")
+        if reply.get("ok") and type(lease_id) is int and lease_id > 0:
+            self._late_leases.append(lease_id)
+
+    def _drain_late_locked(self) -> None:
+        """Take the late replies already on the socket (before a new request is sent)."""
+        while self._sock is not None and self._pending:
+            try:
+                frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self._late_reply_locked(p.unpack_header(frames[0].buffer))
 
     def _request_locked(self, header: dict[str, Any], payloads: Sequence[Payload],
                         timeout_s: float | None) -> tuple[dict[str, Any], list[memoryview]]:
+        """One request within the call's deadline (or, outside :meth:`_within`, within
+        ``timeout_s``). The header says when it was sent (wall clock) and how long its
+        sender waits (``sent``, ``budget``), so the server can count a late answer and skip
+        work nobody waits for. A request that times out on a client without shared memory
+        keeps its socket: its late reply is counted (and a lease it carries handed to
+        :meth:`take_late_leases`) when it comes; on a client with shared memory the socket
+        is closed, as the server may still write into its segments."""
+        now = time.monotonic()
         timeout = self.timeout_s if timeout_s is None else timeout_s
-        if timeout <= 0:
+        if self._call_deadline is None and not timeout > 0:
             raise ValueError(f"timeout_s must be positive, got {timeout}")
+        deadline = self._call_deadline if self._call_deadline is not None else now + timeout
+        budget = deadline - now
+        if budget <= 0:
+            raise CacheServerUnavailable(f"glm-cache-server at {self.url}: no time left for {header.get('op')!r} "
+                                         "(the call's deadline passed)")
         request_id = next(self._ids)
-        header = {**header, "id": request_id}
+        op = str(header.get("op"))
+        header = {**header, "id": request_id, "sent": time.time(), "budget": round(budget, 3)}
         if self._auth_token is not None:
             header[AUTH_FIELD] = self._auth_token
-        deadline_ms = max(1, int(timeout * 1000))
+        sent = False
         try:
+            self._forget_pending_locked(now - PENDING_HORIZON_S)
+            self._drain_late_locked()
             # With IMMEDIATE set, a send finds no peer while the server is down (or the
-            # handshake is not done): wait for writability so that case also ends at the timeout.
-            sock = self._writable_socket_locked(timeout)
+            # handshake is not done): wait for writability so that case also ends at the deadline.
+            sock = self._writable_socket_locked(budget)
             sock.send_multipart([p.pack_header(header), *payloads], copy=False, flags=zmq.NOBLOCK)
+            sent = True
+            self.outcomes[op, "sent"] += 1
             while True:
-                if not sock.poll(deadline_ms, zmq.POLLIN):
+                left = deadline - time.monotonic()
+                if left <= 0 or not sock.poll(max(1, int(left * 1000)), zmq.POLLIN):
                     raise CacheServerUnavailable(f"glm-cache-server at {self.url} did not answer "
-                                                 f"{header['op']!r} within {timeout:.1f}s")
+                                                 f"{op!r} (request {request_id}) within {budget:.1f}s")
                 frames = sock.recv_multipart(copy=False)
                 reply = p.unpack_header(frames[0].buffer)
                 if reply.get("id") == request_id:
-                    break  # replies to earlier, timed-out requests are dropped
+                    break
+                self._late_reply_locked(reply)  # a reply to an earlier request that timed out
         except CacheServerUnavailable:
-            self._reset()
+            if sent and not self._shm.agreed and not self._shm.segments:
+                self._pending[request_id] = (op, time.monotonic())  # its reply may still come
+                while len(self._pending) > MAX_PENDING:
+                    oldest = next(iter(self._pending))
+                    self.outcomes[self._pending.pop(oldest)[0], "unanswered"] += 1
+            else:
+                self._reset()
             raise
         except zmq.ZMQError as e:
             self._reset()
             raise CacheServerUnavailable(f"glm-cache-server at {self.url}: {e}") from e
+        self.outcomes[op, "in_time"] += 1
         if not reply.get("ok"):
             raise CacheServerError(str(reply.get("code")), str(reply.get("message")))
         return reply, [f.buffer for f in frames[1:]]
@@ -319,7 +428,7 @@ class CacheClient:
                 header["group_names"] = {str(g): n for g, n in group_names.items()}
         if chunk_keys is not None:
             header["chunk_keys"] = dict(chunk_keys)
-        with self._lock:
+        with self._lock, self._within(None):
             self._shm.flush(self._send_header_locked, None)
             offer = self._shm.offer_at_hello()
             if offer is not None:
@@ -342,31 +451,33 @@ class CacheClient:
     def lookup(self, namespace: str, hashes: Sequence[bytes], attn_groups: Sequence[int],
                state_groups: Sequence[int], world_size: int = 1, start_chunk: int = 0,
                lease: bool = True, replicated_groups: Sequence[int] = (),
-               cache_salt: str | None = None) -> tuple[int, int | None]:
+               cache_salt: str | None = None, timeout_s: float | None = None) -> tuple[int, int | None]:
         """Deepest resumable chunk count of the prefix ``hashes`` and the lease on it;
         ``replicated_groups`` need their rank-0 copy only. ``cache_salt`` (the request's,
         already in the hashes) only labels the lookup counters (as a keyed hash)."""
         reply = self._lookup(namespace, hashes, attn_groups, state_groups, world_size, start_chunk,
-                             lease, replicated_groups, held=False, cache_salt=cache_salt)
+                             lease, replicated_groups, held=False, cache_salt=cache_salt, timeout_s=timeout_s)
         return reply["chunks"], reply["lease_id"]
 
     def lookup_held(self, namespace: str, hashes: Sequence[bytes], attn_groups: Sequence[int],
                     state_groups: Sequence[int], world_size: int = 1, start_chunk: int = 0,
                     lease: bool = True, replicated_groups: Sequence[int] = (),
-                    cache_salt: str | None = None) -> tuple[int, int | None, int | None, bool]:
+                    cache_salt: str | None = None,
+                    timeout_s: float | None = None) -> tuple[int, int | None, int | None, bool]:
         """:meth:`lookup`, plus what need not be sent again: how many chunks from chunk 0
         the server holds all attention objects of (every group and rank; None from a
         server that does not report it), and whether it holds every state object at
         chunk ``start_chunk - 1``."""
         reply = self._lookup(namespace, hashes, attn_groups, state_groups, world_size, start_chunk,
-                             lease, replicated_groups, held=True, cache_salt=cache_salt)
+                             lease, replicated_groups, held=True, cache_salt=cache_salt, timeout_s=timeout_s)
         held = reply.get("held")
         return (reply["chunks"], reply["lease_id"], held if isinstance(held, int) else None,
                 reply.get("start_state") is True)
 
     def _lookup(self, namespace: str, hashes: Sequence[bytes], attn_groups: Sequence[int],
                 state_groups: Sequence[int], world_size: int, start_chunk: int, lease: bool,
-                replicated_groups: Sequence[int], held: bool, cache_salt: str | None = None) -> dict[str, Any]:
+                replicated_groups: Sequence[int], held: bool, cache_salt: str | None = None,
+                timeout_s: float | None = None) -> dict[str, Any]:
         header = {"op": "lookup", "ns": namespace, "hashes": list(hashes), "attn_groups": list(attn_groups),
                   "state_groups": list(state_groups), "world_size": world_size, "start_chunk": start_chunk,
                   "lease": lease, "replicated_groups": list(replicated_groups)}
@@ -374,7 +485,7 @@ class CacheClient:
             header["held"] = True
         if cache_salt:
             header["cache_salt"] = label_salt(cache_salt)
-        return self.request(header)[0]
+        return self.request(header, timeout_s=timeout_s)[0]
 
     def query(self, model: str, token_ids: Sequence[int] | None = None, *, cache_salt: str | None = None,
               block_hashes: Sequence[bytes] | None = None, instance_id: str | None = None,
@@ -417,7 +528,7 @@ class CacheClient:
             header["prev"] = list(prev)
         if parent is not None:
             header["parent"] = list(parent)
-        with self._lock:
+        with self._lock, self._within(timeout_s):
             for _attempt in range(2):
                 seg = (self._shm.segment(sum(align_up(v.nbytes) for v in payloads), self._send_header_locked,
                                          timeout_s) if payloads else None)
@@ -446,7 +557,7 @@ class CacheClient:
         there) and answered as absent, so no corrupt byte ever reaches the caller.
         ``timeout_s`` overrides :attr:`timeout_s` for this call."""
         header = {"op": "get", "ns": namespace, "keys": [list(k) for k in keys]}
-        with self._lock:
+        with self._lock, self._within(timeout_s):
             reply, frames, _ = self._get_locked(header, bool(keys), timeout_s)
         return self._verified(namespace, keys, reply, frames, [BY_COPY] * len(frames)).payloads
 
@@ -462,7 +573,7 @@ class CacheClient:
         :meth:`get`, every payload verified."""
         header: dict[str, Any] = {"op": "get", "ns": namespace, "keys": [list(k) for k in keys],
                                   "arena": True, "pin_s": pin_s}
-        with self._lock:
+        with self._lock, self._within(timeout_s):
             reply, frames, in_arena = self._get_locked(header, bool(keys), timeout_s)
         return self._verified(namespace, keys, reply, frames, in_arena)
 
@@ -610,7 +721,7 @@ class CacheClient:
     def unpin(self) -> int:
         """Release the pins handed back now (one ``unpin`` request); how many the server
         released (0 when it could not be asked)."""
-        with self._lock:
+        with self._lock, self._within(None):
             ids, self._unpins = self._unpins[:MAX_UNPIN], self._unpins[MAX_UNPIN:]
             if not ids:
                 return 0
@@ -625,8 +736,8 @@ class CacheClient:
                                  "reason": reason})
         return reply["removed"]
 
-    def release(self, lease_id: int) -> bool:
-        reply, _ = self.request({"op": "release", "lease_id": lease_id})
+    def release(self, lease_id: int, timeout_s: float | None = None) -> bool:
+        reply, _ = self.request({"op": "release", "lease_id": lease_id}, timeout_s=timeout_s)
         return reply["released"]
 
     def clear(self, namespace: str | None = None) -> int:
@@ -637,8 +748,8 @@ class CacheClient:
         reply, _ = self.request({"op": "stats"})
         return reply["stats"]
 
-    def ping(self) -> None:
-        self.request({"op": "ping"})
+    def ping(self, timeout_s: float | None = None) -> None:
+        self.request({"op": "ping"}, timeout_s=timeout_s)
 
 
 def _bytes_view(payload: Payload) -> memoryview:

@@ -282,6 +282,17 @@ class ServerMetrics:
                                   registry=self.registry,
                                   buckets=(1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0))
         self.errors = Counter(f"{PREFIX}_errors", "Error replies, by code", ["code"], registry=self.registry)
+        # A request's time from its sending (the client's clock, the header's ``sent``)
+        self.queued = Histogram(f"{PREFIX}_request_queue_seconds", "Time from a request's sending (its client's "
+                                "clock) to a worker taking it: socket buffers, the proxy, a worker's queue",
+                                ["op"], registry=self.registry,
+                                buckets=(1e-4, 1e-3, 0.01, 0.05, 0.1, 0.5, 1.0, 2.0, 5.0, 30.0))
+        self.late = Counter(f"{PREFIX}_late_requests", "Requests whose client's deadline had passed: answered "
+                            "after it (answered; a lease they took is released), or skipped because it had "
+                            "passed when a worker took them (dropped)", ["op", "outcome"], registry=self.registry)
+        self.clock_skewed = Counter(f"{PREFIX}_clock_skewed_requests", "Requests sent by a client whose clock is "
+                                    "ahead of this server's by more than 1 s (no deadline applied: sync clocks)",
+                                    registry=self.registry)
         self.deleted = Counter(f"{PREFIX}_deleted_objects", "Objects deleted on a client's request, by reason "
                                "(checksum: a loader found the bytes did not match their checksum; size: not the size its group has)", ["reason"],
                                registry=self.registry)

@@ -180,6 +180,7 @@ class ErrorCode(str, enum.Enum):
     TOO_MANY_NAMESPACES = "too_many_namespaces"  # --max-namespaces reached, none of them empty
     SHM_UNKNOWN = "shm_unknown"  # a shared-memory segment the server does not map (any more)
     UNKNOWN_MODEL = "unknown_model"  # a query naming no namespace this server tracks
+    EXPIRED = "expired"  # its client's deadline passed before a worker took it: not done
     INTERNAL = "internal"
 
 
@@ -351,6 +352,28 @@ def field(header: dict[str, Any], name: str, kind: type | tuple[type, ...], defa
         raise ProtocolError(ErrorCode.BAD_REQUEST,
                             f"field {name!r} must be {_kind_name(kind)}, got {type(value).__name__}")
     return value
+
+
+MAX_BUDGET_S = 3600.0  # the most a request's ``budget`` may say its client waits
+# Ops a server skips once their client has given up (their effect is only their answer, or
+# the client takes an unanswered one as failed); releases, deletes and clears are done anyway.
+SKIPPED_WHEN_EXPIRED = frozenset({"hello", "lookup", "get", "put", "query", "stats", "ping", "shm_attach"})
+
+
+def deadline_fields(header: dict[str, Any]) -> tuple[float, float] | None:
+    """A request's ``sent`` (its client's wall clock at sending, seconds since the epoch)
+    and ``budget`` (seconds its client waits for the answer), or None when it says neither
+    (an older client). One without the other, or either not a finite positive number,
+    is a bad request."""
+    if "sent" not in header and "budget" not in header:
+        return None
+    sent, budget = header.get("sent"), header.get("budget")
+    for name, value in (("sent", sent), ("budget", budget)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"field {name!r} must be a positive finite number")
+    if budget > MAX_BUDGET_S:
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"field 'budget' must be <= {MAX_BUDGET_S:.0f}, got {budget}")
+    return float(sent), float(budget)
 
 
 def int_field(header: dict[str, Any], name: str, minimum: int = 0, default: Any = ...,

@@ -48,7 +48,10 @@ from cache_server.workers import Later, Reply, Waiting, work
 logger = logging.getLogger("glm_cache_server")
 
 # A request answered slower than this is logged: its client (2 s by default) may have given up.
+# A request that says its deadline (``sent`` + ``budget``) is logged when answered after it.
 SLOW_REQUEST_S = 2.0
+# A client clock this far ahead of ours makes its requests' deadlines unknowable: none applied.
+CLOCK_SKEW_S = 1.0
 
 
 class CacheServer:
@@ -173,7 +176,7 @@ class CacheServer:
     def _handle(self, frames: list[Any], client: bytes | None = None) -> list[Any] | Waiting:
         """:meth:`handle`, except that a lookup waiting for an L2 promotion comes back as a
         :class:`Waiting`, to be answered once it is ready."""
-        request = _Request(time.perf_counter())
+        request = _Request(time.perf_counter(), time.time(), client)
         self._local.client = client
 
         def run() -> Reply | Later:
@@ -193,6 +196,10 @@ class CacheServer:
                 raise p.ProtocolError(p.ErrorCode.UNKNOWN_OP,
                                       f"unknown op {op_field[:64]!r}; expected one of {', '.join(p.OPS)}")
             request.op = op_field
+            self._note_deadline(request, header)
+            if request.expired and op_field in p.SKIPPED_WHEN_EXPIRED:
+                raise p.ProtocolError(p.ErrorCode.EXPIRED, f"the client's deadline passed {-request.left():.1f}s "
+                                                           "before a worker took this request: not done")
             if request.op == self._die_on:  # debug fault hook: die mid-request, as kill -9 would
                 os.kill(os.getpid(), signal.SIGKILL)
             return handler(header, [_buffer(f) for f in frames[1:]])
@@ -207,6 +214,7 @@ class CacheServer:
                 produce: Callable[[], Reply | Later]) -> list[Any] | Later:
         """The reply frames of what ``produce`` answers (an error reply for what it raises),
         or the :class:`Later` it returns."""
+        reply_header: dict[str, Any] | None = None
         try:
             result = produce()
             if isinstance(result, Later):
@@ -225,9 +233,47 @@ class CacheServer:
             out = [p.pack_header(p.error_reply(request.id, p.ErrorCode.INTERNAL, f"{type(e).__name__}: {e}"))]
         took = time.perf_counter() - request.start
         self.metrics.requests.labels(op=request.op).observe(took)
-        if took > SLOW_REQUEST_S:
-            logger.warning("%r (request %s) took %.1f s to answer", request.op, request.id, took)
+        self._account_late(request, took, reply_header)
         return out
+
+    def _note_deadline(self, request: _Request, header: dict[str, Any]) -> None:
+        """Read the request's ``sent`` and ``budget``: how long it waited before a worker
+        took it, and whether its client has given up already (:attr:`_Request.expired`)."""
+        fields = p.deadline_fields(header)
+        if fields is None:
+            return
+        sent, budget = fields
+        queued = request.arrived - sent
+        if queued < -CLOCK_SKEW_S:
+            self.metrics.clock_skewed.inc()
+            return
+        request.sent, request.budget = sent, budget
+        request.queued = max(0.0, queued)
+        self.metrics.queued.labels(op=request.op).observe(request.queued)
+        request.expired = request.left() < 0
+
+    def _account_late(self, request: _Request, took: float, reply: dict[str, Any] | None) -> None:
+        """Count and log a request answered after its client's deadline, or skipped for it;
+        release the lease a late lookup took (its client has given up on it: nothing else
+        would release it before the TTL). Without a deadline, log one slower than
+        :data:`SLOW_REQUEST_S` to handle."""
+        if request.budget is None:
+            if took > SLOW_REQUEST_S:
+                logger.warning("%r (request %s) took %.1f s to answer", request.op, request.id, took)
+            return
+        if request.expired:
+            self.metrics.late.labels(op=request.op, outcome="dropped").inc()
+            logger.warning("%r (request %s) dropped: its client's %.1f s deadline had passed when a worker took it "
+                           "(queued %.1f s)", request.op, request.id, request.budget, request.queued)
+            return
+        if request.queued + took <= request.budget:
+            return
+        self.metrics.late.labels(op=request.op, outcome="answered").inc()
+        lease_id = reply.get("lease_id") if reply is not None else None
+        released = type(lease_id) is int and self.store.release_from(lease_id, request.client) is Release.RELEASED
+        logger.warning("%r (request %s) answered after its client's %.1f s deadline: queued %.1f s, handled %.1f s%s",
+                       request.op, request.id, request.budget, request.queued, took,
+                       "; its lease released" if released else "")
 
     def _size_refusal(self, frames: list[Any]) -> p.ProtocolError | None:
         """The error for an oversize request, found before parsing anything in it."""
@@ -581,9 +627,21 @@ class CacheServer:
 class _Request:
     """What the reply to a request needs of it while it is being answered."""
 
-    start: float  # time.perf_counter() at arrival
+    start: float  # time.perf_counter() when a worker took it
+    arrived: float  # time.time() then
+    client: bytes | None = None  # the sender's ZMQ identity
     id: Any = None
     op: str = "invalid"
+    sent: float | None = None  # the client's time.time() at sending (None: it gave no deadline)
+    budget: float | None = None  # seconds the client waits
+    queued: float = 0.0  # from sending to a worker taking it
+    expired: bool = False  # the deadline had passed when a worker took it
+
+    def left(self) -> float:
+        """Seconds to the client's deadline now (negative: past it; inf: none given)."""
+        if self.sent is None or self.budget is None:
+            return float("inf")
+        return self.sent + self.budget - time.time()
 
 
 def _make_l2(config: ServerConfig, metrics: ServerMetrics) -> Any:

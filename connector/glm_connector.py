@@ -240,7 +240,10 @@ class GlmCacheConnector(KVConnectorBase_V1, SupportsHMA):
     def get_kv_connector_stats(self) -> GlmCacheStats | None:
         """What our counters gained since the last call (vLLM sums the workers' and the
         scheduler side's and exports them; see :mod:`connector.stats`)."""
-        counters = self._scheduler.save_stats if self._scheduler is not None else self.stats
+        if self._scheduler is not None:
+            counters = {**self._scheduler.save_stats, **self._scheduler.remote.counters()}
+        else:
+            counters = self.stats
         return self._stats_reporter.report(counters)
 
     @classmethod

@@ -130,6 +130,7 @@ class RemoteCache:
         self._releaser = ThreadPoolExecutor(max_workers=1, thread_name_prefix="glm-release")
         self._lookup_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="glm-lookup")
         self._handshake: tuple[Future[dict[str, Any]], float] | None = None  # (future, deadline)
+        self._releases_failed = 0  # lease releases not made (the releaser thread alone counts)
         self.chunk_keys = chunk_keys
 
     @property
@@ -212,55 +213,80 @@ class RemoteCache:
         return None
 
     def answer_wait_s(self) -> float:
-        """How long a request may wait for the lookup thread: the client's own timeout
-        (after which it gives up and the back-off starts) plus a little scheduling slack."""
+        """How long a request may wait for the lookup thread: the lookup's own deadline
+        (``timeout_s`` from when it was asked, queueing on the thread included; then it
+        gives up and the back-off starts) plus a little scheduling slack."""
         return self.link.timeout_s * 1.25 + 0.05
+
+    def _deadline(self) -> float:
+        return time.monotonic() + self.link.timeout_s
 
     def lookup(self, namespace: str, hashes: list[bytes], start: int, lease: bool,
                cache_salt: str | None = None) -> Future[LookupAnswer]:
         """Look ``hashes`` up from chunk ``start`` on the lookup thread (``cache_salt``, already
-        in the hashes, labels the server's lookup counters)."""
-        return self._lookup_pool.submit(self._lookup_io, namespace, hashes, start, lease, cache_salt)
+        in the hashes, labels the server's lookup counters), within ``timeout_s`` from now."""
+        return self._lookup_pool.submit(self._lookup_io, namespace, hashes, start, lease, cache_salt,
+                                        self._deadline())
 
     def probe(self, namespace: str, first: list[bytes], rest: Callable[[list[bytes]], list[bytes]],
               cache_salt: str | None) -> Future[LookupAnswer]:
         """Probe a prefix nobody here has hashed yet by its first chunk, on the lookup
-        thread (see :meth:`_probe_io`)."""
-        return self._lookup_pool.submit(self._probe_io, namespace, first, rest, cache_salt)
+        thread (see :meth:`_probe_io`), within ``timeout_s`` from now."""
+        return self._lookup_pool.submit(self._probe_io, namespace, first, rest, cache_salt, self._deadline())
 
     def _lookup_io(self, namespace: str, hashes: list[bytes], start: int, lease: bool,
-                   cache_salt: str | None = None) -> LookupAnswer:
-        """One lookup RPC (skipped while the link backs off)."""
+                   cache_salt: str | None = None, deadline: float | None = None) -> LookupAnswer:
+        """One lookup RPC, done by ``deadline`` (monotonic; None: ``timeout_s`` from now).
+        Skipped while the link backs off, and when the deadline passed while it waited for
+        the thread (behind a lookup the server did not answer: that one put the link in
+        back-off). Leases that came late, in replies to lookups that had given up, are
+        released."""
         if not self.link.usable():
             return LookupAnswer(error=ConnectionError("server in back-off"))
+        left = (deadline - time.monotonic()) if deadline is not None else self.link.timeout_s
+        if left <= 0:
+            return LookupAnswer(error=TimeoutError("the lookup's deadline passed before it was sent"))
         geo = self._geometry
+        client = self.link.lookup_client
         try:
-            n, lease_id, held, start_state = self.link.lookup_client.lookup_held(
+            n, lease_id, held, start_state = client.lookup_held(
                 namespace, hashes,
                 [g.group_id for g in geo.attn_groups],
                 [g.group_id for g in geo.state_groups],
                 self._world_size, start, lease=lease,
-                replicated_groups=self.replicated_groups(), cache_salt=cache_salt,
+                replicated_groups=self.replicated_groups(), cache_salt=cache_salt, timeout_s=left,
             )
         except CLIENT_ERRORS as e:
             self.link.failed("lookup", e)
             return LookupAnswer(error=e)
+        finally:
+            for late in client.take_late_leases():
+                self.release(late)
         return LookupAnswer(n, lease_id, held, start_state)
 
+    def counters(self) -> dict[str, int]:
+        """The lookups' outcomes on this engine's lookup connection (``lookups_sent``,
+        ``lookups_in_time``, ``lookups_late``, ``lookups_unanswered``: see
+        :data:`cache_server.client.OUTCOMES`) and ``lease_releases_failed``, as running totals."""
+        counts = self.link.lookup_client.counts("lookup")
+        out = {f"lookups_{k}": v for k, v in counts.items()}
+        out["lease_releases_failed"] = self._releases_failed
+        return out
+
     def _probe_io(self, namespace: str, first: list[bytes], rest: Callable[[list[bytes]], list[bytes]],
-                  cache_salt: str | None) -> LookupAnswer:
+                  cache_salt: str | None, deadline: float | None = None) -> LookupAnswer:
         """Is the first chunk's attention on the server (no lease)? No: nothing deeper can
         resume either, and the other chunks are never hashed for it (a cold request hashes
         its chunks as they are saved). Yes, or a server that does not say: hash the prefix
         here (``rest`` extends the chain from ``first``: :meth:`connector.keys.ChunkKeys.chain`)
         and look it up as usual; the keys travel back with the answer."""
-        probe = self._lookup_io(namespace, first, 0, False, cache_salt)
+        probe = self._lookup_io(namespace, first, 0, False, cache_salt, deadline)
         if probe.error is not None:
             return probe
         if probe.held == 0:
             return LookupAnswer(0, None, 0, False)
         hashes = rest(list(first))
-        return replace(self._lookup_io(namespace, hashes, 0, True, cache_salt), hashes=hashes)
+        return replace(self._lookup_io(namespace, hashes, 0, True, cache_salt, deadline), hashes=hashes)
 
     def release_when_answered(self, future: Future[LookupAnswer]) -> None:
         """A lookup no longer wanted: release the lease it got (or will get)."""
@@ -280,11 +306,14 @@ class RemoteCache:
 
         def release() -> None:
             if not self.link.usable():
-                return  # the lease expires on its own; don't queue timeouts behind a dead server
+                self._releases_failed += 1  # it expires at the server's lease TTL; don't queue
+                return  # timeouts behind a dead server
             try:
                 self.link.lookup_client.release(lease_id)  # the connection the lease is of
-            except CLIENT_ERRORS as e:  # the lease expires on its own
-                logger.debug("GlmCacheConnector: release of lease %s failed: %s", lease_id, e)
+            except CLIENT_ERRORS as e:
+                self._releases_failed += 1
+                logger.warning("GlmCacheConnector: release of lease %s failed (%s); it stays held on the server "
+                               "until its TTL", lease_id, e)
 
         try:
             self._releaser.submit(release)

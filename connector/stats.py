@@ -48,6 +48,13 @@ COUNTERS: dict[str, str] = {
     "handoffs_saved": "PD hand-offs a prefill instance saved (do_remote_decode requests; connector.handoff)",
     "handoffs_loaded": "PD hand-offs a decode instance resumed from (do_remote_prefill requests)",
     "handoffs_missed": "do_remote_prefill requests whose hand-off was not on the server (strict-prefix resume)",
+    "lookups_sent": "Lookups sent to glm-cache-server (each within the connector's timeout_s from when vLLM asked)",
+    "lookups_in_time": "Lookups glm-cache-server answered within their deadline (error replies included)",
+    "lookups_late": "Lookups answered after their deadline had passed (the request was served cold; a lease "
+                    "in the late answer is released)",
+    "lookups_unanswered": "Lookups never answered: no reply within 60 s of giving up, or the connection closed first",
+    "lease_releases_failed": "Lease releases not made (failed, or skipped while the server was away): those "
+                             "leases stay held on the server until its lease TTL",
 }
 
 # the scheduler side's Counter keys (connector.scheduler) -> the reported names
@@ -63,6 +70,8 @@ SCHEDULER_KEYS: dict[str, str] = {
     "handoffs_loaded": "handoffs_loaded",
     "handoffs_missed": "handoffs_missed",
     "cpu": "scheduler_cpu_seconds",
+    **{name: name for name in ("lookups_sent", "lookups_in_time", "lookups_late", "lookups_unanswered",
+                               "lease_releases_failed")},  # RemoteCache.counters()
 }
 
 

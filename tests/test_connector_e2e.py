@@ -52,7 +52,8 @@ def model_dir(tmp_path_factory):
     return make_tiny_qwen3_next(tmp_path_factory.mktemp("tiny_qwen3_next"))
 
 
-TIMEOUT_S = 2.0  # the connector's timeout_s: per request, and the floor of a batch's deadline
+TIMEOUT_S = 10.0  # the connector's timeout_s (per request, the floor of a batch's deadline): generous, as
+# these tests check hits, not deadlines; the paused-server test waits this long once
 
 
 @pytest.fixture(scope="module")
@@ -396,37 +397,60 @@ def test_next_turn_marks_the_previous_turns_state_superseded(llm, server):
     assert reloaded[2] == _strict_hit(len(turn2))
 
 
-def test_stalled_server_times_out_to_cold(llm, server):
-    """A server that stops answering (SIGSTOP) costs at most the connector's wait for a
-    lookup answer (``1.25 * timeout_s + 0.05``; the lookup client itself gives up at
-    ``timeout_s``) on top of the request's own cold time, measured here with the server
-    up, plus 0.5 s of scheduling slack (2 shared cores). It does wait for the lookup: the
-    request took at least ``timeout_s``, and the server found the lookup queued once it
-    went on. (No load is planned, so no batch deadline applies.) Measured: 2.11-2.19 s
-    stalled, 0.12-0.24 s cold."""
+def _server_late_lookups(server) -> float:
+    """The server's lookups answered after, or skipped for, their client's deadline."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(server.http_url + "/metrics", timeout=60) as r:
+        text = r.read().decode()
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == "glm_cache_late_requests_total" and s.labels.get("op") == "lookup")
+
+
+def _until_hit(llm, prompt, salt, hit: int, max_tokens: int = 8, bound_s: float = 120.0):
+    """Send ``prompt`` (vLLM's prefix cache reset first) until it resumes ``hit`` tokens
+    from the server: the connector's back-off after a failure lets the first ones go cold."""
+    deadline = time.monotonic() + bound_s
+    while True:
+        llm.reset_prefix_cache()
+        (out,) = _run(llm, [prompt], salt=salt, max_tokens=max_tokens)
+        if out[2] == hit:
+            return out
+        assert out[2] == 0 and time.monotonic() < deadline, f"no hit of {hit} within {bound_s}s: {out[2]}"
+
+
+def test_a_lookup_the_paused_server_answers_late_is_counted_late_and_the_next_ones_are_answered(llm, server):
+    """The server is paused (SIGSTOP) across a lookup: the request is served cold (same
+    tokens) once the lookup's deadline (``timeout_s`` from when vLLM asked) has passed. After
+    SIGCONT the server skips that lookup (its client gave up: counted late, ``dropped``, on
+    the server), the engine takes the late answer on its kept connection and counts it
+    ``lookups_late``, not ``lookups_unanswered``, and its next lookups are answered in time
+    and hit. No lease stays held."""
     prompt = _prompt(900, seed=51)
-    t0 = time.monotonic()
     (cold,) = _run(llm, [prompt], salt="stalled", max_tokens=8)
-    cold_s = time.monotonic() - t0
-    client = CacheClient(server.url, timeout_s=5)
-    lookups = _settled_stats(client)["lookups"]
+    client = CacheClient(server.url, timeout_s=60)
+    _settled_stats(client)
+    late_on_server = _server_late_lookups(server)
+    before = _counters(llm)
     os.kill(server.proc.pid, signal.SIGSTOP)
     try:
         llm.reset_prefix_cache()
-        t0 = time.monotonic()
         (after,) = _run(llm, [prompt], salt="stalled", max_tokens=8)
-        elapsed = time.monotonic() - t0
     finally:
         os.kill(server.proc.pid, signal.SIGCONT)
     assert after[2] == 0 and after[0] == cold[0]
-    answer_wait_s = 1.25 * TIMEOUT_S + 0.05
-    assert TIMEOUT_S <= elapsed < answer_wait_s + cold_s + 0.5, (
-        f"a stalled server held the request for {elapsed:.2f}s (cold {cold_s:.2f}s)")
-    deadline = time.monotonic() + 1.0
-    while client.stats()["lookups"] == lookups and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert client.stats()["lookups"] == lookups + 1  # the lookup the request gave up on
-    time.sleep(2.5)  # let the connector's back-off pass before the next test
+    (again,) = [_until_hit(llm, prompt, "stalled", _strict_hit(900))]
+    assert again[0] == cold[0]
+    counts = _delta(_counters(llm), before, "lookups_sent", "lookups_in_time", "lookups_late", "lookups_unanswered")
+    assert counts["lookups_late"] == 1 and counts["lookups_unanswered"] == 0, counts
+    assert counts["lookups_in_time"] >= 1 and counts["lookups_sent"] == counts["lookups_in_time"] + 1, counts
+    assert _server_late_lookups(server) == late_on_server + 1  # it reached the server, after its deadline
+    deadline = time.monotonic() + 60
+    while client.stats()["active_leases"]:  # releases are sent from a background thread
+        assert time.monotonic() < deadline, "a lease stayed held"
+        time.sleep(0.05)
 
 
 def test_server_killed_mid_run_serves_cold(llm, server):
@@ -434,9 +458,7 @@ def test_server_killed_mid_run_serves_cold(llm, server):
     (cold,) = _run(llm, [prompt], salt="killed", max_tokens=16)  # cold, and saved
     server.kill()
     llm.reset_prefix_cache()
-    t0 = time.monotonic()
     (after,) = _run(llm, [prompt], salt="killed", max_tokens=16)
-    assert time.monotonic() - t0 < 30
     assert after[2] == 0
     assert after[0] == cold[0]
     # A restarted (empty) server is picked up again once the back-off has passed.
@@ -445,13 +467,13 @@ def test_server_killed_mid_run_serves_cold(llm, server):
         port=server.port, http_port=server.http_port,
     ).start()
     try:
-        time.sleep(2.5)
-        _run(llm, [prompt], salt="killed", max_tokens=4)
-        _run(llm, [prompt], salt="killed", max_tokens=4)
-        llm.reset_prefix_cache()
-        (again,) = _run(llm, [prompt], salt="killed", max_tokens=16)
-        assert again[2] == _strict_hit(900)
+        deadline = time.monotonic() + 120
+        while CacheClient(restarted.url, timeout_s=60).stats()["objects"] == 0:  # saved again, once reconnected
+            assert time.monotonic() < deadline, "the restarted server never got the prompt's objects"
+            llm.reset_prefix_cache()
+            _run(llm, [prompt], salt="killed", max_tokens=4)
+        _settled_stats(CacheClient(restarted.url, timeout_s=60))
+        again = _until_hit(llm, prompt, "killed", _strict_hit(900), max_tokens=16)
         assert again[0] == cold[0]
-        assert CacheClient(restarted.url).stats()["objects"] > 0
     finally:
         restarted.stop()

@@ -1,0 +1,192 @@
+"""One deadline per request, end to end (issue 46): the client says when it sent a request
+and how long it waits (``sent``, ``budget``); the server counts and logs an answer that comes
+after that, skips work nobody waits for, and releases a lease a late lookup took; the client
+counts every request as answered in time, late, or never, and keeps all the waits of one call
+within one deadline. Lateness is made deterministic: a server paused with SIGSTOP, a request
+sent with its deadline already past, or a handler that returns only once the deadline passed.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import urllib.request
+
+import msgpack
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from cache_server import protocol as p
+from cache_server.client import CacheClient, CacheServerUnavailable
+from cache_server.config import ServerConfig
+from cache_server.server import CacheServer
+
+NS = "deadlines-ns"
+H = [bytes([i]) * p.HASH_BYTES for i in range(1, 4)]
+
+
+@pytest.fixture
+def inproc():
+    server = CacheServer(ServerConfig(port=0, http_port=0, l1_size_bytes=1 << 20, max_object_bytes=1 << 12,
+                                      separate_object_groups=True))
+    yield server
+    server.stop()
+    server.serve_forever()
+
+
+def _ask(server: CacheServer, header: dict, payloads=(), client: bytes = b"peer-1") -> dict:
+    return msgpack.unpackb(server.handle([msgpack.packb(header), *payloads], client)[0])
+
+
+def _late(server: CacheServer, op: str, outcome: str) -> float:
+    return server.metrics.registry.get_sample_value("glm_cache_late_requests_total", {"op": op, "outcome": outcome}) or 0
+
+
+def _put_chunk(server: CacheServer) -> None:
+    keys = [[H[0], 0, 0], [H[0], 1, 0]]
+    sums = [p.checksum(b"x" * 8, NS, tuple(k)) for k in keys]
+    reply = _ask(server, {"op": "put", "id": 1, "ns": NS, "keys": keys, "sums": sums}, [b"x" * 8, b"x" * 8])
+    assert reply["ok"] and reply["results"] == ["stored", "stored"], reply
+
+
+def _lookup(**extra) -> dict:
+    return {"op": "lookup", "ns": NS, "hashes": H[:1], "attn_groups": [0], "state_groups": [1],
+            "world_size": 1, "lease": True, **extra}
+
+
+def test_a_request_whose_client_gave_up_is_skipped_and_counted(inproc, caplog):
+    """A lookup whose deadline passed before a worker took it is not done (no lease is
+    taken), answered ``expired``, counted ``dropped`` and logged with its queue time."""
+    _put_chunk(inproc)
+    with caplog.at_level("WARNING", logger="glm_cache_server"):
+        reply = _ask(inproc, _lookup(id=9, sent=time.time() - 5.0, budget=2.0))
+    assert reply["ok"] is False and reply["code"] == p.ErrorCode.EXPIRED.value and reply["id"] == 9
+    assert _late(inproc, "lookup", "dropped") == 1
+    assert inproc.store.snapshot()["active_leases"] == 0
+    (line,) = [r.getMessage() for r in caplog.records if "dropped" in r.getMessage()]
+    assert line.startswith("'lookup' (request 9) dropped") and "queued 5." in line
+    # The same lookup in time is done, and leases its chunk.
+    reply = _ask(inproc, _lookup(id=10, sent=time.time(), budget=30.0))
+    assert reply["ok"] and reply["chunks"] == 1 and reply["lease_id"]
+    assert _late(inproc, "lookup", "dropped") == 1 and _late(inproc, "lookup", "answered") == 0
+
+
+def test_a_release_is_done_even_after_its_deadline(inproc):
+    """Cleanup ops are not skipped: a late release still frees its lease."""
+    _put_chunk(inproc)
+    lease = _ask(inproc, _lookup(id=1, sent=time.time(), budget=30.0))["lease_id"]
+    reply = _ask(inproc, {"op": "release", "id": 2, "lease_id": lease, "sent": time.time() - 10, "budget": 1.0})
+    assert reply["ok"] and reply["released"] is True
+    assert inproc.store.snapshot()["active_leases"] == 0
+
+
+def test_a_lookup_answered_after_its_deadline_releases_its_lease(inproc, monkeypatch, caplog):
+    """A lookup a worker took in time but answered after the deadline is counted
+    ``answered`` late, logged with queue and handling time, and its lease is released (its
+    client has given up: nothing else would release it before the TTL)."""
+    _put_chunk(inproc)
+    real = inproc._handlers["lookup"]
+    budget = 0.3
+
+    def slow_lookup(h, frames):
+        out = real(h, frames)
+        while time.time() <= h["sent"] + budget + 0.01:  # until the client's deadline has passed
+            time.sleep(0.01)
+        return out
+
+    monkeypatch.setitem(inproc._handlers, "lookup", slow_lookup)
+    with caplog.at_level("WARNING", logger="glm_cache_server"):
+        reply = _ask(inproc, _lookup(id=4, sent=time.time(), budget=budget))
+    assert reply["ok"] and reply["chunks"] == 1 and reply["lease_id"]
+    assert inproc.store.snapshot()["active_leases"] == 0
+    assert _late(inproc, "lookup", "answered") == 1 and _late(inproc, "lookup", "dropped") == 0
+    (line,) = [r.getMessage() for r in caplog.records if "after its client's" in r.getMessage()]
+    assert "'lookup' (request 4)" in line and "handled" in line and "its lease released" in line
+
+
+@pytest.mark.parametrize("fields", [{"sent": time.time()}, {"budget": 2.0}, {"sent": "now", "budget": 2.0},
+                                    {"sent": time.time(), "budget": -1.0}, {"sent": time.time(), "budget": 1e9},
+                                    {"sent": float("inf"), "budget": 2.0}, {"sent": True, "budget": 2.0}])
+def test_malformed_deadline_fields_are_refused(inproc, fields):
+    reply = _ask(inproc, {"op": "ping", "id": 3, **fields})
+    assert reply["ok"] is False and reply["code"] == p.ErrorCode.BAD_REQUEST.value
+
+
+def test_a_client_clock_far_ahead_gets_no_deadline(inproc):
+    """A ``sent`` in this server's future (clocks not in sync) is no reason to skip the
+    work: no deadline is applied, and the skew is counted."""
+    reply = _ask(inproc, {"op": "ping", "id": 3, "sent": time.time() + 600, "budget": 1.0})
+    assert reply["ok"] is True
+    assert inproc.metrics.registry.get_sample_value("glm_cache_clock_skewed_requests_total") == 1
+
+
+def _server_late(srv, op: str, outcome: str) -> float:
+    text = urllib.request.urlopen(f"{srv.http_url}/metrics", timeout=60).read().decode()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "glm_cache_late_requests_total" and sample.labels == {"op": op, "outcome": outcome}:
+                return sample.value
+    return 0.0
+
+
+def test_a_paused_server_makes_a_late_answer_not_a_lost_one(server):
+    """A request sent to a paused server (SIGSTOP) times out at its deadline; after SIGCONT
+    the server skips it (its client gave up), the client takes that late answer on its
+    kept connection and counts it ``late``, not ``unanswered``, and the next request is
+    answered in time. The server counts it ``dropped``."""
+    with CacheClient(server.url, timeout_s=30.0, shm=False) as c:
+        c.ping()
+        dropped = _server_late(server, "ping", "dropped")
+        os.kill(server.proc.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(CacheServerUnavailable, match="did not answer 'ping'"):
+                c.ping(timeout_s=0.5)
+        finally:
+            os.kill(server.proc.pid, signal.SIGCONT)
+        c.ping()  # takes the late answer first, then its own
+        assert c.counts("ping") == {"sent": 3, "in_time": 2, "late": 1, "unanswered": 0}
+        assert _server_late(server, "ping", "dropped") == dropped + 1
+
+
+def test_a_closed_connection_counts_its_pending_requests_unanswered(server):
+    with CacheClient(server.url, timeout_s=30.0, shm=False) as c:
+        c.ping()
+        os.kill(server.proc.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(CacheServerUnavailable):
+                c.ping(timeout_s=0.5)
+            c.close()  # its answer can never arrive now
+        finally:
+            os.kill(server.proc.pid, signal.SIGCONT)
+        assert c.counts("ping") == {"sent": 2, "in_time": 1, "late": 0, "unanswered": 1}
+
+
+def test_every_request_of_one_call_shares_its_deadline(server, monkeypatch):
+    """A put bigger than the client's segment is two requests (a new segment's attach, then
+    the put): both are sent with the call's one deadline (``sent + budget``, the same wall
+    time), not each with a fresh timeout. The attach is held 50 ms after it is packed, so a
+    fresh timeout would put the put's deadline 50 ms later."""
+    import cache_server.client as client_module
+
+    sent: list[dict] = []
+    pack = client_module.p.pack_header
+
+    def spy(h):
+        sent.append(dict(h))
+        if h.get("op") == "shm_attach":
+            time.sleep(0.05)
+        return pack(h)
+
+    with CacheClient(server.url, timeout_s=30.0, shm_bytes=1 << 20) as c:
+        c.hello(NS, 16, attn_groups=[0], state_groups=[1])
+        monkeypatch.setattr(client_module.p, "pack_header", spy)
+        c.put(NS, [(H[2], 0, 0, b"y" * (2 << 20))], timeout_s=20.0)  # over the 1 MiB segment: a new one
+        monkeypatch.setattr(client_module.p, "pack_header", pack)
+        assert c.transport == "shm"
+    ops = [h["op"] for h in sent]
+    assert ops == ["shm_attach", "put"], ops
+    attach, put = sent
+    assert put["sent"] - attach["sent"] >= 0.05
+    assert abs((put["sent"] + put["budget"]) - (attach["sent"] + attach["budget"])) < 0.005
+    assert attach["budget"] <= 20.0
