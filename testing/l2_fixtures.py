@@ -44,7 +44,7 @@ def start_cluster() -> RedisNodes:
     return RedisNodes(3, cluster=True, maxmemory_mb=256).start()
 
 
-def wait_written(status: Any, objects: int, timeout_s: float = 10.0) -> dict[str, Any]:
+def wait_written(status: Any, objects: int, timeout_s: float = 60.0) -> dict[str, Any]:
     """Poll ``status()`` (a server's /status document) until its L2 writer has written at
     least ``objects`` objects and its queue is empty."""
     deadline = time.monotonic() + timeout_s
@@ -53,5 +53,6 @@ def wait_written(status: Any, objects: int, timeout_s: float = 10.0) -> dict[str
         if l2["written_objects"] >= objects and l2["queue_items"] == 0:
             return l2
         if time.monotonic() > deadline:
-            raise AssertionError(f"L2 writes did not complete: {l2}")
+            raise AssertionError(f"L2 writes did not complete within {timeout_s}s "
+                                 f"(wanted {objects} written, queue empty): {l2}")
         time.sleep(0.05)

@@ -116,7 +116,7 @@ class ServerProcess:
             self._log_file.close()
         return self.proc.returncode
 
-    def pause(self, timeout_s: float = 5.0) -> None:
+    def pause(self, timeout_s: float = 60.0) -> None:
         """SIGSTOP, and return once every thread of the server has stopped: the signal is
         asynchronous, and a worker thread already running can answer one more request in
         between (a few ms on busy cores). A paused server is alive but answers nothing."""
