@@ -290,6 +290,9 @@ class ServerMetrics:
         self.late = Counter(f"{PREFIX}_late_requests", "Requests whose client's deadline had passed: answered "
                             "after it (answered; a lease they took is released), or skipped because it had "
                             "passed when a worker took them (dropped)", ["op", "outcome"], registry=self.registry)
+        self.stuck_requests = Counter(f"{PREFIX}_stuck_requests", "Requests a worker was busy with for over "
+                                      "10 s (logged with its stack): the requests dealt to that worker wait",
+                                      registry=self.registry)
         self.clock_skewed = Counter(f"{PREFIX}_clock_skewed_requests", "Requests sent by a client whose clock is "
                                     "ahead of this server's by more than 1 s (no deadline applied: sync clocks)",
                                     registry=self.registry)

@@ -43,7 +43,7 @@ from cache_server.prefix_query import PrefixQuery, chunk_key_scheme, parse_query
 from cache_server.shm import GetRegion, SegmentTable, SizedSpan, owned_copy, put_spans
 from cache_server.store import ObjectStore
 from cache_server.token_gate import TokenGate
-from cache_server.workers import Later, Reply, Waiting, work
+from cache_server.workers import Later, Reply, Waiting, Watchdog, work
 
 logger = logging.getLogger("glm_cache_server")
 
@@ -121,7 +121,9 @@ class CacheServer:
         control, control_peer = self._ctx.socket(zmq.PAIR), self._ctx.socket(zmq.PAIR)
         control.bind(where + "-control")
         control_peer.connect(where + "-control")
-        workers = [threading.Thread(target=work, args=(self._ctx, where, self._stop, self._handle),
+        watchdog = Watchdog(self.metrics.stuck_requests.inc)
+        workers = [threading.Thread(target=work, args=(self._ctx, where, self._stop, self._handle, p.MAX_FRAMES,
+                                                       watchdog.busy),
                                     name=f"glm-worker-{i}", daemon=True) for i in range(max(1, self.config.workers))]
         proxy = threading.Thread(target=self._proxy, args=(backend, control_peer), name="glm-proxy", daemon=True)
         for t in workers:
@@ -132,6 +134,7 @@ class CacheServer:
             while not self._stop.wait(0.1):
                 self.store.expire_leases()
                 if time.monotonic() - last_shm_check > 1.0:
+                    watchdog.check()
                     self.segments.expire()
                     self.pins.expire()
                     last_shm_check = time.monotonic()

@@ -83,11 +83,15 @@ def receive(sock: zmq.Socket[Any], max_frames: int = p.MAX_FRAMES) -> list[zmq.F
 
 
 def work(ctx: zmq.Context[Any], where: str, stop: threading.Event,
-         handle: Callable[[list[Any], bytes], list[Any] | Waiting], max_frames: int = p.MAX_FRAMES) -> None:
+         handle: Callable[[list[Any], bytes], list[Any] | Waiting], max_frames: int = p.MAX_FRAMES,
+         busy: dict[int, float] | None = None) -> None:
     """One worker: take a request from the proxy at ``where``, answer it with ``handle``
     (request frames and the sender's identity to reply frames, or a :class:`Waiting`),
     until ``stop``. A request of more than ``max_frames`` frames reaches ``handle`` cut to
-    one frame more than that."""
+    one frame more than that. ``busy`` (thread id -> monotonic time) holds when this worker
+    began what it is doing, while it does it: a watchdog reads it (:class:`Watchdog`)."""
+    me = threading.get_ident()
+    busy = {} if busy is None else busy
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(where)
@@ -127,16 +131,54 @@ def work(ctx: zmq.Context[Any], where: str, stop: threading.Event,
             if sock in ready:
                 frames = receive(sock, max_frames)
                 identity, request = frames[0], frames[1:]
+                busy[me] = time.monotonic()
                 out = handle(request, identity.bytes)
                 if isinstance(out, Waiting):
                     waiting.append((identity, out))
                     out.future.add_done_callback(wake)
                 else:
                     send(identity, out)
+                busy.pop(me, None)
             for item in [x for x in waiting if x[1].ready()]:
                 waiting.remove(item)
+                busy[me] = time.monotonic()
                 send(item[0], item[1].answer())
+                busy.pop(me, None)
     finally:
         sock.close(linger=0)
         os.close(wake_r)
         os.close(wake_w)
+
+
+# A worker busy this long with one request is reported: the proxy keeps dealing it requests,
+# which wait behind it unanswered (clients see timeouts, and the server logs nothing slow).
+STUCK_S = 10.0
+
+
+class Watchdog:
+    """Reports workers busy with one request for over :data:`STUCK_S`: once per request, a
+    warning with the thread's stack and ``count()`` (a metric); the housekeeping loop calls
+    :meth:`check`."""
+
+    def __init__(self, count: Callable[[], None]) -> None:
+        self.busy: dict[int, float] = {}
+        self._count = count
+        self._reported: set[tuple[int, float]] = set()
+
+    def check(self) -> None:
+        import sys
+        import traceback
+
+        now = time.monotonic()
+        current = set(self.busy.items())
+        self._reported &= current
+        frames = None
+        for ident, since in current:
+            if now - since < STUCK_S or (ident, since) in self._reported:
+                continue
+            self._reported.add((ident, since))
+            frames = sys._current_frames() if frames is None else frames
+            stack = "".join(traceback.format_stack(frames[ident])) if ident in frames else "(gone)"
+            self._count()
+            logger.warning("worker thread %d has been busy with one request for %.0f s; requests dealt to it wait "
+                           "behind it. Its stack:\n%s", ident, now - since, stack)

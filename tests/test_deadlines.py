@@ -190,3 +190,44 @@ def test_every_request_of_one_call_shares_its_deadline(server, monkeypatch):
     assert put["sent"] - attach["sent"] >= 0.05
     assert abs((put["sent"] + put["budget"]) - (attach["sent"] + attach["budget"])) < 0.005
     assert attach["budget"] <= 20.0
+
+
+def test_a_worker_stuck_on_one_request_is_reported_with_its_stack(monkeypatch, caplog):
+    """A worker busy with one request past STUCK_S is logged once with its stack and
+    counted (the requests the proxy deals it meanwhile wait behind it: to its clients they
+    look lost, and nothing was slow to handle yet)."""
+    import threading
+
+    from cache_server import workers
+
+    monkeypatch.setattr(workers, "STUCK_S", 0.2)
+    server = CacheServer(ServerConfig(port=0, http_port=0, l1_size_bytes=1 << 20, max_object_bytes=1 << 12,
+                                      workers=1))
+    release = threading.Event()
+    real = server._handlers["stats"]
+
+    def stuck_stats(h, frames):
+        release.wait(60)
+        return real(h, frames)
+
+    monkeypatch.setitem(server._handlers, "stats", stuck_stats)
+    loop = threading.Thread(target=server.serve_forever, daemon=True)
+    with caplog.at_level("WARNING", logger="glm_cache_server"):
+        loop.start()
+        try:
+            with CacheClient(f"tcp://127.0.0.1:{server.port}", timeout_s=60.0, shm=False) as c:
+                asked = threading.Thread(target=c.stats, daemon=True)
+                asked.start()
+                deadline = time.monotonic() + 60
+                while not server.metrics.registry.get_sample_value("glm_cache_stuck_requests_total"):
+                    assert time.monotonic() < deadline, "the stuck worker was never reported"
+                    time.sleep(0.05)
+                release.set()
+                asked.join(60)
+        finally:
+            release.set()
+            server.stop()
+            loop.join(30)
+    assert server.metrics.registry.get_sample_value("glm_cache_stuck_requests_total") == 1
+    (line,) = [r.getMessage() for r in caplog.records if "busy with one request" in r.getMessage()]
+    assert "stuck_stats" in line and "release.wait" in line
