@@ -345,7 +345,7 @@ class CacheClient:
         keeps its socket: its late reply is counted (and a lease it carries handed to
         :meth:`take_late_leases`) when it comes; on a client with shared memory the socket
         is closed, as the server may still write into its segments."""
-        now = time.monotonic()
+        now, wall = time.monotonic(), time.time()
         timeout = self.timeout_s if timeout_s is None else timeout_s
         if self._call_deadline is None and not timeout > 0:
             raise ValueError(f"timeout_s must be positive, got {timeout}")
@@ -356,7 +356,7 @@ class CacheClient:
                                          "(the call's deadline passed)")
         request_id = next(self._ids)
         op = str(header.get("op"))
-        header = {**header, "id": request_id, "sent": time.time(), "budget": round(budget, 3)}
+        header = {**header, "id": request_id, "sent": wall, "budget": round(budget, 3)}
         if self._auth_token is not None:
             header[AUTH_FIELD] = self._auth_token
         sent = False

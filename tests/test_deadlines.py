@@ -175,7 +175,7 @@ def test_every_request_of_one_call_shares_its_deadline(server, monkeypatch):
     def spy(h):
         sent.append(dict(h))
         if h.get("op") == "shm_attach":
-            time.sleep(0.05)
+            time.sleep(0.5)
         return pack(h)
 
     with CacheClient(server.url, timeout_s=30.0, shm_bytes=1 << 20) as c:
@@ -187,8 +187,8 @@ def test_every_request_of_one_call_shares_its_deadline(server, monkeypatch):
     ops = [h["op"] for h in sent]
     assert ops == ["shm_attach", "put"], ops
     attach, put = sent
-    assert put["sent"] - attach["sent"] >= 0.05
-    assert abs((put["sent"] + put["budget"]) - (attach["sent"] + attach["budget"])) < 0.005
+    assert put["sent"] - attach["sent"] >= 0.5
+    assert abs((put["sent"] + put["budget"]) - (attach["sent"] + attach["budget"])) < 0.25
     assert attach["budget"] <= 20.0
 
 
