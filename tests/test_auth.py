@@ -41,7 +41,7 @@ def server():
 def good(server):
     """An authorised client on a store holding one object and one negotiated namespace
     whose engine declared its groups (so /metrics has per-namespace series for it)."""
-    with CacheClient(server.url, timeout_s=5.0, auth_token=TOKEN) as c:
+    with CacheClient(server.url, timeout_s=60.0, auth_token=TOKEN) as c:
         c.clear()
         c.hello(NS, 16, attn_groups=[0], state_groups=[1])
         assert c.put(NS, [(KEY, 0, 0, b"payload")], parent=[None]) == ["stored"]
@@ -53,7 +53,7 @@ def http(url: str, method: str = "GET", token: str | None = None) -> tuple[int, 
     if token is not None:
         req.add_header("Authorization", f"Bearer {token}")
     try:
-        with urllib.request.urlopen(req, timeout=5) as r:
+        with urllib.request.urlopen(req, timeout=60) as r:
             return r.status, dict(r.headers), r.read()
     except urllib.error.HTTPError as e:
         return e.code, dict(e.headers), e.read()
@@ -141,7 +141,7 @@ def assert_unchanged(good: CacheClient, before: dict) -> None:
     assert good.corrupt_objects == 0
 
 
-def wait_for(value, expected, timeout_s: float = 5.0) -> float:
+def wait_for(value, expected, timeout_s: float = 60.0) -> float:
     """``value()`` once it reaches ``expected`` (the ZAP thread counts asynchronously)."""
     deadline = time.monotonic() + timeout_s
     while (got := value()) < expected and time.monotonic() < deadline:
@@ -157,7 +157,7 @@ def test_every_op_without_the_token_is_refused_at_connection_and_changes_nothing
     before_refused, before_token = unauthorized_count(server), refused_connections(server, "token")
     before_mechanism = refused_connections(server, "mechanism")
     before = good.stats()
-    with CacheClient(server.url, timeout_s=5.0, auth_token=token) as bad:
+    with CacheClient(server.url, timeout_s=60.0, auth_token=token) as bad:
         results = every_op(bad)
     for op, r in results.items():
         assert isinstance(r, CacheServerError) and r.code == "unauthorized" and "at connection" in r.message, (op, r)
@@ -278,6 +278,31 @@ def _peak_rss_kb(pid: int) -> int:
         return int(next(line for line in f if line.startswith("VmHWM:")).split()[1])
 
 
+def _settled_peak_rss_kb(pid: int, timeout_s: float = 60.0) -> int:
+    """The peak RSS once the started server's allocations have settled (the same in three
+    reads 0.1 s apart)."""
+    deadline = time.monotonic() + timeout_s
+    seen = [_peak_rss_kb(pid)]
+    while len(seen) < 3 or len(set(seen[-3:])) > 1:
+        assert time.monotonic() < deadline, f"the server's peak RSS still grew after {timeout_s}s: {seen[-3:]} kB"
+        time.sleep(0.1)
+        seen.append(_peak_rss_kb(pid))
+    return seen[-1]
+
+
+HANDSHAKE_OUTCOMES = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+                      | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+                      | zmq.EVENT_DISCONNECTED)
+
+
+def _first_handshake_outcome(monitor: zmq.Socket, timeout_s: float = 60.0) -> int:
+    """The first handshake outcome (or disconnection) a socket's monitor reports."""
+    from zmq.utils.monitor import parse_monitor_message
+
+    assert monitor.poll(int(timeout_s * 1000)), f"no handshake outcome within {timeout_s}s"
+    return parse_monitor_message(monitor.recv_multipart())["event"]
+
+
 @pytest.mark.parametrize("password", [None, "wrong-token-of-the-same-size-0000"], ids=["no-token", "wrong-token"])
 def test_a_peer_without_the_token_cannot_make_the_server_buffer(password):
     """libzmq's MAXMSGSIZE bounds a frame, not a message: a peer may send 80 frames of
@@ -285,11 +310,10 @@ def test_a_peer_without_the_token_cannot_make_the_server_buffer(password):
     server never reads them: its peak RSS stays flat. With the token, the same message is read
     and answered too_large (what the per-request checks cost an authenticated peer)."""
     with ServerProcess("--max-message-mb", "2", "--max-object-size-mb", "1", auth_token=TOKEN) as s:
-        CacheClient(s.url, timeout_s=5.0, auth_token=TOKEN).ping()  # the server's threads are up
-        time.sleep(0.5)
-        before = _peak_rss_kb(s.proc.pid)
+        CacheClient(s.url, timeout_s=60.0, auth_token=TOKEN).ping()  # the server's threads are up
+        before = _settled_peak_rss_kb(s.proc.pid)
         ctx = zmq.Context()
-        socks = []
+        socks, monitors = [], []
         frame = os.urandom(3 << 19)  # 1.5 MiB
         for _ in range(2):
             sock = ctx.socket(zmq.DEALER)
@@ -297,6 +321,7 @@ def test_a_peer_without_the_token_cannot_make_the_server_buffer(password):
             sock.setsockopt(zmq.SNDHWM, 0)
             if password is not None:
                 sock.plain_username, sock.plain_password = PLAIN_USERNAME, password.encode()
+            monitors.append(sock.get_monitor_socket(HANDSHAKE_OUTCOMES))
             sock.connect(s.url)
             try:  # queued for the connection; once the handshake was refused there is none to queue for
                 sock.send_multipart([msgpack.packb({"op": "ping", "id": 1}), *[frame] * 80], copy=False,
@@ -304,13 +329,18 @@ def test_a_peer_without_the_token_cannot_make_the_server_buffer(password):
             except zmq.Again:
                 pass
             socks.append(sock)
-        time.sleep(2.0)  # libzmq retries the handshake every 100 ms meanwhile
+        # each socket's handshake refused (libzmq retries it every 100 ms meanwhile): the
+        # server never took a connection to read the message from
+        outcomes = [_first_handshake_outcome(m) for m in monitors]
         grown_mb = (_peak_rss_kb(s.proc.pid) - before) / 1024
-        for sock in socks:
+        for sock, monitor in zip(socks, monitors):
+            sock.disable_monitor()
+            monitor.close()
             sock.close()
+        assert zmq.EVENT_HANDSHAKE_SUCCEEDED not in outcomes, outcomes
         ctx.term()
         assert grown_mb < 8, f"the server buffered {grown_mb:.0f} MB for a peer without the token"
-        with CacheClient(s.url, timeout_s=5.0, auth_token=TOKEN) as c:
+        with CacheClient(s.url, timeout_s=60.0, auth_token=TOKEN) as c:
             c.ping()  # still serving
             with pytest.raises(CacheServerError) as e:
                 c.request({"op": "ping"}, [frame] * 2)
@@ -319,7 +349,7 @@ def test_a_peer_without_the_token_cannot_make_the_server_buffer(password):
 
 def test_start_up_log_says_auth_is_on_and_never_shows_the_token(server, good):
     with pytest.raises(CacheServerError):
-        CacheClient(server.url, timeout_s=5.0, auth_token="nope-nope-nope-nope").ping()
+        CacheClient(server.url, timeout_s=60.0, auth_token="nope-nope-nope-nope").ping()
     log = server.log()
     assert "auth on" in log and "refused" in log
     assert TOKEN not in log
@@ -330,14 +360,14 @@ def test_token_file_whitespace_is_stripped(tmp_path):
     path.write_text(f"\n  {TOKEN}\t\n\n")
     path.chmod(0o600)
     with ServerProcess("--auth-token-file", str(path)) as s:
-        with CacheClient(s.url, timeout_s=5.0, auth_token=TOKEN) as c:
+        with CacheClient(s.url, timeout_s=60.0, auth_token=TOKEN) as c:
             c.ping()
         with pytest.raises(CacheServerError):
-            CacheClient(s.url, timeout_s=5.0, auth_token=f"  {TOKEN}").ping()
+            CacheClient(s.url, timeout_s=60.0, auth_token=f"  {TOKEN}").ping()
 
 
 def test_server_without_a_token_ignores_the_clients_token():
-    with ServerProcess() as s, CacheClient(s.url, timeout_s=5.0, auth_token=TOKEN) as c:
+    with ServerProcess() as s, CacheClient(s.url, timeout_s=60.0, auth_token=TOKEN) as c:
         assert c.put(NS, [(KEY, 0, 0, b"x")]) == ["stored"]
         assert http(s.http_url + "/status")[0] == 200  # loopback without a token: open
         assert "auth off: bound to loopback only" in s.log()
@@ -377,7 +407,7 @@ def test_missing_token_file_and_contradictory_flags_exit_2(tmp_path):
 
 def test_insecure_no_auth_binds_all_interfaces_with_a_warning():
     with ServerProcess("--host", "0.0.0.0", "--insecure-no-auth") as s:  # traffic on 127.0.0.1 only
-        with CacheClient(s.url, timeout_s=5.0) as c:
+        with CacheClient(s.url, timeout_s=60.0) as c:
             c.ping()
         assert "auth OFF on 0.0.0.0 (--insecure-no-auth)" in s.log()
 
@@ -385,9 +415,9 @@ def test_insecure_no_auth_binds_all_interfaces_with_a_warning():
 def test_all_interfaces_with_a_token_requires_it():
     with ServerProcess("--host", "0.0.0.0", auth_token=TOKEN) as s:
         with pytest.raises(CacheServerError) as e:
-            CacheClient(s.url, timeout_s=5.0).ping()
+            CacheClient(s.url, timeout_s=60.0).ping()
         assert e.value.code == "unauthorized"
-        with CacheClient(s.url, timeout_s=5.0, auth_token=TOKEN) as c:
+        with CacheClient(s.url, timeout_s=60.0, auth_token=TOKEN) as c:
             assert c.hello(NS, 16)["v"] == PROTOCOL_VERSION
 
 
