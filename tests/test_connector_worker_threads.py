@@ -54,15 +54,15 @@ _CHILD = textwrap.dedent("""
     from tests.test_connector_worker_stream import ATTN, NB, NS, _hash, _worker
     from connector.metadata import GlmConnectorMetadata, ObjectMove
     from cache_server.client import CacheClient
-    w, buf = _worker(sys.argv[1], transfer_cpus=json.loads(sys.argv[3]))
+    w, buf = _worker(sys.argv[1], transfer_cpus=json.loads(sys.argv[3]))  # that module's generous timeout_s
     buf.copy_(torch.randint(-100, 100, buf.shape, dtype=torch.int8))
     w.wait_for_save(GlmConnectorMetadata(namespace=NS, saves=[ObjectMove(_hash(7), ATTN, [0, 1], parent=None)]))
-    assert w.wait_for_pending_saves()
+    assert w.wait_for_pending_saves(timeout_s=120), "the save did not complete within 120 s"
     threads = {}
     for tid in os.listdir("/proc/self/task"):
         with open(f"/proc/self/task/{tid}/comm") as f:
             threads.setdefault(f.read().strip(), []).append(sorted(os.sched_getaffinity(int(tid))))
-    with CacheClient(sys.argv[1]) as cli:
+    with CacheClient(sys.argv[1], timeout_s=60) as cli:
         stored = bytes(cli.get(NS, [(_hash(7), ATTN, 0)])[0])
     expected = bytes(w._pages.read(ATTN, [0, 1]))
     print(json.dumps({"threads": threads, "main": sorted(os.sched_getaffinity(0)),
@@ -83,7 +83,7 @@ def test_a_pinned_worker_saves_from_the_other_cores(setting):
                       "explicit": ((allowed[-1],), [allowed[-1]])}[setting]
     with ServerProcess("--separate-object-groups", "--chunk-size", "32", "--l1-size-gb", "0.05") as srv:
         out = subprocess.run([sys.executable, "-c", _CHILD, srv.url, str(model_cpu), json.dumps(spec)], cwd=ROOT,
-                             capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": ROOT})
+                             capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": ROOT})
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["saved"] == 1 and got["same"] is True
