@@ -241,7 +241,7 @@ def test_with_drafts_the_start_up_line_names_the_retention_flag(sides, caplog):
     import time
 
     def handshake(side):
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 60
         while not side._ready():
             assert time.monotonic() < deadline, "no handshake"
             time.sleep(0.01)

@@ -128,7 +128,7 @@ def test_announced_as_deep_as_the_server_resumes_and_no_deeper(client):
     got = _drain(events, lambda g: len(g) >= 1)
     assert [e.block_hashes for e in got] == [[_int(h) for h in req.block_hashes[2:4]]]
     assert got[0].parent_block_hash == _int(req.block_hashes[1]) and got[0].token_ids == tokens[2 * C:4 * C]
-    deadline = time.monotonic() + 2
+    deadline = time.monotonic() + 60
     while events.pending() and time.monotonic() < deadline:  # the engine may go idle now
         events.take()
     assert not events.pending()
@@ -209,7 +209,7 @@ def test_a_server_away_does_not_keep_an_idle_engine_stepping(client):
     tokens = list(range(900, 900 + 2 * C + 1))
     events.saved(_request(tokens), chunk_hashes(tokens, C), 2, NS)
     assert events.pending()
-    deadline = time.monotonic() + 3.0
+    deadline = time.monotonic() + 60.0
     got = []
     while events.pending() and time.monotonic() < deadline:
         got += events.take()
@@ -231,9 +231,9 @@ def test_one_step_after_a_clear_rechecks_every_chain(client):
         events.found(requests[-1], keys, 2, NS)
     assert sum(len(e.block_hashes) for e in events.take()) == 2 * n
     client.clear(NS)
-    time.sleep(ev.RECHECK_S + 0.05)
+    time.sleep(ev.RECHECK_S + 0.05)  # a minimum time: every chain's recheck is due
     got = events.take()  # the one step of a request
-    deadline = time.monotonic() + 5.0
+    deadline = time.monotonic() + 60.0
     while events.pending() and time.monotonic() < deadline:  # idle steps vLLM takes
         got += events.take()
     removed = sorted(h for e in got if type(e).__name__ == "BlockRemoved" for h in e.block_hashes)
