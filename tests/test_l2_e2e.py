@@ -9,6 +9,7 @@ after it starts (empty L1) can only come from L2. One engine for the module.
 from __future__ import annotations
 
 import random
+import re
 import time
 import uuid
 
@@ -42,15 +43,41 @@ def _run(llm, prompt, salt, max_tokens=16):
 
 
 def _host(cluster, *extra: str, query: str = "") -> ServerProcess:
-    srv = ServerProcess("--separate-object-groups", "--chunk-size", str(C), *l2_args(cluster.url + query), *extra,
-                        port=PORT, http_port=HTTP_PORT).start()
-    time.sleep(0.5)  # the engine's socket reconnects to the new process
-    return srv
+    # The engine's sockets reconnect to the new process by themselves (ZMQ); its requests
+    # wait for that within the connector's timeout_s (TIMEOUT_S), so nothing is slept here.
+    return ServerProcess("--separate-object-groups", "--chunk-size", str(C), *l2_args(cluster.url + query), *extra,
+                         port=PORT, http_port=HTTP_PORT).start()
 
 
 def _stats(srv: ServerProcess) -> dict:
-    with CacheClient(srv.url, timeout_s=5) as c:
+    with CacheClient(srv.url, timeout_s=60) as c:
         return c.stats()
+
+
+def _settled(srv: ServerProcess, puts: int = 1, evictions: int = 0, timeout_s: float = 60.0) -> dict:
+    """The server's stats once the engine's saves have landed: at least ``puts`` objects
+    stored and ``evictions`` evicted, and neither count moving across three reads 0.2 s
+    apart (the connector saves from a background thread, after vLLM has answered)."""
+    deadline = time.monotonic() + timeout_s
+    seen = [_stats(srv)]
+    while True:
+        last = [(s["puts_stored"], s["evictions"]) for s in seen[-3:]]
+        if len(last) == 3 and len(set(last)) == 1 and last[0][0] >= puts and last[0][1] >= evictions:
+            return seen[-1]
+        assert time.monotonic() < deadline, (
+            f"the engine's saves did not settle at >= {puts} stored, >= {evictions} evicted within {timeout_s}s: {last}")
+        time.sleep(0.2)
+        seen.append(_stats(srv))
+
+
+def _saved_through(srv: ServerProcess, puts: int) -> dict:
+    """Once the engine's saves of a prompt have landed on ``srv`` (a fresh server: every
+    object it stored is queued for L2) and its L2 writer has written them all."""
+    return wait_written(lambda: _stats(srv), _settled(srv, puts)["puts_stored"])
+
+
+TIMEOUT_S = 30.0  # the connector's timeout_s: generous, as these tests check hits (and a miss the
+# server answers), not the connector's deadline
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +91,7 @@ def cluster():
 def llm(tmp_path_factory, cluster):
     model = make_tiny_qwen3_next(tmp_path_factory.mktemp("tiny_qwen3_next"))
     first = _host(cluster)  # the connector says hello at start-up
-    engine = connector_engine(model, f"tcp://127.0.0.1:{PORT}", connector={"timeout_s": 3.0, "retry_after_s": 1.0},
+    engine = connector_engine(model, f"tcp://127.0.0.1:{PORT}", connector={"timeout_s": TIMEOUT_S, "retry_after_s": 1.0},
                               seed=0, block_size=BLOCK_SIZE)
     first.stop()
     yield engine
@@ -83,8 +110,7 @@ def test_resume_through_another_host_after_a_kill_and_a_restart(llm, cluster):
     a = _host(cluster)
     cold = _run(llm, prompt, salt)
     assert cold[2] == 0
-    time.sleep(1.0)  # the connector's saves leave from a background thread
-    written = wait_written(lambda: _stats(a), 1)["written_objects"]
+    written = _saved_through(a, 4)["written_objects"]
     assert written >= 4  # 3 attention chunks and at least one state
     a.kill()
 
@@ -106,8 +132,7 @@ def test_resume_through_another_host_after_a_kill_and_a_restart(llm, cluster):
         assert again[2] == hit and again[0] == cold[0]
         for k in range(3):  # other conversations push the first one out of A's L1
             _run(llm, _prompt(1000, seed=10 + k), f"{salt}-other-{k}", max_tokens=2)
-        time.sleep(1.0)
-        status = _stats(a)
+        status = _settled(a, evictions=1)  # their saves landed, and pushed objects out
         assert status["evictions"] > 0
         hits_before = status["l2"]["hits"]
         llm.reset_prefix_cache()
@@ -124,7 +149,7 @@ def _l2_round_trips(srv: ServerProcess) -> dict[str, float]:
     ``glm_cache_l2_request_seconds`` histogram counts one per answered pipeline."""
     import urllib.request
 
-    text = urllib.request.urlopen(srv.http_url + "/metrics", timeout=5).read().decode()
+    text = urllib.request.urlopen(srv.http_url + "/metrics", timeout=60).read().decode()
     out: dict[str, float] = {}
     for line in text.splitlines():
         if line.startswith("glm_cache_l2_request_seconds_count{"):
@@ -133,11 +158,25 @@ def _l2_round_trips(srv: ServerProcess) -> dict[str, float]:
     return out
 
 
+def _late_requests(srv: ServerProcess) -> float:
+    """Requests the server answered (or dropped) after their client's deadline had passed
+    (``glm_cache_late_requests_total``, all ops and outcomes)."""
+    import urllib.request
+
+    text = urllib.request.urlopen(srv.http_url + "/metrics", timeout=60).read().decode()
+    return sum(float(m[1]) for m in re.finditer(r"^glm_cache_late_requests_total\{[^}]*\} (\S+)$", text, re.M))
+
+
+PROMOTE_DELAY_S = 10.0  # the promotion's hold between EXISTS and GET: the window the nodes are killed in
+
+
 def test_store_killed_mid_promotion_computes_cold(llm, cluster):
     """Every L2 node SIGKILLed while a host promotes, between its EXISTS and its GET (a
-    debug delay holds the promotion there; the nodes are killed once the server's metrics
-    show the EXISTS answered, and the GET is then never answered): the lookup answers a
-    miss within the L2 deadline, the request computes cold, and its output equals cold.
+    debug delay holds the promotion there for PROMOTE_DELAY_S, a window much wider than
+    the killer needs; the nodes are killed once the server's metrics show the EXISTS
+    answered, and the GET is then never answered): the store's error ends the promotion
+    (no L2 timeout counted), the server answers the lookup a miss within the engine's
+    deadline (no late request), the request computes cold, and its output equals cold.
     The server's L2 round-trip histogram shows which case it was: one EXISTS answered, no
     GET answered."""
     import threading
@@ -146,21 +185,19 @@ def test_store_killed_mid_promotion_computes_cold(llm, cluster):
     salt = f"l2-fault-{uuid.uuid4().hex}"
     a = _host(cluster)
     try:
-        t0 = time.monotonic()
         cold = _run(llm, prompt, salt)
-        cold_s = time.monotonic() - t0
-        time.sleep(1.0)
-        wait_written(lambda: _stats(a), 1)
+        _saved_through(a, 4)
     finally:
         a.stop()
     llm.reset_prefix_cache()
-    b = _host(cluster, "--debug-fault-hooks", query="?timeout_s=1.0&retry_after_s=30&debug_promote_delay_s=0.8")
+    b = _host(cluster, "--debug-fault-hooks",
+              query=f"?timeout_s=60&retry_after_s=30&debug_promote_delay_s={PROMOTE_DELAY_S}")
     try:
         before = _l2_round_trips(b)
         killed: list[dict[str, float]] = []
 
         def kill_after_exists() -> None:
-            deadline = time.monotonic() + 10
+            deadline = time.monotonic() + 120
             while time.monotonic() < deadline:
                 seen = _l2_round_trips(b)
                 if seen.get("exists", 0) > before.get("exists", 0):
@@ -170,22 +207,21 @@ def test_store_killed_mid_promotion_computes_cold(llm, cluster):
                 time.sleep(0.01)
 
         killer = threading.Thread(target=kill_after_exists)
-        t0 = time.monotonic()
         killer.start()
         after = _run(llm, prompt, salt)
-        elapsed = time.monotonic() - t0
         killer.join()
         l2 = _stats(b)["l2"]
         trips = _l2_round_trips(b)
+        late = _late_requests(b)
     finally:
         b.stop()
     assert killed, "no EXISTS reached L2"
     # One EXISTS answered before the kill, no GET answered (it came after, into dead nodes).
-    assert trips.get("exists", 0) - before.get("exists", 0) == 1
-    assert trips.get("get", 0) == before.get("get", 0)
+    assert trips.get("exists", 0) - before.get("exists", 0) == 1, (before, killed, trips)
+    assert trips.get("get", 0) == before.get("get", 0), (before, killed, trips)
     assert after[2] == 0 and after[0] == cold[0] and after[1] == cold[1]
-    assert l2["hits"] == 0 and l2["misses"] >= 1 and l2["promoted_objects"] == 0
-    assert sum(l2["errors"].values()) >= 1
-    # The lookup waits for L2 at most its timeout_s (1.0 s here); the rest is the cold
-    # computation (timed on host A) and 0.5 s of slack. Measured: 1.19 s.
-    assert elapsed < 1.0 + cold_s + 0.5, (elapsed, cold_s)
+    assert l2["hits"] == 0 and l2["misses"] >= 1 and l2["promoted_objects"] == 0, l2
+    # The store's error ended the promotion, not the L2 deadline (60 s here), and the lookup
+    # was answered within the engine's own deadline (TIMEOUT_S), not given up on.
+    assert l2["timeouts"] == 0 and sum(l2["errors"].values()) >= 1, l2
+    assert late == 0, f"the server answered {late} request(s) after the engine had given up"
