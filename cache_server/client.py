@@ -218,7 +218,10 @@ class CacheClient:
             if self._auth_token is None:
                 raise CacheServerError(p.ErrorCode.UNAUTHORIZED.value,
                                        f"glm-cache-server at {self.url} wants a token at connection "
-                                       "(--auth-token-file) and this client has none")
+                                       "(--auth-token-file) and this client has none"
+                                       + ("" if refusal == "mechanism" else
+                                          f", or something in front of it (a proxy, a load balancer) closed the "
+                                          f"connection during the handshake {closed} times"))
             self._plain = not self._plain
 
     @property

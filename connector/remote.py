@@ -83,7 +83,7 @@ class ServerLink:
         self.retry_after_s = retry_after_s
         self.disabled = disabled
         self._down_until = 0.0
-        self._refused_logged = False
+        self.refusal_logged = False
         self.session: Session | None = None  # the last handshake's, while the server is not known to have failed
 
     def usable(self) -> bool:
@@ -97,13 +97,13 @@ class ServerLink:
         if unauthorized(err):
             # Like a dead server (no hits, no saves), but it will not heal by itself:
             # say so once, loudly; retries keep going in case the server is fixed.
-            log = logger.debug if self._refused_logged else logger.error
+            log = logger.debug if self.refusal_logged else logger.error
             log(
                 "glm-cache-server refused our token on %s (%s): serving without the external "
                 "cache; auth_token_file must hold the server's --auth-token-file token",
                 what, err,
             )
-            self._refused_logged = True
+            self.refusal_logged = True
         else:
             logger.warning(
                 "glm-cache-server %s failed (%s); serving cold, retrying in %.0fs",
@@ -158,6 +158,7 @@ class RemoteCache:
             raise GeometryError(f"the server's chunk size {chunk!r:.40} is not an integer")
         session = Session(self._namespace, self._geometry.with_chunk_size(chunk), hello)
         self.link.session = session
+        self.link.refusal_logged = False  # accepted: a later refusal is news again
         return session
 
     def rename(self, namespace: str | None) -> None:
