@@ -127,7 +127,8 @@ class CacheClient:
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self._sock: zmq.Socket | None = None
-        self._monitor: zmq.Socket | None = None  # the handshake events of _sock
+        self._monitor: zmq.Socket | None = None  # the handshake and disconnection events of _sock
+        self._handshake_outcome: str | None = None  # the last one the monitor reported, not yet asked for
         self._plain = auth_token is not None  # present the token at connection (flipped by a NULL server)
         self.corrupt_objects = 0  # payloads that failed their checksum (deleted on the server)
         self._unpins: list[int] = []  # read pins handed back, sent with the next get (or unpin())
@@ -151,7 +152,9 @@ class CacheClient:
                 sock.plain_password = self._auth_token.encode("utf-8")
             self._monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
                                                     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-                                                    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+                                                    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+                                                    | zmq.EVENT_DISCONNECTED)
+            self._handshake_outcome = None
             sock.connect(self.url)
             self._sock = sock
         return self._sock
@@ -162,24 +165,33 @@ class CacheClient:
         token, or it speaks NULL and we offered PLAIN), ``closed`` (the handshake ended
         without a reason: on a mechanism mismatch the side that sees it first closes, and
         the other often gets only this), or None (succeeded, or nothing happened)."""
+        self._monitor_events_locked()
+        outcome, self._handshake_outcome = self._handshake_outcome, None
+        return outcome
+
+    def _monitor_events_locked(self) -> None:
+        """Read the socket's events so far: handshake outcomes (for
+        :meth:`_handshake_refusal_locked`), and disconnections, after which the requests
+        still pending can never be answered (ZeroMQ does not resend them): they count as
+        unanswered."""
         from zmq.utils.monitor import parse_monitor_message
 
-        outcome = None
         while self._monitor is not None:
             try:
                 event = parse_monitor_message(self._monitor.recv_multipart(zmq.NOBLOCK))
             except zmq.Again:
                 break
-            if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                outcome = None
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                self._forget_pending_locked(float("inf"))
+            elif event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._handshake_outcome = None
             elif event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
-                outcome = "auth"
+                self._handshake_outcome = "auth"
             elif event["event"] == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL \
                     and event["value"] == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
-                outcome = "mechanism"
+                self._handshake_outcome = "mechanism"
             elif event["event"] in (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL):
-                outcome = "closed"
-        return outcome
+                self._handshake_outcome = "closed"
 
     def _writable_socket_locked(self, timeout: float) -> zmq.Socket:
         """The socket once its handshake with the server is done (it can send), within
@@ -295,12 +307,14 @@ class CacheClient:
 
     def counts(self, op: str) -> dict[str, int]:
         """How ``op``'s requests ended on this client: ``sent``, ``in_time``, ``late``,
-        ``unanswered`` (:data:`OUTCOMES`); those still pending are in none but ``sent``.
-        Never waits for a request in flight (then those past the horizon are counted at
-        the next call)."""
+        ``unanswered`` (:data:`OUTCOMES`); those still pending are in none but ``sent``
+        (they count as unanswered once the connection drops, or at the horizon). Never
+        waits for a request in flight (then those are counted at the next call)."""
         if self._lock.acquire(blocking=False):
             try:
                 self._forget_pending_locked(time.monotonic() - PENDING_HORIZON_S)
+                if self._pending:
+                    self._monitor_events_locked()
             finally:
                 self._lock.release()
         return {o: self.outcomes[op, o] for o in OUTCOMES}
@@ -366,6 +380,8 @@ class CacheClient:
         try:
             self._forget_pending_locked(now - PENDING_HORIZON_S)
             self._drain_late_locked()
+            if self._pending:
+                self._monitor_events_locked()
             # With IMMEDIATE set, a send finds no peer while the server is down (or the
             # handshake is not done): wait for writability so that case also ends at the deadline.
             sock = self._writable_socket_locked(budget)

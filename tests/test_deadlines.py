@@ -168,6 +168,24 @@ def test_a_closed_connection_counts_its_pending_requests_unanswered(server):
         assert c.counts("ping") == {"sent": 2, "in_time": 1, "late": 0, "unanswered": 1}
 
 
+def test_a_request_pending_on_a_dropped_connection_counts_unanswered():
+    """A request that timed out on a paused server that then dies can never be answered:
+    once the connection drops it counts as unanswered, without waiting for the horizon."""
+    from testing.server_process import ServerProcess
+
+    with ServerProcess("--separate-object-groups") as srv, CacheClient(srv.url, timeout_s=30.0, shm=False) as c:
+        c.ping()
+        os.kill(srv.proc.pid, signal.SIGSTOP)
+        with pytest.raises(CacheServerUnavailable):
+            c.ping(timeout_s=0.5)
+        srv.kill()
+        deadline = time.monotonic() + 60
+        while c.counts("ping")["unanswered"] == 0:
+            assert time.monotonic() < deadline, c.counts("ping")
+            time.sleep(0.05)
+        assert c.counts("ping") == {"sent": 2, "in_time": 1, "late": 0, "unanswered": 1}
+
+
 def test_every_request_of_one_call_shares_its_deadline(server, monkeypatch):
     """A put bigger than the client's segment is two requests (a new segment's attach, then
     the put): both are sent with the call's one deadline (``sent + budget``, the same wall

@@ -71,8 +71,10 @@ and ``vllm:glm_cache_lease_releases_failed_total`` and the server's
 replica's just before it is killed, the server's before it is killed: both restart from 0,
 so the figures add the incarnations up); absent counters print ``n/a``. *Lost* lookups are
 the unanswered ones no fault explains: unanswered outside the ``server``, ``link`` and
-``replica`` windows (which kill connections and what is in flight on them), less the
-lookups the server itself dropped as past their deadline (``outcome="dropped"``). vLLM
+``replica`` windows (which kill connections and what is in flight on them; the connector
+counts a lookup pending on a connection that drops as unanswered at once). A lookup the
+server dropped as past its deadline (``outcome="dropped"``) is answered (``expired``), so
+the engine counts it late, not unanswered. vLLM
 publishes a connector's counts after an engine step, and the connector counts a lookup it
 gave up when its deadline passes, so a window's counts may hold a lookup from just before
 it: *lost* is an estimate (with steady traffic the engines step all the time), and each
@@ -817,7 +819,7 @@ class Soak:
             dropped = sum(v for k, v in lookups["server_late"].items() if k.endswith("/dropped") and "lookup" in k)
         lost = None
         if lookups["unanswered"] is not None:
-            lost = max(0.0, lookups["unanswered"] - explained - (dropped or 0.0))
+            lost = max(0.0, lookups["unanswered"] - explained)
         kinds = {k: stats([r for r in recs if r.kind == k]) for k in MIX}
         result = {
             "command_args": {k: v for k, v in vars(self.args).items()},
@@ -879,7 +881,7 @@ def print_report(r: dict[str, Any]) -> None:
     print()
     print(f"lookups (replicas' counters, added up over restarts): sent {_f(lk['sent'])}, answered in time "
           f"{_f(lk['in_time'])}, late {_f(lk['late'])}, unanswered {_f(lk['unanswered'])} (in server/link/replica "
-          f"windows {_f(lk['explained_by_faults'])}, dropped by the server as late {_f(lk['server_dropped_late'])}), "
+          f"windows {_f(lk['explained_by_faults'])}; the server dropped {_f(lk['server_dropped_late'])} as late, counted late here), "
           f"lost {_f(lk['lost'])}; lease releases failed {_f(lk['lease_releases_failed'])}")
     print(f"server late requests (glm_cache_late_requests_total, op/outcome): "
           f"{'n/a' if lk['server_late'] is None else lk['server_late']}")
