@@ -7,12 +7,17 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+# The connector's timeout_s where a test sets none: generous (the connector's own default is
+# 2 s), as most engine tests check hits, which a loaded 2-core machine must not turn into
+# cold runs by answering a lookup or a load late. Tests of a deadline set their own.
+TIMEOUT_S = 10.0
+
 
 def connector_engine(model: str | Path, server_url: str, *, dtype: str = "bfloat16",
                      connector: dict[str, Any] | None = None, **engine_args: Any) -> Any:
     """A CPU ``vllm.LLM`` with prefix caching and the connector. ``connector`` goes into
-    ``kv_connector_extra_config`` (``timeout_s``, ``retry_after_s``, ...); other keyword
-    arguments go to ``vllm.LLM``."""
+    ``kv_connector_extra_config`` (``timeout_s``, ``retry_after_s``, ...; ``timeout_s`` is
+    :data:`TIMEOUT_S` unless given); other keyword arguments go to ``vllm.LLM``."""
     from vllm import LLM
 
     return LLM(
@@ -26,7 +31,7 @@ def connector_engine(model: str | Path, server_url: str, *, dtype: str = "bfloat
             "kv_connector": "GlmCacheConnector",
             "kv_connector_module_path": "connector",
             "kv_role": "kv_both",
-            "kv_connector_extra_config": {"server": server_url, **(connector or {})},
+            "kv_connector_extra_config": {"server": server_url, "timeout_s": TIMEOUT_S, **(connector or {})},
         },
         **engine_args,
     )
