@@ -58,9 +58,9 @@ from typing import Any
 
 import pytest
 
-from connector.events import RECHECK_S, VERIFY_DELAYS_S
+from connector.events import RECHECK_S
 from testing.server_process import ServerProcess, free_port
-from tests.engines import random_prompt
+from tests.engines import TIMEOUT_S, random_prompt
 from validation.serving import VllmServer, chat, complete, connector_config, metric_sum, post_json, scrape_metrics
 
 pytestmark = pytest.mark.engine
@@ -172,7 +172,7 @@ class Indexer:
         self._log.close()
 
 
-def _wait_equal(what: str, get: Callable[[], Any], expected: Any, timeout_s: float = 30.0) -> None:
+def _wait_equal(what: str, get: Callable[[], Any], expected: Any, timeout_s: float = 60.0) -> None:
     """Poll ``get()`` until it equals ``expected``; fails with its last value."""
     deadline = time.monotonic() + timeout_s
     last: Any = None
@@ -196,7 +196,7 @@ def _poll(check: Callable[[], Any], timeout_s: float) -> Any:
     return last
 
 
-def _wait_for(what: str, check: Callable[[], Any], timeout_s: float = 30.0) -> Any:
+def _wait_for(what: str, check: Callable[[], Any], timeout_s: float = 60.0) -> Any:
     """Poll ``check`` until it returns a truthy value; fails with its last value."""
     last = _poll(check, timeout_s)
     if not last:
@@ -226,7 +226,7 @@ def stack(tmp_path_factory):
                               "--max-num-seqs", "4", "--kv-events-config",
                               json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
                                           "endpoint": f"tcp://*:{port}", "topic": topic}),
-                              kv_transfer_config=connector_config(srv.url), max_model_len=4096,
+                              kv_transfer_config=connector_config(srv.url, timeout_s=TIMEOUT_S), max_model_len=4096,
                               env={"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"})
                    for port, topic in zip(ports, TOPICS)]
         try:
@@ -273,6 +273,12 @@ PROMPTS = {n: random_prompt(n, n) for n in (383, 385, 941)}
 CAPPED_PROMPT = random_prompt(941, 4)
 
 
+def _cpu_blocks(tap) -> set[tuple[int, ...]]:
+    """The token blocks replica 1 announced on the CPU tier."""
+    return {tuple(e.token_ids[i * C:(i + 1) * C])
+            for e in tap.of(TOPICS[0], "BlockStored", "CPU") for i in range(len(e.block_hashes))}
+
+
 def test_resumable_prefix_scored_at_cpu_after_reset(events):
     """Replica 1 computes the prompts; after its prefix cache is reset (no request since),
     the index scores each 0 on the GPU tier and its resumable prefix at the CPU tier."""
@@ -286,9 +292,14 @@ def test_resumable_prefix_scored_at_cpu_after_reset(events):
         _wait_for(f"{n}-token prompt on the GPU tier", lambda p=p, n=n: indexer.score(p, 1)[0] == C * (n // C))
         _wait_for(f"{n}-token prompt announced on the CPU tier",
                   lambda p=p: any(e.token_ids[:C] == p[:C] for e in tap.of(TOPICS[0], "BlockStored", "CPU")))
+    # every chain's verification has ended: each announced on the CPU tier as deep as it was
+    # saved (a verification that finds its depth ends; VERIFY_DELAYS_S space the tries)
+    saved = {**{n: (p, _resumable(n)) for n, p in PROMPTS.items()}, "capped": (CAPPED_PROMPT, CAPPED)}
+    for name, (p, depth) in saved.items():
+        _wait_for(f"{name} prompt announced {depth} tokens deep on the CPU tier",
+                  lambda p=p, depth=depth: all(tuple(p[k:k + C]) in _cpu_blocks(tap) for k in range(0, depth, C)))
     # the engine is idle from here on (no confirmation pending either): vLLM steps only if
     # the connector makes it after the reset (before the fix nobody did, and the clear waited)
-    time.sleep(sum(VERIFY_DELAYS_S) + 1.0)
     assert r1.reset_prefix_cache()
     expected = {n: (0, _resumable(n)) for n in PROMPTS}
     _wait_equal("GPU tier cleared and the server's chunks scored at the CPU tier",
@@ -342,6 +353,8 @@ def test_server_clear_drops_scores(events):
     BlockRemoved(medium CPU): the index scores 0 everywhere."""
     engines, srv, tap, indexer = events
     post_json(srv.http_url + "/cache/clear", {"force": True})
+    # a minimum time, not a guess: every announced chain's recheck is due RECHECK_S after its
+    # last, which the engines (idle since) made before the clear
     time.sleep(RECHECK_S)
     for e in engines:  # rechecks run while an engine steps
         complete(e.base_url, random_prompt(20, 11), max_tokens=1)
