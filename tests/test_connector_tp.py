@@ -89,24 +89,44 @@ def test_tp2_boundary_lengths_reloaded_equal_cold(llm, k):
         assert worst < 1e-4, f"length {n}: log-probs {worst} apart"
 
 
+def _new_objects(before: dict, after: dict) -> tuple[dict, list[int], dict[str, int]]:
+    """The TP 2 namespace's entry, its replicated groups, and the objects each group gained."""
+    (ns,) = [n for n, v in after["namespaces"].items() if v.get("world_size") == 2]
+    entry = after["namespaces"][ns]
+    groups = set(after["objects_by_group"]) | set(before["objects_by_group"])
+    new = {g: after["objects_by_group"].get(g, 0) - before["objects_by_group"].get(g, 0) for g in groups}
+    return entry, sorted(entry["replicated_groups"]), new
+
+
+def _landed(before: dict, after: dict) -> bool:
+    """Whether both ranks' saves of the 5-chunk prompt are on the server: 5 new objects in
+    each replicated group, and at least one per rank in every other group."""
+    if not any(v.get("world_size") == 2 for v in after["namespaces"].values()):
+        return False
+    _, replicated, new = _new_objects(before, after)
+    states = [g for g in new if int(g) not in replicated]
+    return (all(new.get(str(g), 0) == 5 for g in replicated)
+            and bool(states) and all(new[g] >= 2 and new[g] % 2 == 0 for g in states))
+
+
 def test_tp2_stores_the_replicated_latent_once_and_states_per_rank(llm, server):
     prompt = _prompt(5 * C + 10, seed=99)
     salt = "tp2-bytes"
-    client = CacheClient(server.url, timeout_s=5)
+    client = CacheClient(server.url, timeout_s=60)
     before = client.stats()
     _run(llm, prompt, salt, max_tokens=4)
-    time.sleep(1.0)  # saves leave from background threads
+    deadline = time.monotonic() + 60  # the saves leave from both ranks' background threads
     after = client.stats()
+    while not _landed(before, after) and time.monotonic() < deadline:
+        time.sleep(0.2)
+        after = client.stats()
     (ns,) = [n for n, v in after["namespaces"].items() if v.get("world_size") == 2]
-    entry = after["namespaces"][ns]
+    entry, replicated, new = _new_objects(before, after)
     names = entry["object_groups"]  # the plugin's row split: latent and indexer apart
-    replicated = sorted(entry["replicated_groups"])
     assert sorted(names[str(g)] for g in replicated) == ["indexer_cache", "mla_latent"]
     latent = next(g for g in replicated if names[str(g)] == "mla_latent")
-    groups = set(after["objects_by_group"]) | set(before["objects_by_group"])
-    new = {g: after["objects_by_group"].get(g, 0) - before["objects_by_group"].get(g, 0) for g in groups}
     states = [g for g in new if int(g) not in replicated]
-    assert all(new[str(g)] == 5 for g in replicated)  # one object per chunk, not one per rank
+    assert all(new[str(g)] == 5 for g in replicated), new  # one object per chunk, not one per rank
     assert states and all(names[g] == "kda_state" for g in states)
     assert all(new[g] >= 2 and new[g] % 2 == 0 for g in states)  # every state: one per rank
     # the keys: latent under rank 0 only, each state under ranks 0 and 1
