@@ -93,10 +93,14 @@ def _run_ids(llm, prompt, salt, max_tokens=2):
     return list(o.outputs[0].token_ids), o.num_cached_tokens or 0
 
 
-def _settled(client):
-    """Server stats once background saves stopped changing them."""
+def _settled(client, timeout_s: float = 60.0):
+    """Server stats once background saves stopped changing them (the stored bytes the same
+    across three reads 0.25 s apart), polled for at most ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
     seen = [client.stats()]
     while len(seen) < 4 or seen[-1]["stored_bytes_total"] != seen[-3]["stored_bytes_total"]:
+        assert time.monotonic() < deadline, (
+            f"the saves did not settle within {timeout_s}s: stored bytes {[s['stored_bytes_total'] for s in seen[-4:]]}")
         time.sleep(0.25)
         seen.append(client.stats())
     return seen[-1]
@@ -108,7 +112,7 @@ def test_local_hit_turn_sends_only_new_chunks(llm, server, n1, local):
     grid; turn 2 extends it and resumes from vLLM's local cache at its replay boundary:
     896 (mid-chunk: only attention could be re-sent) or 1024 (a chunk boundary: the
     state there was re-offered too)."""
-    client = CacheClient(server.url)
+    client = CacheClient(server.url, timeout_s=60)
     salt = f"turns-{n1}"
     turn1 = _prompt(n1, seed=n1)
     turn2 = turn1 + _prompt(500, seed=n1 + 1)

@@ -257,7 +257,7 @@ def _worker(url: str, model: nn.Module) -> WorkerSide:
 
 
 def _objects(url: str, namespace: str | None = None) -> int:
-    with CacheClient(url) as c:
+    with CacheClient(url, timeout_s=60) as c:
         st = c.stats()
     return st["objects"] if namespace is None else st["namespaces"].get(namespace, {}).get("objects", 0)
 
@@ -267,7 +267,7 @@ def test_a_worker_moves_nothing_planned_for_other_weights(server):
     heard yet) loads nothing (vLLM recomputes) and saves nothing, a load started before the
     change is reported failed, and the new weights' name goes back with the step's output."""
     key = b"\x07" * 32
-    with CacheClient(server.url) as c:
+    with CacheClient(server.url, timeout_s=60) as c:
         c.hello(NS, BLOCK, attn_groups=[0], state_groups=[])
         assert c.put(NS, [(key, 0, 0, bytes(range(256)) * (PAGE // 256))]) in (["stored"], ["exists"])
     model = _Model()
@@ -370,7 +370,7 @@ def test_the_scheduler_moves_to_the_namespace_its_workers_report(sides, server):
     _report(side, {0: (0, "d1")})
     assert side.namespace == "" and side.remote.session is None  # nothing is asked under the old name
     moved = _handshake(side)
-    assert moved not in ("", start) and moved in CacheClient(server.url).stats()["namespaces"]
+    assert moved not in ("", start) and moved in CacheClient(server.url, timeout_s=60).stats()["namespaces"]
     assert side._requests["under-way"].bypass is not None
     meta = _step(side)
     assert meta.weights == ("d1",) and meta.namespace == moved
@@ -477,10 +477,13 @@ def test_after_a_change_requests_resuming_from_vllms_stale_prefix_cache_are_not_
 PROMPT = random_prompt(1100, 5)  # strict prefix 4 chunks: 1024 tokens
 
 
-def _settle(url: str) -> int:
-    """The server's object count once background saves stopped changing it."""
+def _settle(url: str, timeout_s: float = 60.0) -> int:
+    """The server's object count once background saves stopped changing it (the same in
+    two reads 0.2 s apart), polled for at most ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
     seen = [_objects(url)]
     while len(seen) < 3 or seen[-1] != seen[-2]:
+        assert time.monotonic() < deadline, f"the saves did not settle within {timeout_s}s: objects {seen[-3:]}"
         time.sleep(0.2)
         seen.append(_objects(url))
     return seen[-1]
