@@ -139,6 +139,7 @@ class CacheClient:
         # requests that timed out on a socket kept open: id -> (op, monotonic time they gave up)
         self._pending: dict[int, tuple[str, float]] = {}
         self._late_leases: list[int] = []  # leases that came in late replies: the caller releases them
+        self.disconnects = 0  # times the connection to the server dropped (the socket monitor's count)
 
     def _socket(self) -> zmq.Socket:
         if self._sock is None:
@@ -182,6 +183,7 @@ class CacheClient:
             except zmq.Again:
                 break
             if event["event"] == zmq.EVENT_DISCONNECTED:
+                self.disconnects += 1
                 self._forget_pending_locked(float("inf"))
             elif event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self._handshake_outcome = None
@@ -380,19 +382,22 @@ class CacheClient:
         try:
             self._forget_pending_locked(now - PENDING_HORIZON_S)
             self._drain_late_locked()
-            if self._pending:
-                self._monitor_events_locked()
+            self._monitor_events_locked()
             # With IMMEDIATE set, a send finds no peer while the server is down (or the
             # handshake is not done): wait for writability so that case also ends at the deadline.
             sock = self._writable_socket_locked(budget)
             sock.send_multipart([p.pack_header(header), *payloads], copy=False, flags=zmq.NOBLOCK)
             sent = True
             self.outcomes[op, "sent"] += 1
+            drops = self.disconnects
             while True:
                 left = deadline - time.monotonic()
                 if left <= 0 or not sock.poll(max(1, int(left * 1000)), zmq.POLLIN):
-                    raise CacheServerUnavailable(f"glm-cache-server at {self.url} did not answer "
-                                                 f"{op!r} (request {request_id}) within {budget:.1f}s")
+                    self._monitor_events_locked()
+                    raise CacheServerUnavailable(
+                        f"glm-cache-server at {self.url} did not answer {op!r} (request {request_id}) within "
+                        f"{budget:.1f}s (" + ("the connection dropped meanwhile" if self.disconnects > drops else
+                                              "connected throughout") + ")")
                 frames = sock.recv_multipart(copy=False)
                 reply = p.unpack_header(frames[0].buffer)
                 if reply.get("id") == request_id:
