@@ -60,7 +60,7 @@ def server(tmp_path_factory):
         stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )
     base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + STARTUP_TIMEOUT_S
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S  # polled: returns once healthy
     while True:
         if proc.poll() is not None:
             pytest.fail(f"vllm serve exited with {proc.returncode}:\n{(ckpt / 'serve.log').read_text()[-4000:]}")
@@ -70,10 +70,11 @@ def server(tmp_path_factory):
                     break
         except (urllib.error.URLError, ConnectionError, TimeoutError):
             pass
-        if time.time() > deadline:
+        if time.monotonic() > deadline:
             os.killpg(proc.pid, signal.SIGKILL)
-            pytest.fail("vllm serve did not become healthy in time")
-        time.sleep(2)
+            pytest.fail(f"vllm serve did not become healthy within {STARTUP_TIMEOUT_S} s:\n"
+                        f"{(ckpt / 'serve.log').read_text()[-4000:]}")
+        time.sleep(0.5)  # between polls
     yield base, ckpt
     os.killpg(proc.pid, signal.SIGTERM)
     try:

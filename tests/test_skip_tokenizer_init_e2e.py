@@ -45,6 +45,7 @@ import pytest
 
 from cache_server.client import CacheClient
 from testing.server_process import ServerProcess
+from tests.engines import TIMEOUT_S
 from validation.serving import VllmServer, connector_config, metric_sum, post_json, scrape_metrics
 
 pytestmark = pytest.mark.engine
@@ -81,7 +82,7 @@ def engine(no_tokenizer_checkpoint):
         e = VllmServer(no_tokenizer_checkpoint, "--skip-tokenizer-init", "--limit-mm-per-prompt",
                        json.dumps({"image": 0}), "--enforce-eager", "--max-num-batched-tokens", str(C),
                        "--prefix-cache-retention-interval", str(C), "--dtype", "float32", "--max-num-seqs", "4",
-                       kv_transfer_config=connector_config(srv.url), max_model_len=4096,
+                       kv_transfer_config=connector_config(srv.url, timeout_s=TIMEOUT_S), max_model_len=4096,
                        env={"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"})
         try:
             e.start(progress=False)
