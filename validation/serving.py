@@ -18,6 +18,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -198,6 +199,16 @@ def complete(base_url: str, prompt_token_ids: list[int], max_tokens: int = 32, c
     return _stream(base_url + "/v1/completions", body, max_tokens, cache_salt, timeout_s)
 
 
+def sse_events(req: urllib.request.Request, timeout_s: float) -> Iterator[dict[str, Any]]:
+    """The JSON events of a streamed OpenAI-compatible response (its ``data:`` lines), as
+    they arrive."""
+    with urllib.request.urlopen(req, timeout=timeout_s) as r:
+        for raw in r:
+            line = raw.decode().strip()
+            if line.startswith("data:") and line != "data: [DONE]":
+                yield json.loads(line[5:])
+
+
 def _stream(url: str, body: dict[str, Any], max_tokens: int, cache_salt: str | None, timeout_s: float) -> ChatResult:
     body = {**body, "model": "model", "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
             "stream_options": {"include_usage": True}}
@@ -209,30 +220,25 @@ def _stream(url: str, body: dict[str, Any], max_tokens: int, cache_salt: str | N
     ttft = None
     text: list[str] = []
     result = ChatResult("", 0.0, 0.0, 0, 0)
-    with urllib.request.urlopen(req, timeout=timeout_s) as r:
-        for raw in r:
-            line = raw.decode().strip()
-            if not line.startswith("data:") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[5:])
-            for choice in event.get("choices", []):
-                if ttft is None:
-                    ttft = time.perf_counter() - t0
-                if "delta" in choice:  # chat
-                    text.append(choice["delta"].get("content") or "")
-                    for lp in (choice.get("logprobs") or {}).get("content") or []:
-                        result.token_logprobs.append(lp["logprob"])
-                        result.top_logprobs.append({t["token"]: t["logprob"] for t in lp.get("top_logprobs", [])})
-                else:  # completions
-                    text.append(choice.get("text") or "")
-                    result.token_ids.extend(choice.get("token_ids") or [])
-                    lps = choice.get("logprobs") or {}
-                    result.token_logprobs.extend(lps.get("token_logprobs") or [])
-                    result.top_logprobs.extend(lps.get("top_logprobs") or [])
-            if event.get("usage"):
-                usage = event["usage"]
-                result.prompt_tokens = usage["prompt_tokens"]
-                result.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    for event in sse_events(req, timeout_s):
+        for choice in event.get("choices", []):
+            if ttft is None:
+                ttft = time.perf_counter() - t0
+            if "delta" in choice:  # chat
+                text.append(choice["delta"].get("content") or "")
+                for lp in (choice.get("logprobs") or {}).get("content") or []:
+                    result.token_logprobs.append(lp["logprob"])
+                    result.top_logprobs.append({t["token"]: t["logprob"] for t in lp.get("top_logprobs", [])})
+            else:  # completions
+                text.append(choice.get("text") or "")
+                result.token_ids.extend(choice.get("token_ids") or [])
+                lps = choice.get("logprobs") or {}
+                result.token_logprobs.extend(lps.get("token_logprobs") or [])
+                result.top_logprobs.extend(lps.get("top_logprobs") or [])
+        if event.get("usage"):
+            usage = event["usage"]
+            result.prompt_tokens = usage["prompt_tokens"]
+            result.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
     result.text = "".join(text)
     result.total_s = time.perf_counter() - t0
     result.ttft_s = ttft if ttft is not None else result.total_s

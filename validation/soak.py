@@ -113,7 +113,7 @@ from testing.redis_nodes import RedisNodes
 from testing.server_process import ServerProcess, free_port
 from validation.demo import document
 from validation.image_chat import png_data_url
-from validation.serving import VllmServer, metric_sum, post_json, scrape_metrics
+from validation.serving import VllmServer, metric_sum, post_json, scrape_metrics, sse_events
 
 ROOT = Path(__file__).resolve().parents[1]
 C = 128
@@ -255,28 +255,23 @@ def send(base_url: str, p: Prompt, salt: str, max_tokens: int, params: dict[str,
     text: list[str] = []
     t0 = time.perf_counter()
     first = None
-    with urllib.request.urlopen(req, timeout=timeout_s) as r:
-        for raw in r:
-            line = raw.decode().strip()
-            if not line.startswith("data:") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[5:])
-            for choice in event.get("choices") or []:
-                if first is None:
-                    first = time.perf_counter() - t0
-                if "delta" in choice:  # chat: token strings from the log-probs
-                    text.append(choice["delta"].get("content") or "")
-                    for lp in (choice.get("logprobs") or {}).get("content") or []:
-                        out.tokens.append(lp["token"])
-                        out.margins.append(_margin([t["logprob"] for t in lp.get("top_logprobs") or []]))
-                else:
-                    text.append(choice.get("text") or "")
-                    out.tokens.extend(choice.get("token_ids") or [])
-                    for top in (choice.get("logprobs") or {}).get("top_logprobs") or []:
-                        out.margins.append(_margin(list((top or {}).values())))
-            if event.get("usage"):
-                out.prompt_tokens = event["usage"]["prompt_tokens"]
-                out.cached_tokens = (event["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    for event in sse_events(req, timeout_s):
+        for choice in event.get("choices") or []:
+            if first is None:
+                first = time.perf_counter() - t0
+            if "delta" in choice:  # chat: token strings from the log-probs
+                text.append(choice["delta"].get("content") or "")
+                for lp in (choice.get("logprobs") or {}).get("content") or []:
+                    out.tokens.append(lp["token"])
+                    out.margins.append(_margin([t["logprob"] for t in lp.get("top_logprobs") or []]))
+            else:
+                text.append(choice.get("text") or "")
+                out.tokens.extend(choice.get("token_ids") or [])
+                for top in (choice.get("logprobs") or {}).get("top_logprobs") or []:
+                    out.margins.append(_margin(list((top or {}).values())))
+        if event.get("usage"):
+            out.prompt_tokens = event["usage"]["prompt_tokens"]
+            out.cached_tokens = (event["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0
     out.text = "".join(text)
     out.ttft_s = first if first is not None else time.perf_counter() - t0
     return out
