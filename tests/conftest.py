@@ -179,6 +179,10 @@ def pytest_collection_modifyitems(config, items):
 PLUGIN_ENGINE_MODULES = frozenset({
     "tests/test_plugin_engine.py", "tests/test_plugin_mtp.py", "tests/test_plugin_parity_sweep.py",
     "tests/test_plugin_serve.py", "tests/test_plugin_tp.py", "tests/test_plugin_vision.py",
+    # and the short soak: its own server and replicas, timeout_s 30, correctness only (no
+    # deadline to miss beside another engine); last in the engine lane it added 5.5 min to a
+    # 36 min run while this worker idled
+    "tests/test_soak.py",
 })
 PLUGIN_LANE = "engines without the external cache"
 

@@ -52,7 +52,8 @@ previous fault's window ended):
   empty, the L2 kept);
 * ``l2``: one Redis node SIGKILLed, 5 s down, started again on its port (empty; the cluster
   waits for it, so every L2 key's slot is unavailable meanwhile);
-* ``link``: for ``LINK_FAULT_S`` (30 s; 15 s with ``--minutes`` under 5) the proxy delays
+* ``link``: for ``LINK_FAULT_S`` (30 s; 15 s with ``--minutes`` under 5), and on until it
+  has delayed or dropped a segment (at most 4 times as long), the proxy delays
   30% of the segments it reads, by 50-500 ms each (in order: a delayed segment holds back
   the ones behind it), and *drops* 2% of them: dropping closes the connection (both sides,
   the segment read is discarded; never bytes inside a live stream, which ZMTP could not
@@ -654,8 +655,16 @@ class Soak:
             length = LINK_FAULT_S if self.args.minutes >= 5 else LINK_FAULT_S / 2
             before = Counter(self.link.stats)
             self.link.fault(LINK_DELAY_P, LINK_DELAY_S, LINK_DROP_P)
-            time.sleep(length)  # the fault's length
+            started = time.monotonic()
+            time.sleep(length)  # the fault's length, and on until it has hit a segment (a loaded host may
+            while time.monotonic() - started < 4 * length:  # pass none for a while), at most 4 times as long
+                hit = Counter(self.link.stats)
+                hit.subtract(before)
+                if hit["delayed"] + hit["dropped"]:
+                    break
+                time.sleep(0.2)
             self.link.fault()
+            length = time.monotonic() - started
             got = Counter(self.link.stats)
             got.subtract(before)
             w.note = (f"{length:.0f} s: {got['segments']} segments, {got['delayed']} delayed "
