@@ -1,9 +1,8 @@
 """glm-cache-server: the ZMQ request loop over an :class:`ObjectStore`.
 
-The ROUTER socket faces the clients; a forwarding thread (:func:`cache_server.workers.forward`:
-frames by reference, no byte copied; libzmq's own proxy left requests waiting for the next
-message) passes requests round-robin to ``--workers`` worker threads over an inproc DEALER,
-and their replies back. Each worker
+The ROUTER socket faces the clients; a proxy thread (libzmq's, no Python on the path, no
+byte copied: inproc hands messages over by reference) passes requests round-robin to
+``--workers`` worker threads over an inproc DEALER, and their replies back. Each worker
 answers every request it gets, errors included, with exactly one reply. So one engine's
 40 MB transfer does not hold the others behind it: the byte work (ZMQ's I/O threads,
 ``--io-threads``; copies to and from shared memory; checksums on the client) runs without
@@ -44,7 +43,7 @@ from cache_server.prefix_query import PrefixQuery, chunk_key_scheme, parse_query
 from cache_server.shm import GetRegion, SegmentTable, SizedSpan, owned_copy, put_spans
 from cache_server.store import ObjectStore
 from cache_server.token_gate import TokenGate
-from cache_server.workers import Later, Reply, Waiting, Watchdog, forward, work
+from cache_server.workers import Later, Reply, Waiting, Watchdog, work
 
 logger = logging.getLogger("glm_cache_server")
 
@@ -157,15 +156,11 @@ class CacheServer:
                 self.l2.close()
 
     def _proxy(self, backend: zmq.Socket, control: zmq.Socket) -> None:
-        while True:  # a failure of the forwarding loop must not leave the workers unreachable
-            try:
-                return forward(self._sock, backend, control)
-            except zmq.ZMQError as e:
-                if e.errno == zmq.ETERM:
-                    return
-                logger.exception("request forwarding failed; going on")
-            except Exception:  # noqa: BLE001 - a bug must cost a message, never the server
-                logger.exception("request forwarding failed; going on")
+        try:
+            zmq.proxy_steerable(self._sock, backend, None, control)
+        except zmq.ZMQError as e:
+            if e.errno != zmq.ETERM:
+                logger.exception("proxy stopped")
 
     def stop(self) -> None:
         self._stop.set()

@@ -64,45 +64,6 @@ class Waiting:
         return out
 
 
-# The forwarding loop looks at its sockets at least this often, whether or not a wakeup came.
-FORWARD_POLL_MS = 100
-
-
-def forward(frontend: zmq.Socket[Any], backend: zmq.Socket[Any], control: zmq.Socket[Any]) -> None:
-    """Pass requests from the clients' ROUTER (``frontend``) to the workers' DEALER
-    (``backend``) and replies back, until ``control`` says ``TERMINATE``. Our loop, not
-    libzmq's ``zmq_proxy_steerable``: with it (libzmq 4.3.5) requests sat in the ROUTER until
-    the next message arrived: the soak logged pairs of lookups from two engines that a
-    worker took together, each exactly when its engine gave up and other traffic came (5.0 s
-    at ``timeout_s`` 5, 30.0 s at 30), with no worker busy; CI lost a fresh engine's first
-    lookup the same way. Here each pass moves every message there is, both ways, and the
-    poll (level-triggered) looks again at least every :data:`FORWARD_POLL_MS`. Frames move
-    one by one by reference: no payload byte is copied, and no message is held whole."""
-    poller = zmq.Poller()
-    for sock in (frontend, backend, control):
-        poller.register(sock, zmq.POLLIN)
-    while True:
-        ready = dict(poller.poll(FORWARD_POLL_MS))
-        if control in ready and control.recv() == b"TERMINATE":
-            return
-        while _move_one(frontend, backend) | _move_one(backend, frontend):
-            pass
-
-
-def _move_one(src: zmq.Socket[Any], dst: zmq.Socket[Any]) -> bool:
-    """One whole message from ``src`` to ``dst``, frame by frame; False when none waits."""
-    try:
-        frame = src.recv(zmq.NOBLOCK, copy=False)
-    except zmq.Again:
-        return False
-    while True:
-        more = src.getsockopt(zmq.RCVMORE)
-        dst.send(frame, zmq.SNDMORE if more else 0, copy=False)
-        if not more:
-            return True
-        frame = src.recv(copy=False)
-
-
 def receive(sock: zmq.Socket[Any], max_frames: int = p.MAX_FRAMES) -> list[zmq.Frame]:
     """One message from the proxy: the sender's identity, then the request's frames, of
     which at most one more than it may have is kept: ``max_frames``, and no more payload
