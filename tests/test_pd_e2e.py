@@ -247,6 +247,17 @@ def _prefill_log_line(prefill, request_id: str) -> str:
     return lines[0]
 
 
+def _last_record(proxy) -> dict:
+    """The proxy's record of the last request, once complete: the proxy writes ``total_ms``
+    after the last byte has gone to the client, which may read the record first (fresh-clone
+    CI, beside a busy loop: ``total_ms`` 0.0)."""
+    deadline = time.monotonic() + 60
+    while not proxy.records()[-1]["total_ms"]:
+        assert time.monotonic() < deadline, proxy.records()[-1]
+        time.sleep(0.01)
+    return proxy.records()[-1]
+
+
 @pytest.mark.parametrize("n", [3 * C + 50, 3 * C + 1, 2 * C])
 def test_pd_streams_the_single_instance_greedy_tokens(proxied, n):
     prompt = random_prompt(n, 1000 + n)
@@ -254,7 +265,7 @@ def test_pd_streams_the_single_instance_greedy_tokens(proxied, n):
     hits0 = _external_hits(proxied["decode"])
     out = complete(proxied["proxy"].url, prompt, PROXY_MAX_TOKENS, cache_salt=f"pd-{n}")
     hits1 = _external_hits(proxied["decode"])
-    record = proxied["proxy"].records()[-1]
+    record = _last_record(proxied["proxy"])
 
     assert single.cached_tokens == 0 and len(single.token_ids) == PROXY_MAX_TOKENS
     assert out.token_ids == single.token_ids, f"length {n}"
@@ -290,7 +301,7 @@ def test_pd_text_prompt_not_streamed(proxied):
     assert status == 200
     status, out = _post(proxied["proxy"].url + "/v1/completions", json.dumps({**body, "cache_salt": "text-pd"}).encode())
     assert status == 200, out
-    record = proxied["proxy"].records()[-1]
+    record = _last_record(proxied["proxy"])
     n = single["usage"]["prompt_tokens"]
     assert n > 2 * C and record["text_prompt"] and record["prompt_tokens"] == n
     assert out["choices"][0]["text"] == single["choices"][0]["text"] and out["usage"]["completion_tokens"] == PROXY_MAX_TOKENS
@@ -308,13 +319,13 @@ def test_one_token_prompt_and_engine_errors(proxied):
     # a token id outside the vocabulary: the prefill engine's own 400, and no decode request
     status, answer = _post(proxied["proxy"].url + "/v1/completions",
                            json.dumps({"model": "model", "prompt": [5, 10**6, 7], "max_tokens": 4}).encode())
-    record = proxied["proxy"].records()[-1]
+    record = _last_record(proxied["proxy"])
     assert status == 400 and re.search(r"token", json.dumps(answer), re.I)
     assert record["prefill_status"] == 400 and record["decode_status"] is None
     # ... as the last token, which only the decode instance sees: its 400
     status, answer = _post(proxied["proxy"].url + "/v1/completions",
                            json.dumps({"model": "model", "prompt": [5, 6, 10**6], "max_tokens": 4}).encode())
-    record = proxied["proxy"].records()[-1]
+    record = _last_record(proxied["proxy"])
     assert status == 400 and re.search(r"token", json.dumps(answer), re.I)
     assert record["prefill_status"] == 200 and record["decode_status"] == 400
     # a wrong model name: also the engine's answer (404), passed through
