@@ -375,7 +375,8 @@ class CacheClient:
                                          "(the call's deadline passed)")
         request_id = next(self._ids)
         op = str(header.get("op"))
-        header = {**header, "id": request_id, "sent": wall, "budget": round(budget, 3)}
+        # the server refuses a budget outside (0, MAX_BUDGET_S]: a longer wait is said as the most it takes
+        header = {**header, "id": request_id, "sent": wall, "budget": min(p.MAX_BUDGET_S, max(0.001, round(budget, 3)))}
         if self._auth_token is not None:
             header[AUTH_FIELD] = self._auth_token
         sent = False
