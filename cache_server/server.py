@@ -264,7 +264,7 @@ class CacheServer:
             if took > SLOW_REQUEST_S:
                 logger.warning("%r (request %s) took %.1f s to answer", request.op, request.id, took)
             return
-        if request.expired:
+        if request.expired and request.op in p.SKIPPED_WHEN_EXPIRED:  # releases and deletes are done anyway
             self.metrics.late.labels(op=request.op, outcome="dropped").inc()
             logger.warning("%r (request %s) dropped: its client's %.1f s deadline had passed when a worker took it "
                            "(queued %.1f s)", request.op, request.id, request.budget, request.queued)

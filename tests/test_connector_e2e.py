@@ -302,8 +302,10 @@ def test_abort_during_external_load_keeps_the_engine_healthy(llm, server):
     request is aborted, and its blocks must stay allocated (vLLM cannot reset its prefix
     cache while any block is in use). Once the server goes on, it answers the get, the
     worker writes the pages and reports, and only then are the blocks freed and the lease
-    released. An attempt whose get was answered before the stop (the load had finished)
-    establishes nothing and is not counted; two attempts must hold a load in flight."""
+    released. An attempt whose get was answered before the stop (the load had finished), or
+    aborted before the scheduler took the lookup's answer (no load began, no get: seen in CI
+    beside a busy loop), establishes nothing and is not counted; two attempts must hold a
+    load in flight."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -340,8 +342,13 @@ def test_abort_during_external_load_keeps_the_engine_healthy(llm, server):
             time.sleep(0.01)  # releases are sent from a background thread
         after = client.stats()
         assert after["active_leases"] == 0
-        assert _delta(after, before, "hit_chunks", "leases_granted", "leases_released", "get_hits") == {
-            "hit_chunks": _strict_hit(1100) // C, "leases_granted": 1, "leases_released": 1, "get_hits": n_objects}
+        delta = _delta(after, before, "hit_chunks", "leases_granted", "leases_released", "get_hits")
+        if delta["get_hits"] == 0:  # aborted before the scheduler took the lookup's answer: no load began
+            assert not held and delta == {"hit_chunks": _strict_hit(1100) // C, "leases_granted": 1,
+                                          "leases_released": 1, "get_hits": 0}
+            continue
+        assert delta == {"hit_chunks": _strict_hit(1100) // C, "leases_granted": 1, "leases_released": 1,
+                         "get_hits": n_objects}
         if held:
             in_flight.append(attempt)
         if len(in_flight) == 2:

@@ -73,12 +73,14 @@ def test_a_request_whose_client_gave_up_is_skipped_and_counted(inproc, caplog):
 
 
 def test_a_release_is_done_even_after_its_deadline(inproc):
-    """Cleanup ops are not skipped: a late release still frees its lease."""
+    """Cleanup ops are not skipped: a late release still frees its lease, and is counted
+    answered late, not dropped."""
     _put_chunk(inproc)
     lease = _ask(inproc, _lookup(id=1, sent=time.time(), budget=30.0))["lease_id"]
     reply = _ask(inproc, {"op": "release", "id": 2, "lease_id": lease, "sent": time.time() - 10, "budget": 1.0})
     assert reply["ok"] and reply["released"] is True
     assert inproc.store.snapshot()["active_leases"] == 0
+    assert _late(inproc, "release", "answered") == 1 and _late(inproc, "release", "dropped") == 0
 
 
 def test_a_lookup_answered_after_its_deadline_releases_its_lease(inproc, monkeypatch, caplog):
