@@ -44,6 +44,10 @@ Semantics, and why:
   keys as absent in L2, and a promotion under way when it arrives does not put them into L1.
   A delete costs :data:`DELETE_ITEM_BYTES` of the queue per key; one that does not fit, or
   that the writer cannot make (L2 down, an error), is counted (``dropped_deletes``).
+* **The writer's queue is bounded in bytes and in items.** A write counts its payload plus
+  :data:`WRITE_ITEM_BYTES` (its own bookkeeping) against ``queue_mb``, and at most
+  :data:`MAX_QUEUE_ITEMS` writes and deletes wait: a flood of tiny objects while Redis is
+  slow is dropped (``queue_full``) like a flood of large ones, not queued without bound.
 * Objects over ``max_value_bytes`` (Redis refuses values over 512 MB) are not written to L2
   (counted as dropped ``too_large``); the server's default largest object is 256 MiB.
 
@@ -74,6 +78,8 @@ MAX_VALUE_BYTES = 512 * (1 << 20) - 1024  # Redis' proto-max-bulk-len default is
 GET_BATCH = 4  # objects per pipelined GET: a 40 MB state object is one of these
 WRITE_BATCH_BYTES = 64 << 20
 DELETE_ITEM_BYTES = 256  # what one key of a queued delete counts against the queue's bytes
+WRITE_ITEM_BYTES = 512  # what one queued write counts beyond its payload (its tuple, key and metadata)
+MAX_QUEUE_ITEMS = 65536  # writes and deletes waiting for the writer, whatever their bytes
 
 Fetched = tuple[StoreKey, memoryview, bytes, bytes | None, bytes | None]  # key, payload, checksum, prev, parent
 
@@ -218,11 +224,12 @@ class L2Tier:
                 self.counters.dropped["too_large"] += 1
             return
         with self._lock:
-            if self._queue_bytes + nbytes > self.config.queue_bytes:
+            if self._queue_bytes + nbytes + WRITE_ITEM_BYTES > self.config.queue_bytes \
+                    or len(self._queue) >= MAX_QUEUE_ITEMS:
                 self.counters.dropped["queue_full"] += 1
                 return
             self._queue.append(("set", (key, payload, checksum, prev, parent)))
-            self._queue_bytes += nbytes
+            self._queue_bytes += nbytes + WRITE_ITEM_BYTES
             self._queue_cv.notify()
 
     def clear(self, namespace: str | None) -> None:
@@ -243,7 +250,7 @@ class L2Tier:
             for promotion in self._promotions:  # one under way must not put them back into L1
                 promotion.deleted.update(keys)
             cost = len(keys) * DELETE_ITEM_BYTES
-            if self._queue_bytes + cost > self.config.queue_bytes:
+            if self._queue_bytes + cost > self.config.queue_bytes or len(self._queue) >= MAX_QUEUE_ITEMS:
                 self.counters.dropped_deletes += len(keys)
                 return
             self._deleting.update(keys)
@@ -276,7 +283,7 @@ class L2Tier:
                     item = self._queue.popleft()
                     batch.append(item)
                     if item[0] == "set":
-                        nbytes += memoryview(item[1][1]).nbytes
+                        nbytes += memoryview(item[1][1]).nbytes + WRITE_ITEM_BYTES
                 self._writing = True
                 down = time.monotonic() < self._down_until
             try:

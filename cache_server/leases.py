@@ -39,7 +39,7 @@ class Release(str, enum.Enum):
 class Pinnable(Protocol):
     """What a lease needs of a stored object."""
 
-    nbytes: int
+    charge: int  # the bytes it counts against the budget (payload and overhead)
     kind: int  # which byte share it counts against (cache_server.eviction's kinds)
     leases: int  # active leases on it; > 0: not evictable
 
@@ -86,7 +86,7 @@ class LeaseTable:
     def grant(self, keys: list[StoreKey], owner: bytes | None) -> int | None:
         """Pin ``keys`` (all resident) for ``owner``, within the caps; the lease id, or None
         when these objects alone exceed the byte cap."""
-        if sum(self._objects[k].nbytes for k in set(keys)) > self.max_leased_bytes:
+        if sum(self._objects[k].charge for k in set(keys)) > self.max_leased_bytes:
             self._counters.leases_refused += 1
             return None
         if owner is not None and self.max_per_owner is not None:
@@ -168,6 +168,6 @@ class LeaseTable:
         self._count_pinned(obj, -1)
 
     def _count_pinned(self, obj: Pinnable, sign: int) -> None:
-        self.leased_bytes += sign * obj.nbytes
-        self.kind_leased[obj.kind] += sign * obj.nbytes
+        self.leased_bytes += sign * obj.charge
+        self.kind_leased[obj.kind] += sign * obj.charge
         self.leased_objects += sign

@@ -156,8 +156,8 @@ class LMCacheCollector(Collector):
         yield CounterMetricFamily("lmcache_mp_l1_evicted_chunks", "Objects evicted from L1" + note,
                                   value=s["evictions"])
         yield GaugeMetricFamily("lmcache_mp_l1_memory_usage_bytes", "Bytes held in L1" + note, value=s["used_bytes"])
-        yield GaugeMetricFamily("lmcache_mp_l1_usage_ratio", "L1 used / capacity" + note,
-                                value=s["used_bytes"] / s["capacity_bytes"])
+        yield GaugeMetricFamily("lmcache_mp_l1_usage_ratio", "L1 charged / capacity (payloads and per-object overhead)" + note,
+                                value=s["charged_bytes"] / s["capacity_bytes"])
         tier = self._l2()
         if tier is None:
             return

@@ -64,9 +64,11 @@ class _StoreCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         s = self._store.snapshot()
         yield GaugeMetricFamily(f"{PREFIX}_capacity_bytes", "Byte budget (--l1-size-gb)", value=s["capacity_bytes"])
-        yield GaugeMetricFamily(f"{PREFIX}_used_bytes", "Bytes held by objects", value=s["used_bytes"])
-        yield GaugeMetricFamily(f"{PREFIX}_usage_ratio", "used / capacity",
-                                value=s["used_bytes"] / s["capacity_bytes"])
+        yield GaugeMetricFamily(f"{PREFIX}_used_bytes", "Bytes held by objects (their payloads)", value=s["used_bytes"])
+        yield GaugeMetricFamily(f"{PREFIX}_charged_bytes", "Bytes charged against the budget: payloads plus "
+                                f"{s['object_overhead_bytes']} bytes per object for its index", value=s["charged_bytes"])
+        yield GaugeMetricFamily(f"{PREFIX}_usage_ratio", "charged / capacity (what eviction keeps at most 1)",
+                                value=s["charged_bytes"] / s["capacity_bytes"])
         objects = GaugeMetricFamily(f"{PREFIX}_objects", "Resident objects per object group", labels=["group"])
         for group, n in s["objects_by_group"].items():
             objects.add_metric([group], n)
@@ -243,9 +245,9 @@ class _LMCacheLabelled(Collector):
         ratio = GaugeMetricFamily(
             "lmcache_mp_l1_usage_ratio", f"L1 usage as LMCache reports it: LMCache evicts at its trigger "
             f"watermark ({LMCACHE_EVICTION_WATERMARK} of its pool), this server when its budget is full, so this is "
-            f"{LMCACHE_EVICTION_WATERMARK} x used / budget (glm_cache_usage_ratio is used / budget)" + note,
+            f"{LMCACHE_EVICTION_WATERMARK} x charged / budget (glm_cache_usage_ratio is charged / budget)" + note,
             labels=["l1_tag", "backend"])
-        ratio.add_metric(tier, LMCACHE_EVICTION_WATERMARK * s["used_bytes"] / s["capacity_bytes"])
+        ratio.add_metric(tier, LMCACHE_EVICTION_WATERMARK * s["charged_bytes"] / s["capacity_bytes"])
         yield ratio
         for family in self._l2_families.collect():
             if family.name.startswith("lmcache_mp_l2_"):

@@ -41,7 +41,7 @@ from cache_server.metrics import ServerMetrics
 from cache_server.namespaces import NamespaceTable
 from cache_server.prefix_query import PrefixQuery, chunk_key_scheme, parse_query
 from cache_server.shm import GetRegion, SegmentTable, SizedSpan, owned_copy, put_spans
-from cache_server.store import ObjectStore
+from cache_server.store import OBJECT_OVERHEAD_BYTES, ObjectStore
 from cache_server.token_gate import TokenGate
 from cache_server.workers import Later, Reply, Waiting, Watchdog, work
 
@@ -62,7 +62,8 @@ class CacheServer:
         self.store = ObjectStore(config.l1_size_bytes, config.max_object_bytes, config.lease_ttl_s,
                                  max_leased_bytes=max(1, int(config.l1_size_bytes * config.max_leased_fraction)),
                                  max_leases_per_owner=config.max_leases_per_client,
-                                 eviction=config.eviction_policy.lower(), state_share=config.l1_state_share)
+                                 eviction=config.eviction_policy.lower(), state_share=config.l1_state_share,
+                                 object_overhead_bytes=OBJECT_OVERHEAD_BYTES)
         self.metrics = ServerMetrics(self.store, (config.auth_token or "").encode())
         self.l2 = _make_l2(config, self.metrics)  # None without --l2
         self.namespaces = NamespaceTable(self.store, self.metrics, config.max_namespaces)

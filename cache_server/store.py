@@ -54,10 +54,18 @@ __all__ = ["ObjectStore", "StoreCounters"]
 Payload = bytes | memoryview
 
 
+OBJECT_OVERHEAD_BYTES = 2048
+"""What the server charges each object against ``--l1-size-gb`` beyond its payload: its index
+entry, key, eviction-heap item, chunk-tree node and counters. Measured: 1.03 KB of Python
+objects per 1-byte object in a declared namespace (``tracemalloc``), about 1.5 KB of RSS; 2 KB
+keeps a flood of tiny objects within the budget (``validation/bench_object_overhead.py``)."""
+
+
 @dataclass(slots=True)
 class _Entry:
     payload: Payload
     nbytes: int
+    charge: int  # what it counts against the budget: nbytes plus the store's per-object overhead
     tick: int  # last use; breaks priority ties (LRU)
     kind: int = OTHER  # STATE: counts against the state share
     base: float = 0.0  # the eviction queues' L (inflation) at last use
@@ -107,15 +115,22 @@ class ObjectStore:
     Thread-safe: the ZMQ loop mutates it while the HTTP thread reads stats.
     ``max_leased_bytes`` (default: the whole capacity, i.e. no cap beyond it) bounds the
     bytes pinned by leases; ``max_leases_per_owner`` (default: none) the leases one owner
-    holds.
+    holds. Each object is charged its payload plus ``object_overhead_bytes`` (the server
+    passes :data:`OBJECT_OVERHEAD_BYTES`) against the capacity, its kind's share and the
+    leased-bytes cap: tiny objects fill the budget too, and are evicted like any other.
+    ``used_bytes`` stays the payloads' sum; ``charged_bytes`` is what the budget holds.
     """
 
     def __init__(self, capacity_bytes: int, max_object_bytes: int, lease_ttl_s: float = 60.0,
                  clock: Callable[[], float] = time.monotonic, *, max_leased_bytes: int | None = None,
                  max_leases_per_owner: int | None = None, eviction: str = "value",
-                 value_alpha: float = DEFAULT_VALUE_ALPHA, state_share: float | None = None) -> None:
+                 value_alpha: float = DEFAULT_VALUE_ALPHA, state_share: float | None = None,
+                 object_overhead_bytes: int = 0) -> None:
         if capacity_bytes <= 0 or max_object_bytes <= 0 or lease_ttl_s <= 0:
             raise ValueError("capacity, maximum object size and lease TTL must be positive")
+        if not 0 <= object_overhead_bytes < capacity_bytes:
+            raise ValueError("object_overhead_bytes must be >= 0 and below the capacity")
+        self.object_overhead_bytes = object_overhead_bytes
         if (max_leased_bytes is not None and max_leased_bytes <= 0) or \
                 (max_leases_per_owner is not None and max_leases_per_owner <= 0):
             raise ValueError("lease caps must be positive")
@@ -129,7 +144,7 @@ class ObjectStore:
         # Byte caps per kind (other, state); None: one budget for both.
         self._kind_caps: tuple[int, int] | None = None if state_share is None else (
             capacity_bytes - int(capacity_bytes * state_share), int(capacity_bytes * state_share))
-        self._kind_bytes = [0, 0]
+        self._kind_bytes = [0, 0]  # charged, per kind
         self.capacity_bytes = capacity_bytes
         self.max_object_bytes = max_object_bytes
         self.lease_ttl_s = lease_ttl_s
@@ -140,7 +155,8 @@ class ObjectStore:
         self._eviction = EvictionQueues()  # unleased objects by kind and class, lazy deletion
         self._trees: dict[str, ChunkTree] = {}  # namespaces with a declared layout
         self._tick = 0
-        self._used_bytes = 0
+        self._used_bytes = 0  # payloads
+        self._charged_bytes = 0  # payloads plus each object's overhead: what the capacity bounds
         self._superseded_objects = 0
         self._bytes_by_group: dict[int, int] = defaultdict(int)
         self._objects_by_group: dict[int, int] = defaultdict(int)
@@ -176,7 +192,8 @@ class ObjectStore:
         leftovers of that very prefix: the first candidates, were they not kept)."""
         key = StoreKey._make(key)  # read by field name below (callers may pass a plain tuple)
         nbytes = memoryview(payload).nbytes
-        if nbytes > self.max_object_bytes or nbytes > self.capacity_bytes:
+        charge = nbytes + self.object_overhead_bytes
+        if nbytes > self.max_object_bytes or charge > self.capacity_bytes:
             return PutResult.TOO_LARGE
         with self._lock:
             self._leases.expire()
@@ -187,31 +204,32 @@ class ObjectStore:
                 return PutResult.EXISTS
             kind = self._kind_of(key)
             if self._kind_caps is None:  # one budget: any unleased object may go
-                need = self._used_bytes + nbytes - self.capacity_bytes
-                evictable = self._used_bytes - self._leases.leased_bytes
+                need = self._charged_bytes + charge - self.capacity_bytes
+                evictable = self._charged_bytes - self._leases.leased_bytes
                 victims_of: int | None = None
             else:  # its own share only
-                need = self._kind_bytes[kind] + nbytes - self._kind_caps[kind]
+                need = self._kind_bytes[kind] + charge - self._kind_caps[kind]
                 evictable = self._kind_bytes[kind] - self._leases.kind_leased[kind]
                 victims_of = kind
             kept = [e for e in map(self._objects.get, keep)
                     if e is not None and not e.leases and victims_of in (None, e.kind)]
-            if need > evictable - sum(e.nbytes for e in kept):  # even every unleased object is too little
+            if need > evictable - sum(e.charge for e in kept):  # even every unleased object is too little
                 self.counters.puts_no_space += 1
                 return PutResult.NO_SPACE
             passed_over: list[StoreKey] = []
             while need > 0:
-                freed = self._remove_locked(self._pop_victim_locked(victims_of, keep, passed_over), evicted=True)
-                need -= freed
-                self.counters.evicted_bytes += freed
+                victim = self._remove_locked(self._pop_victim_locked(victims_of, keep, passed_over), evicted=True)
+                need -= victim.charge
+                self.counters.evicted_bytes += victim.nbytes
                 self.counters.evictions += 1
             for k in passed_over:  # back in line: popping them off the heap was not evicting them
                 self._queue_locked(k, self._objects[k])
             self._tick += 1
-            entry = _Entry(payload, nbytes, self._tick, kind, self._eviction.inflation, checksum=checksum)
+            entry = _Entry(payload, nbytes, charge, self._tick, kind, self._eviction.inflation, checksum=checksum)
             self._objects[key] = entry
             self._used_bytes += nbytes
-            self._kind_bytes[kind] += nbytes
+            self._charged_bytes += charge
+            self._kind_bytes[kind] += charge
             self._bytes_by_group[key.group] += nbytes
             self._objects_by_group[key.group] += 1
             self._objects_by_namespace[key.namespace] += 1
@@ -256,11 +274,12 @@ class ObjectStore:
         return key
 
     def _density_locked(self, key: StoreKey, entry: _Entry) -> float:
-        """Value per byte of one object (0: untracked, ``eviction="lru"``, or off the tree)."""
+        """Value per byte of budget of one object (0: untracked, ``eviction="lru"``, or off the
+        tree); its charge, at least 1 (an empty object under an overhead of 0)."""
         if self.eviction != "value":
             return 0.0
         tree = self._trees.get(key.namespace)
-        return 0.0 if tree is None else tree.value_per_byte(key.chunk, key.group, entry.nbytes)
+        return 0.0 if tree is None else tree.value_per_byte(key.chunk, key.group, max(1, entry.charge))
 
     def _class_locked(self, key: StoreKey, entry: _Entry) -> int:
         tree = self._trees.get(key.namespace)
@@ -301,10 +320,11 @@ class ObjectStore:
             self._superseded_objects += 1 if entry.superseded else -1
             self._queue_locked(key, entry)  # same last use, new class
 
-    def _remove_locked(self, key: StoreKey, evicted: bool = False) -> int:
+    def _remove_locked(self, key: StoreKey, evicted: bool = False) -> _Entry:
         entry = self._objects.pop(key)
         self._used_bytes -= entry.nbytes
-        self._kind_bytes[entry.kind] -= entry.nbytes
+        self._charged_bytes -= entry.charge
+        self._kind_bytes[entry.kind] -= entry.charge
         for counts, label, amount in ((self._bytes_by_group, key.group, entry.nbytes),
                                       (self._objects_by_group, key.group, 1),
                                       (self._objects_by_namespace, key.namespace, 1),
@@ -324,7 +344,7 @@ class ObjectStore:
             prev_entry = self._objects.get(prev_key)
             if prev_entry is not None and prev_entry.next_states and key.chunk in prev_entry.next_states:
                 self._set_next_states_locked(prev_key, prev_entry, prev_entry.next_states - {key.chunk})
-        return entry.nbytes
+        return entry
 
     def delete(self, key: StoreKey) -> bool:
         """Remove one object now, leased or not (a loader found it corrupt)."""
@@ -558,6 +578,8 @@ class ObjectStore:
             return {
                 "objects": len(self._objects),
                 "used_bytes": self._used_bytes,
+                "charged_bytes": self._charged_bytes,
+                "object_overhead_bytes": self.object_overhead_bytes,
                 "capacity_bytes": self.capacity_bytes,
                 "bytes_by_group": {str(g): b for g, b in sorted(self._bytes_by_group.items()) if b},
                 "objects_by_group": {str(g): n for g, n in sorted(self._objects_by_group.items()) if n},

@@ -675,3 +675,28 @@ def test_a_delete_still_queued_or_made_during_a_promotion_is_not_promoted(cluste
     finally:
         leave_window.set()
         tier.close()
+
+
+def test_the_writers_queue_is_bounded_in_items_not_only_bytes(cluster, monkeypatch):
+    """While the store does not answer (SIGSTOPped), 5,000 one-byte writes arrive: far under
+    the queue's bytes, but over its item cap (lowered to 1,000 here, 65,536 in the server).
+    The queue stops at the cap and the rest are dropped ``queue_full``, as a flood of large
+    objects would be; each write also counts its own bookkeeping against the bytes."""
+    from cache_server import l2 as l2_module
+
+    monkeypatch.setattr(l2_module, "MAX_QUEUE_ITEMS", 1000)
+    config = L2Config.from_url(cluster.url + "?timeout_s=30", secret=L2_SECRET.encode())
+    tier = L2Tier(config)
+    try:
+        with _stopped(cluster):
+            keys = [(NS, (43 << 32 | i).to_bytes(32, "big"), ATTN, 0) for i in range(5000)]
+            for key in keys:
+                tier.write(key, b"x", p.checksum(b"x", NS, key[1:]), None)
+            snap = tier.snapshot()
+        dropped = snap["dropped"].get("queue_full", 0)
+        assert snap["queue_items"] == 1000 and dropped >= 3000
+        in_flight = 5000 - 1000 - dropped  # the batch the writer took before the store stopped answering
+        assert snap["queue_bytes"] == (1000 + in_flight) * (1 + l2_module.WRITE_ITEM_BYTES)
+        assert snap["queue_bytes"] < config.queue_bytes // 100  # the bytes alone would have queued all
+    finally:
+        tier.close(flush_s=60)

@@ -49,13 +49,14 @@ def test_eviction_policy_reaches_the_store(policy):
 
 
 def test_state_share_reaches_the_store():
-    """Three 1 MiB states with 0.5 of a 4 MiB budget for states: the third evicts the first,
-    though the store as a whole has room."""
+    """Three 1 MiB states (less a little for each object's charged overhead) with 0.5 of a
+    4 MiB budget for states: the third evicts the first, though the store as a whole has room."""
     with _server("--l1-state-share", "0.5") as server:
         c = CacheClient(server.url, timeout_s=10)
         chunk = c.hello("ns", 16, 1, attn_groups=[0], state_groups=[1])["chunk_size"]
         assert c.stats()["config"]["l1_state_share"] == 0.5
-        convs = [_conversation(c, "ns", chunk, seed, 1, 1 * MIB) for seed in (1, 2, 3)]
+        convs = [_conversation(c, "ns", chunk, seed, 1, MIB - 2 * c.stats()["object_overhead_bytes"])
+                 for seed in (1, 2, 3)]
         st = c.stats()
         assert st["evictions"] == 1 and st["used_bytes"] < 4 * MIB - MIB
         assert [c.lookup("ns", hs, [0], [1], lease=False)[0] for hs in convs] == [0, 1, 1]

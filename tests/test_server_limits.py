@@ -194,7 +194,7 @@ def test_a_thousand_lookups_cannot_make_every_put_no_space():
     with ServerProcess("--l1-size-gb", "0.001", "--max-object-size-mb", "0.5",
                        "--max-leases-per-client", "100000") as s, CacheClient(s.url, timeout_s=5.0) as c:
         capacity = c.stats()["capacity_bytes"]
-        n = capacity // obj
+        n = capacity // (obj + c.stats()["object_overhead_bytes"])  # each object is charged its index too
         for i in range(n):
             assert c.put(NS, [(h(i), 0, 0, b"a" * obj)]) == ["stored"]
         leases = [c.lookup(NS, [h(i % n)], [0], [])[1] for i in range(1000)]

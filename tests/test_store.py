@@ -37,6 +37,42 @@ def test_byte_accounting_is_exact_per_group():
     assert s.snapshot()["used_bytes"] == 0
 
 
+def test_each_object_is_charged_its_overhead_so_tiny_ones_are_evicted_too():
+    """With a per-object overhead, empty and 1-byte objects fill the budget and are evicted
+    like any other (uncharged, 10,000 of them would all be kept in a 1 KB budget); a put
+    whose charge alone exceeds the budget is refused; the payload sum stays ``used_bytes``;
+    an empty object in a declared namespace is valued per byte of its charge (no division by
+    zero)."""
+    from cache_server.layout import Layout
+
+    s = store(capacity=1000, object_overhead_bytes=100)
+    s.set_layout(NS, Layout(frozenset({ATTN}), frozenset({STATE}), 1, frozenset(), 16))
+    prev = None
+    for i in range(10_000):
+        assert s.put((NS, h(i), ATTN, 0), bytes(i % 2), parent=prev) is PutResult.STORED
+        prev = h(i)
+    snap = s.snapshot()
+    n = snap["objects"]
+    assert 9 <= n <= 10 and snap["charged_bytes"] == n * 100 + snap["used_bytes"] <= 1000
+    assert snap["used_bytes"] <= 5 and s.counters.evictions == 10_000 - n
+    assert s.put((NS, h(-1 % 2**32), ATTN, 0), b"a" * 901) is PutResult.TOO_LARGE
+    assert store(capacity=1000).put((NS, h(1), ATTN, 0), b"") is PutResult.STORED
+
+
+def test_the_chunk_tree_is_bounded_by_the_objects_held_not_the_chunks_ever_put():
+    """A conversation of 10,000 chunks through a budget of ten objects: the tree keeps the
+    resident tail and at most one empty node above it (it had every chunk before)."""
+    from cache_server.layout import Layout
+
+    s = store(capacity=1000, object_overhead_bytes=90)
+    s.set_layout(NS, Layout(frozenset({ATTN}), frozenset({STATE}), 1, frozenset(), 16))
+    prev = None
+    for i in range(10_000):
+        assert s.put((NS, h(i), ATTN, 0), b"a" * 10, parent=prev) is PutResult.STORED
+        prev = h(i)
+    assert len(s) == 10 and len(s._trees[NS].nodes) <= 11
+
+
 def test_put_existing_key_is_skipped_not_double_counted():
     s = store()
     s.put((NS, h(1), ATTN, 0), b"x" * 100)
@@ -573,6 +609,10 @@ def test_usable_prefix_figures_match_a_brute_force_count():
                      replicated_groups=[ATTN], lease=False)
         u = s.usable_prefixes(NS)
         assert (u["resumable_tokens"], u["resumable_states"], u["states_held"]) == recount(), step
+        # the tree keeps a node only while it, or a child of it, holds an object
+        nodes = s._trees[NS].nodes
+        holding = {d for d, n in nodes.items() if n.attn or n.state}
+        assert all(d in holding or any(c in holding for c in n.child_chunks) for d, n in nodes.items()), step
         # every unleased object is an eviction candidate at its current priority and class
         items = {item for by_class in s._eviction.heaps for heap in by_class for item in heap}
         for key, e in s._objects.items():
