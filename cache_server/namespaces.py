@@ -5,7 +5,9 @@ part of /status.
 A namespace is admitted by its first ``hello`` or ``put``; one only put to has no
 negotiation yet. The table is bounded so that a client cannot make the server remember
 any number of names: at the limit the least recently admitted namespace without objects
-is forgotten, and when every one holds objects the newcomer is refused.
+is forgotten, and when every one holds objects the newcomer is refused. A forgotten
+namespace is gone: its negotiation, its layout here, and the store's chunk tree (with it
+its series on /metrics).
 """
 
 from __future__ import annotations
@@ -50,13 +52,14 @@ class NamespaceTable:
                 table.move_to_end(ns)
                 return table[ns]
             if len(table) >= self._max:
-                idle = next((n for n in table if not self._store.namespace_objects(n)), None)
+                idle = next((n for n in table if self._store.forget_namespace(n)), None)
                 if idle is None:
                     self._metrics.limit_refusals.labels(limit="namespaces").inc()
                     raise p.ProtocolError(p.ErrorCode.TOO_MANY_NAMESPACES,
                                           f"{len(table)} namespaces hold objects, the maximum (--max-namespaces); "
                                           f"clear one to use {ns[:64]!r}")
                 del table[idle]
+                self._layouts.pop(idle, None)
                 logger.info("forgot namespace %r (no objects) to admit %r", idle, ns)
             table[ns] = None
             return None

@@ -553,6 +553,15 @@ class ObjectStore:
             tree = self._trees.get(namespace)
             return None if tree is None else tree.figures()
 
+    def forget_namespace(self, namespace: str) -> bool:
+        """Drop an empty namespace's declared layout and chunk tree (the namespace table
+        forgot it); False, and nothing dropped, while it holds objects."""
+        with self._lock:
+            if self._objects_by_namespace.get(namespace):
+                return False
+            self._trees.pop(namespace, None)
+            return True
+
     def tracked_namespaces(self) -> list[str]:
         """Namespaces with a declared layout (whose usable prefixes are tracked)."""
         with self._lock:

@@ -229,6 +229,23 @@ def test_namespace_cap_forgets_an_empty_namespace_else_refuses():
         assert set(c.stats()["namespaces"]) == {"a", "d"}
 
 
+def test_a_forgotten_namespace_is_gone_and_metrics_stay_small():
+    """5,000 hellos of fresh namespaces, each with a declared layout, through a table of 4:
+    what the server keeps of them (status, layouts, chunk trees and their /metrics series)
+    stays at the table's size, while a namespace holding objects is kept."""
+    with ServerProcess("--max-namespaces", "4") as s, CacheClient(s.url, timeout_s=30.0) as c:
+        c.hello("kept", 16, attn_groups=[0], state_groups=[1])
+        c.put("kept", [(h(1), 0, 0, b"x"), (h(1), 1, 0, b"s")], parent=[None, None])
+        small = len(metrics(s))
+        for i in range(5000):
+            c.hello(f"peer-{i}", 16, attn_groups=[0], state_groups=[1])
+        text = metrics(s)
+        series = [ln for ln in text.splitlines() if ln.startswith("glm_cache_resumable_tokens{")]
+        assert len(series) <= 4 and len(c.stats()["namespaces"]) == 4 and "kept" in c.stats()["namespaces"]
+        assert len(text) < small + 4 * 1024  # 5,000 namespaces' series would be megabytes
+        assert c.lookup("kept", [h(1)], [0], [1], lease=False)[0] == 1
+
+
 # --- flags -------------------------------------------------------------------------------
 
 

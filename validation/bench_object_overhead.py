@@ -11,6 +11,10 @@ over the budget. The server charges each object its payload plus
 ``cache_server.store.OBJECT_OVERHEAD_BYTES``: held objects are bounded by the budget whatever
 their size, and RSS growth stays within the budget plus a fixed overhead (Python's heap
 fragments and the interpreter's own).
+
+Then ``--namespaces`` hellos of fresh namespaces (each with a declared layout, the default
+``--max-namespaces``): the server's RSS growth and the size of ``/metrics`` before and after.
+A namespace the table forgets is gone (its layout, chunk tree and series).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from __future__ import annotations
 import argparse
 import random
 import time
+import urllib.request
 
 from cache_server.client import CacheClient
 from testing.server_process import ServerProcess
@@ -66,10 +71,28 @@ def run_mix(mix: str, objects: int, budget_gb: float) -> dict[str, float]:
             "puts/s": objects / took}
 
 
+def run_namespaces(n: int) -> dict[str, float]:
+    with ServerProcess("--separate-object-groups") as srv, CacheClient(srv.url, timeout_s=60) as c:
+        def scrape() -> int:
+            with urllib.request.urlopen(srv.http_url + "/metrics", timeout=60) as r:
+                return len(r.read())
+
+        c.hello("first", 16, attn_groups=[0], state_groups=[1])
+        time.sleep(0.5)
+        rss0, size0 = _private_rss(srv.proc.pid), scrape()
+        for i in range(n):
+            c.hello(f"peer-{i}", 16, attn_groups=[0], state_groups=[1])
+        rss1, size1 = _private_rss(srv.proc.pid), scrape()
+        held = len(c.stats()["namespaces"])
+    return {"hellos": n, "namespaces held": held, "RSS growth MiB": (rss1 - rss0) / MIB,
+            "/metrics KB before": size0 / 1000, "/metrics KB after": size1 / 1000}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--objects", type=int, default=160_000)
     ap.add_argument("--budget-gb", type=float, default=0.005)
+    ap.add_argument("--namespaces", type=int, default=50_000)
     args = ap.parse_args(argv)
     rows = [(mix, run_mix(mix, args.objects, args.budget_gb)) for mix in ("1 B", "1 KiB", "0-64 KiB")]
     cols = list(rows[0][1])
@@ -77,6 +100,10 @@ def main(argv: list[str] | None = None) -> int:
     for mix, row in rows:
         print(f"{mix:<10}" + "".join(f"{row[c]:>16.2f}" if isinstance(row[c], float) else f"{row[c]:>16}"
                                      for c in cols))
+    ns = run_namespaces(args.namespaces)
+    print()
+    print("".join(f"{c:>20}" for c in ns))
+    print("".join(f"{v:>20.2f}" if isinstance(v, float) else f"{v:>20}" for v in ns.values()))
     return 0
 
 
