@@ -51,6 +51,7 @@ import fcntl
 import mmap
 import os
 import secrets
+import stat
 import threading
 import time
 from typing import Any
@@ -450,15 +451,23 @@ def map_arena(spec: Any) -> tuple[ClientArena | None, str | None]:
     """Map the arena a server announced (the ``arena`` map of its ``shm`` answer): its
     descriptor opened read-only through ``/proc/<pid>/fd/<fd>``, checked
     (:func:`check_mapped`, then the nonce); ``(None, why)`` where any of it fails (another
-    container or user, an old server, a server without an arena)."""
+    container or user, an old server, a server without an arena). The path is trusted for
+    nothing: it is opened ``O_PATH`` and must be a regular file before it is opened to read
+    (non-blocking), so a FIFO or a device a hostile server names cannot hold the caller."""
     if not isinstance(spec, dict):
         return None, "the server offers no arena"
     pid, fd, size, nonce = (spec.get(k) for k in ("pid", "fd", "size", "nonce"))
     if not all(isinstance(x, int) and not isinstance(x, bool) for x in (pid, fd, size)) or pid < 1 or fd < 0 \
             or size <= HEAD_BYTES or not isinstance(nonce, bytes) or len(nonce) != NONCE_BYTES:
         return None, "a malformed arena announcement"
-    try:
-        ours = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+    try:  # a path first (O_PATH opens nothing: a FIFO or a device there cannot block us or wake)
+        where = os.open(f"/proc/{pid}/fd/{fd}", os.O_PATH | os.O_CLOEXEC)
+        try:
+            if not stat.S_ISREG(os.fstat(where).st_mode):
+                return None, "the server named something other than a file as its arena"
+            ours = os.open(f"/proc/self/fd/{where}", os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        finally:
+            os.close(where)
     except OSError as e:
         return None, f"cannot open the server's arena here ({e.strerror})"
     try:

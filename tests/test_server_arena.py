@@ -374,3 +374,28 @@ def test_write_verified_with_a_concurrent_hash_lands_the_bytes_and_catches_a_fli
         assert not pages.write_verified(0, [0], memoryview(bytes(bad)), prefix, good, hasher=hasher)
         assert not pages.write_verified(0, [0], memoryview(data), prefix, protocol.checksum(data, NS, _key(71)),
                                         hasher=hasher)  # another key's checksum
+
+
+def test_an_arena_named_as_a_fifo_or_a_device_is_refused_without_blocking(tmp_path):
+    """The client trusts no path a server names: a FIFO with no writer (an open to read would
+    block the engine's thread, client lock held, outside every timeout) and a character
+    device are refused as not a file, at once."""
+    import threading
+
+    from cache_server.arena import NONCE_BYTES, map_arena
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)  # ours: no writer, so a plain open to read blocks
+    device = os.open("/dev/null", os.O_RDONLY)
+    try:
+        for fd in (reader, device):
+            spec = {"pid": os.getpid(), "fd": fd, "size": MIN_ARENA_BYTES, "nonce": bytes(NONCE_BYTES)}
+            out: list = []
+            t = threading.Thread(target=lambda: out.append(map_arena(spec)), daemon=True)
+            t.start()
+            t.join(60)  # a generous bound: a hang fails, a slow machine does not
+            assert out == [(None, "the server named something other than a file as its arena")]
+    finally:
+        os.close(reader)
+        os.close(device)
