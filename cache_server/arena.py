@@ -71,8 +71,9 @@ MIN_ARENA_BYTES = 256 << 10  # smaller objects stay outside (a get of them is ch
 F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)  # Python 3.11's fcntl lacks it
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_SEAL
 
-# Read pins: bounded per client connection and in all; past a bound, objects are served by
-# copy (never refused, never an older pin dropped: a client may still be copying under it).
+# Read pins: bounded per client process (every connection of one engine together) and in
+# all; past a bound, objects are served by copy (never refused, never an older pin dropped: a
+# client may still be copying under it). A connection's pins go with its last segment.
 MAX_PIN_S = 60.0
 DEFAULT_PIN_S = 30.0
 MAX_PINS_PER_OWNER = 64
@@ -257,34 +258,40 @@ def make_arena(capacity: int) -> tuple[Arena | None, str | None]:
 
 
 class _Pin:
-    __slots__ = ("owner", "deadline", "views", "nbytes")
+    __slots__ = ("owner", "peer", "deadline", "views", "nbytes")
 
-    def __init__(self, owner: bytes | None, deadline: float, views: list[memoryview], nbytes: int) -> None:
-        self.owner, self.deadline, self.views, self.nbytes = owner, deadline, views, nbytes
+    def __init__(self, owner: bytes | None, peer: Any, deadline: float, views: list[memoryview], nbytes: int) -> None:
+        self.owner, self.peer, self.deadline, self.views, self.nbytes = owner, peer, deadline, views, nbytes
 
 
 class PinTable:
     """Read pins: each holds views of arena objects (so their ranges are not reused) for
-    one client connection until released or past its deadline. Thread-safe."""
+    one client connection until released, past its deadline, or dropped with the connection
+    (:meth:`drop_owner`). The per-client bounds count a client *process* (``peer``: every
+    connection it opened), so one engine with many connections cannot hold every pin.
+    Thread-safe."""
 
     def __init__(self, max_per_owner: int = MAX_PINS_PER_OWNER,
                  max_bytes_per_owner: int = MAX_PINNED_BYTES_PER_OWNER, max_pins: int = MAX_PINS) -> None:
         self.max_per_owner, self.max_bytes_per_owner, self.max_pins = max_per_owner, max_bytes_per_owner, max_pins
         self._lock = threading.Lock()
         self._pins: dict[int, _Pin] = {}
-        self._by_owner: dict[bytes | None, list[int]] = {}  # [pins, bytes]
+        self._by_peer: dict[Any, list[int]] = {}  # [pins, bytes] per client process (or connection)
         self.granted_total = 0
         self.released_total = 0
         self.expired_total = 0
         self.refused_total = 0  # gets served by copy: a bound was reached
         self.refused_release_total = 0  # ids unknown or another connection's
+        self.dropped_total = 0  # pins of connections that went (their last segment detached or their process exited)
 
-    def grant(self, owner: bytes | None, views: list[memoryview], pin_s: float) -> int | None:
-        """A pin on ``views`` for ``owner`` for ``pin_s`` seconds; None past a bound (the
-        caller serves those objects by copy instead)."""
+    def grant(self, owner: bytes | None, views: list[memoryview], pin_s: float, peer: Any = None) -> int | None:
+        """A pin on ``views`` for connection ``owner`` of process ``peer`` (None: the
+        connection counts alone) for ``pin_s`` seconds; None past a bound (the caller serves
+        those objects by copy instead)."""
         nbytes = sum(v.nbytes for v in views)
+        peer = ("connection", owner) if peer is None else peer
         with self._lock:
-            count, held = self._by_owner.get(owner, (0, 0))
+            count, held = self._by_peer.get(peer, (0, 0))
             if count >= self.max_per_owner or held + nbytes > self.max_bytes_per_owner \
                     or len(self._pins) >= self.max_pins:
                 self.refused_total += 1
@@ -293,8 +300,8 @@ class PinTable:
                 pin_id = secrets.randbits(64)
                 if pin_id and pin_id not in self._pins:
                     break
-            self._pins[pin_id] = _Pin(owner, time.monotonic() + pin_s, views, nbytes)
-            self._by_owner[owner] = [count + 1, held + nbytes]
+            self._pins[pin_id] = _Pin(owner, peer, time.monotonic() + pin_s, views, nbytes)
+            self._by_peer[peer] = [count + 1, held + nbytes]
             self.granted_total += 1
         return pin_id
 
@@ -312,6 +319,13 @@ class PinTable:
             self.released_total += len(dropped)
         return len(dropped)  # the views go here, outside the lock
 
+    def drop_owner(self, owner: bytes | None) -> int:
+        """Drop every pin of connection ``owner`` (it went); how many."""
+        with self._lock:
+            dropped = [self._drop_locked(i) for i in [i for i, pin in self._pins.items() if pin.owner == owner]]
+            self.dropped_total += len(dropped)
+        return len(dropped)
+
     def expire(self) -> int:
         """Drop pins past their deadline; how many."""
         now = time.monotonic()
@@ -323,24 +337,24 @@ class PinTable:
 
     def _drop_locked(self, pin_id: int) -> _Pin:
         pin = self._pins.pop(pin_id)
-        held = self._by_owner[pin.owner]
+        held = self._by_peer[pin.peer]
         held[0] -= 1
         held[1] -= pin.nbytes
         if held[0] <= 0:
-            del self._by_owner[pin.owner]
+            del self._by_peer[pin.peer]
         return pin
 
     def clear(self) -> None:
         with self._lock:
             self._pins.clear()
-            self._by_owner.clear()
+            self._by_peer.clear()
 
     def snapshot(self) -> dict[str, Any]:
         with self._lock:
             return {"pins": len(self._pins), "pinned_bytes": sum(pin.nbytes for pin in self._pins.values()),
                     "granted_total": self.granted_total, "released_total": self.released_total,
                     "expired_total": self.expired_total, "refused_total": self.refused_total,
-                    "refused_release_total": self.refused_release_total,
+                    "refused_release_total": self.refused_release_total, "dropped_total": self.dropped_total,
                     "limits": {"pins_per_client": self.max_per_owner,
                                "pinned_bytes_per_client": self.max_bytes_per_owner, "pins": self.max_pins}}
 

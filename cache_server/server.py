@@ -137,6 +137,9 @@ class CacheServer:
                 if time.monotonic() - last_shm_check > 1.0:
                     watchdog.check()
                     self.segments.expire()
+                    self.segments.reap_exited()
+                    for owner in self.segments.take_gone():  # a connection's pins go with it
+                        self.pins.drop_owner(owner)
                     self.pins.expire()
                     last_shm_check = time.monotonic()
         finally:
@@ -418,7 +421,7 @@ class CacheServer:
         if want_arena and self.arena is not None:
             spans = [self.arena.offset_of(x) for x in hits]
             pinned = [x for x, span in zip(hits, spans) if span is not None]
-            pin = self.pins.grant(self._client, pinned, pin_s) if pinned else None
+            pin = self.pins.grant(self._client, pinned, pin_s, self.segments.peer_of(self._client)) if pinned else None
             if pin is None:  # nothing there, or past a bound: by copy
                 spans = [None] * len(hits)
             reply.update(arena=[list(x) if x is not None else None for x in spans], pin=pin, pin_s=pin_s,

@@ -92,6 +92,23 @@ TMPFS_MAGIC = 0x01021994  # statfs f_type of shmem, where memfds live (hugetlbfs
 _MEMFD_LINK_RE = re.compile(r"^/memfd:glmcache-(?!arena-)[A-Za-z0-9_-]{1,80} \(deleted\)$")
 
 
+Peer = tuple[int, int]  # a client process: its pid and its start time (clock ticks after boot; pids are reused)
+
+
+def process_identity(pid: int) -> Peer | None:
+    """``(pid, start time)`` of a live process, None if there is none of that pid here."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat_line = f.read()
+    except OSError:
+        return None
+    fields = stat_line[stat_line.rfind(b")") + 2:].split()  # after "pid (comm) ": state is field 3
+    try:
+        return pid, int(fields[19])  # field 22, starttime
+    except (IndexError, ValueError):
+        return None
+
+
 def boot_id() -> str | None:
     """This host's boot id (one per kernel boot, shared by every container on the host), or
     None where it cannot be read (then no shared memory is offered or accepted)."""
@@ -224,6 +241,11 @@ class SegmentTable:
         self._segments: OrderedDict[int, _Mapped] = OrderedDict()
         # Segments and bytes per client connection and in all, those being opened included.
         self._held: dict[bytes | None, list[int]] = {}
+        # The process behind each connection with a segment (the pid its memfd was opened in,
+        # checked by the open), and connections whose last segment went since the server
+        # last asked (:meth:`take_gone`: it drops their read pins).
+        self._peers: dict[bytes | None, Peer] = {}
+        self._gone: list[bytes | None] = []
         self._opening: set[int] = set()
         self._count = 0
         self._bytes = 0
@@ -266,7 +288,36 @@ class SegmentTable:
                 return {"seg": None, "reason": opened}
             self._segments[seg_id] = _Mapped(size, owner, time.monotonic(), opened)
             self.attached_total += 1
+            peer = process_identity(spec["pid"])
+            if peer is not None:
+                self._peers[owner] = peer
         return {"seg": seg_id}
+
+    def peer_of(self, owner: bytes | None) -> Peer | None:
+        """The process behind client connection ``owner`` (None: it has no segment)."""
+        with self._lock:
+            return self._peers.get(owner)
+
+    def reap_exited(self) -> int:
+        """Drop the segments of connections whose process has exited (or whose pid is now
+        another process's): they would otherwise wait ``idle_drop_s``; returns how many."""
+        with self._lock:
+            peers = dict(self._peers)
+        exited = {owner for owner, peer in peers.items() if process_identity(peer[0]) != peer}
+        if not exited:
+            return 0
+        with self._lock:
+            dead = [s for s, m in self._segments.items() if m.owner in exited]
+            for s in dead:
+                self._drop_locked(s)
+        return len(dead)
+
+    def take_gone(self) -> list[bytes | None]:
+        """The connections whose last segment went (detached, idle, or their process exited)
+        since the last call."""
+        with self._lock:
+            gone, self._gone = self._gone, []
+        return gone
 
     def _refusal(self, spec: Any) -> str | None:
         if not self.enabled:
@@ -311,6 +362,8 @@ class SegmentTable:
         self._bytes += n * size
         if held[0] <= 0:
             del self._held[owner]
+            if self._peers.pop(owner, None) is not None:
+                self._gone.append(owner)
 
     def use(self, seg_id: int) -> _Mapped | None:
         """The mapping of ``seg_id`` (its use noted), or None if unknown or dropped."""

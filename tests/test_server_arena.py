@@ -399,3 +399,54 @@ def test_an_arena_named_as_a_fifo_or_a_device_is_refused_without_blocking(tmp_pa
     finally:
         os.close(reader)
         os.close(device)
+
+
+_PIN_HOLDER = """
+import sys, time
+from cache_server.client import CacheClient
+c = CacheClient(sys.argv[1])
+c.hello(sys.argv[2], 16)
+got = c.get_in_place(sys.argv[2], [(bytes.fromhex(sys.argv[3]), 0, 0)], pin_s=60)
+print("pinned" if got.pin else "copied", flush=True)
+time.sleep(600)
+"""
+
+
+def test_pins_are_capped_per_process_and_go_with_a_process_that_exits(server):
+    """Two connections of this process hold what pins they can: together at most the
+    per-client cap (it counts a process, not a connection), while another process still
+    gets a pin; that process killed, its pin is dropped for it (not left to expire)."""
+    import subprocess
+    import sys
+
+    from cache_server.arena import MAX_PINS_PER_OWNER
+
+    n = 40  # per connection: two connections want 80 pins, over the cap of 64
+    keys = [_key(i, tag=7) for i in range(n + 1)]
+    with CacheClient(server.url) as a, CacheClient(server.url) as b:
+        a.hello(NS, 16)
+        b.hello(NS, 16)
+        for i, key in enumerate(keys):
+            assert a.put(NS, [(*key, _payload(i, 256 << 10))]) == ["stored"]
+        before = _arena_stats(a)
+        got = [c.get_in_place(NS, [key], pin_s=60) for c in (a, b) for key in keys[:n]]
+        assert sum(bool(g.pin) for g in got) == MAX_PINS_PER_OWNER - before["pins"]
+        assert _arena_stats(a)["pins"] == MAX_PINS_PER_OWNER
+        holder = subprocess.Popen([sys.executable, "-c", _PIN_HOLDER, server.url, NS, keys[n][0].hex()],
+                                  stdout=subprocess.PIPE, text=True)
+        try:
+            assert holder.stdout.readline().strip() == "pinned"  # another process: pins left for it
+            assert _arena_stats(a)["pins"] == MAX_PINS_PER_OWNER + 1
+        finally:
+            holder.kill()
+            holder.wait(60)
+        deadline = time.monotonic() + 120  # the housekeeping loop checks its clients' processes every second
+        while (stats := _arena_stats(a))["pins"] != MAX_PINS_PER_OWNER:
+            assert time.monotonic() < deadline, f"the exited process's pin stayed: {stats}"
+            time.sleep(0.05)
+        assert stats["dropped_total"] == before["dropped_total"] + 1 and stats["expired_total"] == before["expired_total"]
+        for g in got:
+            if g.pin:
+                a.release_pin(g.pin) if g in got[:n] else b.release_pin(g.pin)
+        a.unpin()
+        b.unpin()
