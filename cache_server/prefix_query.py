@@ -49,7 +49,10 @@ answers tokens)::
   taken as the token chain. A LoRA adapter's requests are never cached (0 everywhere).
 * **Bounded and cheap.** At most :data:`~cache_server.protocol.MAX_QUERY_TOKENS` tokens or
   :data:`~cache_server.protocol.MAX_HASHES` hashes, chunks x objects per chunk at most
-  :data:`~cache_server.protocol.MAX_LOOKUP_OBJECTS`; nothing is leased, promoted or touched
+  :data:`~cache_server.protocol.MAX_QUERY_OBJECTS` over every namespace the query walks
+  (checked before any key is hashed); L1's depth is found under the store's lock, what L1
+  lacks listed outside it and only for L2; the protocol's ``query`` runs on the server's
+  query thread, never on a worker that serves engines; nothing is leased, promoted or touched
   (a router's question must not keep objects alive); L2 is asked with pipelined ``EXISTS``
   of at most :data:`MAX_L2_PROBE_KEYS` keys in at most two round trips, each within the
   tier's timeout (:meth:`PrefixQuery._with_l2`). Measured
@@ -286,7 +289,9 @@ class PrefixQuery:
         entries = {}
         memo: dict[tuple[Any, ...], list[bytes]] = {}
         refusal: p.ProtocolError | None = None
-        for ns in self.namespaces_of(q):
+        namespaces = self.namespaces_of(q)
+        self._check_size(q, namespaces)
+        for ns in namespaces:
             try:
                 entries[ns] = self._entry(ns, q, memo)
             except p.ProtocolError as e:
@@ -296,6 +301,27 @@ class PrefixQuery:
         if not entries and refusal is not None:
             raise refusal
         return {q.tenant: entries}
+
+    def _check_size(self, q: Query, namespaces: list[str]) -> None:
+        """One bound for the whole query, before any key is hashed: its chunks times objects
+        per chunk, summed over every namespace it walks, at most
+        :data:`~cache_server.protocol.MAX_QUERY_OBJECTS`."""
+        server, total = self._server, 0
+        for ns in namespaces:
+            C, layout = server.namespaces.chunk_size(ns), server.store.declared_layout(ns)
+            if not C or layout is None:
+                continue
+            scheme = self.schemes.get(ns) or TOKEN_CHAIN
+            if scheme.scheme == "vllm" and q.hashes is not None and scheme.span and C % scheme.span == 0:
+                chunks = len(q.hashes) // (C // scheme.span)
+            else:
+                chunks = len(q.tokens or ()) // C
+            total += chunks * layout.copies([*layout.attn_groups, *layout.state_groups])
+        if total > p.MAX_QUERY_OBJECTS:
+            raise p.ProtocolError(p.ErrorCode.TOO_LARGE,
+                                  f"this query asks about {total} objects over {len(namespaces)} namespace(s) "
+                                  f"(chunks x objects per chunk); the maximum is {p.MAX_QUERY_OBJECTS}: ask with "
+                                  "instance_id for one namespace, or about a shorter prompt")
 
     def _keys(self, ns: str, q: Query, C: int, memo: dict[tuple[Any, ...], list[bytes]]) -> list[bytes]:
         """The chunk keys of the query's whole chunks under ``ns``'s scheme (shared by
@@ -346,20 +372,16 @@ class PrefixQuery:
             if server.l2 is not None:
                 out[L2_MEDIUM] = 0
             return out
-        copies = layout.copies([*layout.attn_groups, *layout.state_groups])
         keys = self._keys(ns, q, C, memo)
-        if len(keys) * copies > p.MAX_LOOKUP_OBJECTS:
-            raise p.ProtocolError(p.ErrorCode.TOO_LARGE,
-                                  f"a query of {len(keys)} chunks x {copies} objects per chunk asks about "
-                                  f"{len(keys) * copies} objects; the maximum is {p.MAX_LOOKUP_OBJECTS}")
-        l1, missing_attn, missing_state = server.store.presence(ns, keys, layout)
+        l1, missing_attn, missing_state, horizon = server.store.presence(
+            ns, keys, layout, MAX_L2_PROBE_KEYS if server.l2 is not None else 0)
         out = {"longest_matched": l1 * C, L1_MEDIUM: l1 * C}
         if server.l2 is None:
             return out
-        if not missing_attn and not missing_state:
+        if horizon == len(keys) and not missing_attn and not missing_state:
             out[L2_MEDIUM] = l1 * C  # L1 holds every object of the prompt's chunks
             return out
-        both = self._with_l2(ns, keys, layout, missing_attn, missing_state)
+        both = self._with_l2(ns, keys[:horizon], layout, missing_attn, missing_state)
         if both is not None:
             out[L2_MEDIUM] = max(both, l1) * C
             out["longest_matched"] = out[L2_MEDIUM]
@@ -367,9 +389,10 @@ class PrefixQuery:
 
     def _with_l2(self, ns: str, keys: Sequence[bytes], layout: Layout, missing_attn: list[StoreKey],
                  missing_state: list[StoreKey]) -> int | None:
-        """The resume depth L1 and L2 hold together (None: L2 not asked in time). Only the
-        keys L1 lacks are asked about, at most :data:`MAX_L2_PROBE_KEYS` in all (past that,
-        the chunks after the last one asked count as absent: a lower bound), in at most two
+        """The resume depth L1 and L2 hold together over ``keys`` (the chunks the store
+        listed what L1 lacks of: None when L2 was not asked in time). Only the keys L1 lacks
+        are asked about, at most :data:`MAX_L2_PROBE_KEYS` in all (past that, the chunks
+        after the last one asked count as absent: a lower bound), in at most two
         round trips: first the attention objects of the first chunk L1 lacks any of, with
         the state objects L1 lacks before it; only if L2 holds that chunk's attention, the
         rest. A prompt no tier holds (most replicas, for most requests) costs the first

@@ -26,6 +26,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,6 +53,12 @@ logger = logging.getLogger("glm_cache_server")
 SLOW_REQUEST_S = 2.0
 # A client clock this far ahead of ours makes its requests' deadlines unknowable: none applied.
 CLOCK_SKEW_S = 1.0
+# Routers' queries (op ``query``) run on one query thread of their own, never on a worker that
+# serves engines: at most this many wait for it (past that: ``busy``), each answered within
+# QUERY_DEADLINE_S or told ``busy`` (the thread still finishes it; its cost is bounded by
+# MAX_QUERY_OBJECTS and the L2 probe's timeout).
+MAX_WAITING_QUERIES = 16
+QUERY_DEADLINE_S = 10.0
 
 
 class CacheServer:
@@ -76,6 +83,9 @@ class CacheServer:
         if self.arena is None and config.shm:
             logger.info("no arena (%s): same-host gets are served by copy", why)
         self.pins = PinTable()
+        self._query_pool = ThreadPoolExecutor(1, thread_name_prefix="glm-query")
+        self._query_lock = threading.Lock()
+        self._queries_waiting = 0
         self._stop = threading.Event()
         self._die_on: str | None = None  # debug fault hook: SIGKILL ourselves on this op
         self._ctx = zmq.Context(io_threads=max(1, config.io_threads))
@@ -158,6 +168,7 @@ class CacheServer:
                 self.arena.close()
             if self.l2 is not None:
                 self.l2.close()
+            self._query_pool.shutdown(wait=False, cancel_futures=True)
 
     def _proxy(self, backend: zmq.Socket, control: zmq.Socket) -> None:
         try:
@@ -561,9 +572,34 @@ class CacheServer:
         logger.info("cleared %d objects%s", removed, f" of namespace {ns!r}" if ns else "")
         return {"removed": removed}, []
 
-    def _query(self, h: dict[str, Any], _: list[memoryview]) -> Reply:
-        """A router's question (:mod:`cache_server.prefix_query`): leases nothing."""
-        return {"result": self.queries.answer(parse_query(h))}, []
+    def _query(self, h: dict[str, Any], _: list[memoryview]) -> Later:
+        """A router's question (:mod:`cache_server.prefix_query`): leases nothing. Parsed
+        here (bounded), answered on the query thread (its store walk and L2 probe never hold
+        a worker that engines' requests are dealt to), replied to by this worker when done."""
+        q = parse_query(h)
+        with self._query_lock:
+            if self._queries_waiting >= MAX_WAITING_QUERIES:
+                raise p.ProtocolError(p.ErrorCode.BUSY, f"{self._queries_waiting} router queries wait for the "
+                                                        "server's query thread; ask again later")
+            self._queries_waiting += 1
+
+        def run() -> dict[str, Any]:
+            try:
+                return self.queries.answer(q)
+            finally:
+                with self._query_lock:
+                    self._queries_waiting -= 1
+
+        job = _QueryJob(self._query_pool.submit(run), time.monotonic() + QUERY_DEADLINE_S)
+
+        def finish() -> Reply:
+            assert job.future is not None
+            if not job.future.done():
+                raise p.ProtocolError(p.ErrorCode.BUSY, f"the query was not answered within {QUERY_DEADLINE_S:.0f} s "
+                                                        "(queries queue for one thread)")
+            return {"result": job.future.result()}, []  # its ProtocolError, if any, is the reply
+
+        return Later(job, finish)
 
     def _stats(self, h: dict[str, Any], _: list[memoryview]) -> Reply:
         return {"stats": self.status()}, []
@@ -622,12 +658,23 @@ class CacheServer:
             "max_leased_bytes": self.store.max_leased_bytes, "max_namespaces": self.config.max_namespaces,
             "shm": self.config.shm, "workers": self.config.workers, "io_threads": self.config.io_threads,
         }
+        with self._query_lock:
+            status["queries"] = {"waiting": self._queries_waiting, "max_waiting": MAX_WAITING_QUERIES,
+                                 "deadline_s": QUERY_DEADLINE_S}
         status["shm"] = self.segments.snapshot()
         if self.arena is not None:
             status["shm"]["arena"] = {**self.arena.snapshot(), **self.pins.snapshot()}
         if self.l2 is not None:
             status["l2"] = self.l2.snapshot()
         return status
+
+
+@dataclass
+class _QueryJob:
+    """A router's query on the query thread (a :class:`~cache_server.workers.Job`)."""
+
+    future: Future[dict[str, Any]] | None
+    deadline: float
 
 
 @dataclass

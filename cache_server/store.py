@@ -477,22 +477,39 @@ class ObjectStore:
             tree = self._trees.get(namespace)
             return None if tree is None else tree.layout
 
-    def presence(self, namespace: str, hashes: Sequence[bytes], layout: Layout
-                 ) -> tuple[int, list[StoreKey], list[StoreKey]]:
+    def presence(self, namespace: str, hashes: Sequence[bytes], layout: Layout, max_missing: int = 0
+                 ) -> tuple[int, list[StoreKey], list[StoreKey], int]:
         """A router's probe (:mod:`cache_server.prefix_query`): the resume depth L1 alone
-        holds for the prefix ``hashes`` under ``layout`` (the lookup rule, nothing leased),
-        and the attention and state keys of chunks ``[0, len(hashes))`` that L1 lacks (what
-        an L2 probe asks about), in chunk order. Touches nothing: no LRU update, no counter,
-        so that routers asking about every request do not keep objects alive."""
+        holds for the prefix ``hashes`` under ``layout`` (the lookup rule, nothing leased);
+        and, when ``max_missing`` is not 0, the attention and state keys L1 lacks (what an L2
+        probe asks about), in chunk order, for the first ``horizon`` chunks: as many whole
+        chunks as keep the lists within ``max_missing`` keys. Returns ``(depth,
+        missing_attn, missing_state, horizon)``. Touches nothing: no LRU update, no counter,
+        so that routers asking about every request do not keep objects alive.
+
+        Only the depth is found under the store's lock (it stops at the first chunk missing
+        an object); the lists are built without it, each key tested once against the
+        object table (a dict lookup is atomic under the GIL: an object put or evicted
+        meanwhile is seen as before or after, as by a query a moment earlier or later)."""
         attn = layout.ranks(sorted(layout.attn_groups))
         state = layout.ranks(sorted(layout.state_groups))
         with self._lock:
-            objects = self._objects
             depth = resume_depth(0, len(hashes), lambda i: self._holds_locked(namespace, hashes[i], attn),
                                  (lambda i: self._holds_locked(namespace, hashes[i], state)) if state else None)
-            missing_attn = [k for h in hashes for g, r in attn if (k := StoreKey(namespace, h, g, r)) not in objects]
-            missing_state = [k for h in hashes for g, r in state if (k := StoreKey(namespace, h, g, r)) not in objects]
-        return depth, missing_attn, missing_state
+        missing_attn: list[StoreKey] = []
+        missing_state: list[StoreKey] = []
+        horizon = 0
+        if max_missing:
+            objects = self._objects
+            for h in hashes:
+                lack_attn = [k for g, r in attn if (k := StoreKey(namespace, h, g, r)) not in objects]
+                lack_state = [k for g, r in state if (k := StoreKey(namespace, h, g, r)) not in objects]
+                if len(missing_attn) + len(missing_state) + len(lack_attn) + len(lack_state) > max_missing:
+                    break
+                missing_attn += lack_attn
+                missing_state += lack_state
+                horizon += 1
+        return depth, missing_attn, missing_state, horizon
 
     def release(self, lease_id: int) -> bool:
         """Release a lease, whoever holds it; False if it was unknown, had expired or was

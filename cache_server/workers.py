@@ -1,10 +1,11 @@
-"""The server's worker threads, and the replies they put aside while an L2 promotion runs.
+"""The server's worker threads, and the replies they put aside while a job runs elsewhere.
 
 The proxy hands requests to the workers round-robin, whether they are busy or not, so a
-worker must never sit on one request: a lookup waiting for an L2 promotion comes back from
-the handler as a :class:`Waiting`, which the worker answers when the promotion is done or
-at its deadline (its completion wakes the worker through a pipe), while it answers the
-requests that come after it.
+worker must never sit on one request: a lookup waiting for an L2 promotion, or a router's
+query (answered on the server's query thread), comes back from the handler as a
+:class:`Waiting`, which the worker answers when the job is done or at its deadline (its
+completion wakes the worker through a pipe), while it answers the requests that come
+after it.
 """
 
 from __future__ import annotations
@@ -15,37 +16,45 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import zmq
 
 from cache_server import protocol as p
 
 if TYPE_CHECKING:
-    from cache_server.l2 import Promotion
+    from concurrent.futures import Future
 
 logger = logging.getLogger("glm_cache_server")
 
 Reply = tuple[dict[str, Any], list[Any]]  # a handler's reply header and payload frames
 
 
+class Job(Protocol):
+    """Work under way off the worker: an L2 promotion (:class:`cache_server.l2.Promotion`)
+    or a query on the query thread."""
+
+    future: Future[Any] | None
+    deadline: float  # monotonic: answered by then, done or not
+
+
 @dataclass
 class Later:
-    """A handler's answer that waits for an L2 promotion: ``finish`` answers once it is ready."""
+    """A handler's answer that waits for a :class:`Job`: ``finish`` answers once it is ready."""
 
-    promotion: Promotion
+    job: Job
     finish: Callable[[], Reply]
 
 
 class Waiting:
-    """A request whose reply waits for an L2 promotion (the promotion's future, done or not
-    by its deadline); ``answer`` makes its reply frames from the :class:`Later` at the time."""
+    """A request whose reply waits for a job (its future, done or not by its deadline);
+    ``answer`` makes its reply frames from the :class:`Later` at the time."""
 
     def __init__(self, later: Later, answer: Callable[[], list[Any] | Later]) -> None:
-        assert later.promotion.future is not None
+        assert later.job.future is not None
         self._answer = answer
-        self.future = later.promotion.future
-        self.deadline = later.promotion.deadline
+        self.future = later.job.future
+        self.deadline = later.job.deadline
 
     def ready(self) -> bool:
         return self.future.done() or time.monotonic() >= self.deadline

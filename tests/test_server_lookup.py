@@ -14,6 +14,7 @@ import http.client
 import json
 import os
 import random
+import time
 
 import pytest
 
@@ -282,3 +283,37 @@ def test_l2_hung_is_unknown_not_zero(server, redis, prompts, client):
     assert got == again == {"longest_matched": 0, "CPU": 0}  # B left L1 with test_l2_only's clear
     assert sum(first["errors"].values()) == sum(before["errors"].values()) + 1 and not first["up"], (before, first)
     assert second["errors"] == first["errors"], (first, second)  # skipped: the stopped store was not asked again
+
+
+def test_a_query_held_by_a_stopped_store_holds_no_worker(redis, prompts):
+    """A query waiting on L2 (the store SIGSTOPped, the tier's timeout 30 s) runs on the
+    server's query thread: meanwhile every worker still answers an engine's gets (two for
+    each of the four workers, which the proxy deals round-robin; one held by the query would
+    wait 30 s), and the query is answered once the store answers again."""
+    import signal
+    import threading
+
+    with ServerProcess("--separate-object-groups", "--chunk-size", str(C),
+                       *l2_args(redis.url + "?timeout_s=30"), auth_token=TOKEN) as s, \
+            CacheClient(s.url, timeout_s=60.0, auth_token=TOKEN, shm=False) as router, \
+            CacheClient(s.url, timeout_s=60.0, auth_token=TOKEN, shm=False) as engine:
+        engine.hello(NS, 16, 1, [], attn_groups=ATTN, state_groups=STATE, group_names=NAMES,
+                     chunk_keys={"scheme": "lmcache", "lookahead": 0})
+        keys = chunk_hashes(prompts["b"], C)
+        store(engine, NS, keys, skip={(2, 1)})  # L1 lacks chunk 2's indexer: a query asks L2
+        answered: list = []
+        redis.procs[0].send_signal(signal.SIGSTOP)
+        try:
+            t = threading.Thread(target=lambda: answered.append(router.query(MODEL, prompts["b"])), daemon=True)
+            t.start()
+            deadline = time.monotonic() + 60
+            while status_doc(s)["queries"]["waiting"] == 0:  # on the query thread, blocked on the store
+                assert time.monotonic() < deadline and t.is_alive(), "the query never reached the query thread"
+                time.sleep(0.01)
+            for _ in range(2 * status_doc(s)["config"]["workers"]):
+                assert engine.get(NS, [(keys[0], 0, 0)])[0] is not None
+            assert not answered and status_doc(s)["queries"]["waiting"] == 1  # all that while, still waiting
+        finally:
+            redis.procs[0].send_signal(signal.SIGCONT)
+        t.join(60)
+        assert answered and answered[0]["default"][NS]["CPU"] == 2 * C
