@@ -34,12 +34,16 @@ other processes from writing also keeps the server from punching holes), so the 
 resident size is its high-water mark, at most the L1 capacity; objects outside the arena
 are allocated as before.
 
-Who may read it: the server has one token (:mod:`cache_server.auth`), and any holder of it
-may ``get`` any object. The arena is offered only to a client whose shared memory the
-server agreed to (same host, a process whose ``/proc/<pid>/fd`` it could open), and
-opening it needs the rights to inspect the server process (same user, same pid
-namespace). A token holder that maps the arena reads nothing it could not ``get``; one
-without the token cannot learn where it is.
+Who may read it, stated as it is: the whole arena, every namespace and every
+``cache_salt`` in it, is readable by (a) every same-host client the server agreed shared
+memory with (it answers the arena's place; with ``--auth-token-file``, token holders only),
+and (b) every process that may inspect the server process (the server's user, same pid
+namespace), token or not: such a process finds the memfd under ``/proc/<pid>/fd`` by its
+name. A salt keeps a tenant from *naming* another's objects in a ``get``, not from reading
+them here. So the trust boundary of the arena is the host's user: the server warns at
+start-up when other processes run as its user (:func:`same_user_processes`), and
+``--no-arena`` keeps none (same-host gets are then copied into each client's own segment,
+which only that client and the server map).
 """
 
 from __future__ import annotations
@@ -255,6 +259,43 @@ def make_arena(capacity: int) -> tuple[Arena | None, str | None]:
         return Arena(capacity), None
     except OSError as e:
         return None, f"cannot make the arena: {e.strerror or e}"
+
+
+def same_user_processes() -> list[str]:
+    """``name[pid]`` of the processes of this process's user other than itself, its
+    ancestors and its descendants (what could read the arena's memfd through ``/proc``)."""
+    me, uid = os.getpid(), os.getuid()
+    parent: dict[int, int] = {}
+    names: dict[int, str] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/status") as f:
+                fields = dict(line.split(":", 1) for line in f if ":" in line)
+            if int(fields["Uid"].split()[0]) != uid or entry == "2" or int(fields["PPid"]) == 2:
+                continue  # another user's, or a kernel thread (kthreadd's)
+            parent[int(entry)] = int(fields["PPid"])
+            names[int(entry)] = fields["Name"].strip()
+        except (OSError, KeyError, ValueError):
+            continue  # gone meanwhile, or not ours to read
+    related = {me}
+    pid = me
+    while parent.get(pid, 0) > 0 and parent[pid] not in related:  # ancestors
+        pid = parent[pid]
+        related.add(pid)
+    related |= {p for p in parent if _descends(p, me, parent)}
+    return [f"{names[p]}[{p}]" for p in sorted(parent) if p not in related]
+
+
+def _descends(pid: int, ancestor: int, parent: dict[int, int]) -> bool:
+    seen = set()
+    while pid in parent and pid not in seen:
+        seen.add(pid)
+        pid = parent[pid]
+        if pid == ancestor:
+            return True
+    return False
 
 
 class _Pin:

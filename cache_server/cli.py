@@ -146,6 +146,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="offer no shared memory to clients on this host: every payload travels over the "
                          "socket (default: same-host clients that offer a sealed memfd segment at hello move "
                          "payloads through it)")
+    ap.add_argument("--no-arena", action="store_false", dest="arena", default=d.arena,
+                    help="keep no arena: same-host gets are copied into each client's own segment. The arena "
+                         "(objects of 256 KiB and more, one mapping) is readable by every same-host client the "
+                         "server agreed shared memory with and by every process of the server's user, whatever "
+                         "namespace or cache_salt stored them: use this where tenants on one host are kept "
+                         "apart by cache_salt only")
     ap.add_argument("--workers", type=_positive_int, default=d.workers, metavar="N",
                     help="threads answering requests, so one engine's large transfer does not hold the others "
                          "behind it (default %(default)s)")
@@ -174,7 +180,7 @@ def config_from_args(args: argparse.Namespace, auth_token: str | None = None,
         max_header_bytes=args.max_header_kb << 10, max_leases_per_client=args.max_leases_per_client,
         max_leased_fraction=args.max_leased_fraction, max_namespaces=args.max_namespaces, l2_url=args.l2,
         l2_secret=l2_secret,
-        shm=args.shm, workers=args.workers, io_threads=args.io_threads,
+        shm=args.shm, arena=args.arena, workers=args.workers, io_threads=args.io_threads,
         http_timeout_s=args.http_timeout_s, http_max_connections=args.http_max_connections)
 
 

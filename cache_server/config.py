@@ -53,6 +53,7 @@ class ServerConfig:
     # --l2-secret-file: keys the MAC of every L2 value; the servers sharing a store share it
     l2_secret: bytes | None = field(default=None, repr=False)
     shm: bool = True  # --no-shm: offer no shared memory to same-host clients
+    arena: bool = True  # --no-arena: serve same-host gets by copy, never from a mapping every client shares
     workers: int = 4  # --workers: threads answering requests
     io_threads: int = 2  # --io-threads: ZMQ I/O threads (socket reads and writes)
     http_timeout_s: float = 10.0  # --http-timeout-s: an HTTP connection's time to send a whole request

@@ -33,7 +33,7 @@ from typing import Any
 import zmq
 
 from cache_server import protocol as p
-from cache_server.arena import PinTable, make_arena, pin_ids, pin_seconds
+from cache_server.arena import PinTable, make_arena, pin_ids, pin_seconds, same_user_processes
 from cache_server.chunk_tree import UNKNOWN_PARENT
 from cache_server.config import ServerConfig
 from cache_server.layout import Layout, copy_count
@@ -79,9 +79,17 @@ class CacheServer:
         self.segments = SegmentTable(config.shm)
         # Large objects put through shared memory live in a sealed memfd same-host engines map
         # read-only (cache_server.arena); read pins keep what a get placed there from reuse.
-        self.arena, why = make_arena(config.l1_size_bytes) if self.segments.host is not None else (None, "no shm")
+        self.arena, why = (None, "--no-arena") if not config.arena else \
+            make_arena(config.l1_size_bytes) if self.segments.host is not None else (None, "no shm")
         if self.arena is None and config.shm:
             logger.info("no arena (%s): same-host gets are served by copy", why)
+        elif self.arena is not None:
+            others = same_user_processes()
+            if others:
+                logger.warning("the arena (stored objects of 256 KiB and more) can be read by every process of uid %d "
+                               "on this host, %d of which run now (%s): run the server as a user of its own, or "
+                               "with --no-arena where tenants share this host and are kept apart by cache_salt only",
+                               os.getuid(), len(others), ", ".join(others[:5]))
         self.pins = PinTable()
         self._query_pool = ThreadPoolExecutor(1, thread_name_prefix="glm-query")
         self._query_lock = threading.Lock()

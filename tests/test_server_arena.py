@@ -450,3 +450,30 @@ def test_pins_are_capped_per_process_and_go_with_a_process_that_exits(server):
                 a.release_pin(g.pin) if g in got[:n] else b.release_pin(g.pin)
         a.unpin()
         b.unpin()
+
+
+def test_the_arena_warns_of_same_user_readers_and_no_arena_serves_by_copy():
+    """The arena's readers are the host's user: a server with an arena names, at start-up,
+    another process of its user running beside it (here a sibling the test started); with
+    --no-arena it keeps none, says why, and a same-host get comes by copy, unpinned."""
+    import subprocess
+    import sys
+
+    from cache_server.arena import same_user_processes
+
+    sibling = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        assert f"python[{sibling.pid}]" not in same_user_processes()  # our own child: related
+        with ServerProcess("--l1-size-gb", "0.05") as srv:
+            assert "can be read by every process of uid" in srv.log()  # the sibling at least
+        with ServerProcess("--l1-size-gb", "0.05", "--no-arena") as srv, CacheClient(srv.url) as c:
+            assert "no arena (--no-arena)" in srv.log() and "can be read by every process" not in srv.log()
+            c.hello(NS, 16)
+            data = _payload(70)
+            assert c.put(NS, [(*_key(70), data)]) == ["stored"]
+            got = c.get_in_place(NS, [_key(70)])
+            assert [bytes(x) for x in got.payloads] == [data] and not got.pin
+            assert "arena" not in c.stats()["shm"]
+    finally:
+        sibling.kill()
+        sibling.wait(60)
