@@ -57,7 +57,19 @@ HANDOFF_PARAM = "glm_handoff"
 # there.
 CHUNKS_PARAM = "glm_chunks"
 MAX_CHUNKS_CLAIMED = 1 << 20
-HANDOFF_RETRY_S = 0.02  # between the decode side's lookups while it waits
+HANDOFF_RETRY_S = 0.02  # before the decode side's first repeated lookup; doubling after each
+HANDOFF_RETRY_MAX_S = 0.5  # the longest wait between two of them
+MAX_HANDOFF_RETRIES = 12  # repeated lookups of one request, whatever its timeout_s (a client sets glm_chunks)
+
+
+def handoff_retry_delay(retries: int) -> float | None:
+    """How long the decode side waits before repeating a hand-off lookup for the
+    ``retries``-th time (0: the first repeat), or None once it has repeated
+    :data:`MAX_HANDOFF_RETRIES` times: an API client's ``glm_chunks`` cannot make one request
+    ask the server every 20 ms for ``timeout_s`` (12 repeats cover about 4 s)."""
+    if retries >= MAX_HANDOFF_RETRIES:
+        return None
+    return min(HANDOFF_RETRY_MAX_S, HANDOFF_RETRY_S * (1 << min(retries, 16)))
 
 
 def handoff_key(prefix_key: bytes | None, tail: Sequence[int], salt: str | None) -> bytes:
@@ -66,8 +78,9 @@ def handoff_key(prefix_key: bytes | None, tail: Sequence[int], salt: str | None)
     h = hashlib.blake2b(HANDOFF_TAG, digest_size=32)
     if prefix_key is not None:
         h.update(b"k" + prefix_key)
-    else:
-        h.update(b"s" + (salt or "").encode("utf-8", "surrogatepass") + b"\0")
+    else:  # the salt's length first: no two (salt, tail) pairs give the same bytes
+        salt_bytes = (salt or "").encode("utf-8", "surrogatepass")
+        h.update(b"s" + len(salt_bytes).to_bytes(8, "little") + salt_bytes)
     h.update(array("q", tail).tobytes())
     return h.digest()
 

@@ -95,6 +95,7 @@ class RequestState:
     prefill_chunks: int = 0  # the chain depth the prefill instance planned (glm_chunks)
     prefill_wait_until: float | None = None  # its lookups wait for the prefill's saves until then
     prefill_retry_at: float = 0.0  # and ask again no sooner than this
+    prefill_retries: int = 0  # lookups repeated so far for the prefill's saves
     handoff_planned: bool = False  # its hand-off was considered (remote_decode: once)
     handoff_made: bool = False  # and its saves planned
     # Why this request is served without the external cache after handling its data

@@ -55,7 +55,7 @@ from connector.config import (
 )
 from connector.events import ServerEvents
 from connector.geometry import Geometry, strict_prefix_chunks
-from connector.handoff import CHUNKS_PARAM, HANDOFF_PARAM, HANDOFF_RETRY_S, handoff_key, handoff_span
+from connector.handoff import CHUNKS_PARAM, HANDOFF_PARAM, handoff_key, handoff_retry_delay, handoff_span
 from connector.identity import WeightsView
 from connector.keys import ChunkKeys, request_tokens
 from connector.media import MediaLedger, unvouched_from
@@ -430,17 +430,20 @@ class SchedulerSide:
     def _prefill_saves_pending(self, state: RequestState, depth: int, asked: int) -> bool:
         """A decode-side request whose prefill instance planned saves ``glm_chunks`` deep
         got a shallower answer: those saves may still be on their way (they travel after the
-        prefill's response). Ask again shortly, for at most ``timeout_s`` from the first
-        answer (its admission restarts with each answer, so this deadline is the request's),
-        then resume from what is there."""
+        prefill's response). Ask again shortly (backing off, at most
+        :data:`~connector.handoff.MAX_HANDOFF_RETRIES` times), for at most ``timeout_s`` from
+        the first answer (its admission restarts with each answer, so this deadline is the
+        request's), then resume from what is there."""
         if not state.remote_prefill or depth >= min(asked, state.prefill_chunks):
             return False
         now = time.monotonic()
         if state.prefill_wait_until is None:
             state.prefill_wait_until = now + self._timeout_s
-        if now >= state.prefill_wait_until:
+        delay = handoff_retry_delay(state.prefill_retries)
+        if now >= state.prefill_wait_until or delay is None:
             return False
-        state.prefill_retry_at = now + HANDOFF_RETRY_S
+        state.prefill_retries += 1
+        state.prefill_retry_at = now + delay
         return True
 
     def _handoff_of(self, state: RequestState, chain_chunks: int) -> bytes | None:
