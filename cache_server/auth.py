@@ -176,10 +176,10 @@ class ZapHandler:
 
     One thread answers ZAP requests and reports refusals (``on_refusal(reason)``): ``token``
     for a PLAIN handshake with another password (exactly one a refused connection attempt),
-    ``mechanism`` for a handshake that failed otherwise, which it learns from a monitor of
-    the server socket (``watch``): a peer without a token, which libzmq retries every
-    100 ms, and on a mismatch the peer that sees it first closes, so the other side often
-    learns no reason: one or more a refused client.
+    ``mechanism`` for a handshake that failed otherwise, which the server's connection gate
+    learns from its monitor of the server socket (:mod:`cache_server.conn_gate`): a peer
+    without a token, which libzmq retries every 100 ms, and on a mismatch the peer that sees
+    it first closes, so the other side often learns no reason: one or more a refused client.
     Bind it before the server socket accepts connections: without a handler, PLAIN
     handshakes fail."""
 
@@ -193,7 +193,6 @@ class ZapHandler:
         self._rep = ctx.socket(zmq.REP)
         self._rep.setsockopt(zmq.LINGER, 0)
         self._rep.bind(_ZAP_ENDPOINT)
-        self._monitor: Any = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="glm-zap", daemon=True)
 
@@ -203,33 +202,16 @@ class ZapHandler:
         sock.plain_server = True
         sock.zap_domain = ZAP_DOMAIN
 
-    def watch(self, sock: Any) -> None:
-        """Count the handshakes of ``sock`` that fail on the mechanism (a peer without a token),
-        then start answering."""
-        zmq = self._zmq
-        where = f"inproc://glm-zap-monitor-{id(self)}"
-        sock.monitor(where, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
-        self._monitor = self._ctx.socket(zmq.PAIR)
-        self._monitor.setsockopt(zmq.LINGER, 0)
-        self._monitor.connect(where)
+    def start(self) -> None:
+        """Start answering ZAP requests."""
         self._thread.start()
 
     def _run(self) -> None:
         zmq = self._zmq
-        from zmq.utils.monitor import parse_monitor_message
-
-        poller = zmq.Poller()
-        poller.register(self._rep, zmq.POLLIN)
-        if self._monitor is not None:
-            poller.register(self._monitor, zmq.POLLIN)
         while not self._stop.is_set():
             try:
-                ready = dict(poller.poll(100))
-                if self._rep in ready:
+                if self._rep.poll(100):
                     self._answer(self._rep.recv_multipart())
-                if self._monitor is not None and self._monitor in ready:
-                    parse_monitor_message(self._monitor.recv_multipart())
-                    self._on_refusal("mechanism")
             except zmq.ZMQError as e:
                 if e.errno == zmq.ETERM:
                     return
@@ -251,6 +233,4 @@ class ZapHandler:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(5)
-        for sock in (self._rep, self._monitor):
-            if sock is not None:
-                sock.close(linger=0)
+        self._rep.close(linger=0)

@@ -21,6 +21,7 @@ from cache_server.auth import (
     world_readable,
 )
 from cache_server.config import GIB, MIB, PUT_OBJECTS_BOUND, ServerConfig
+from cache_server.conn_gate import HANDSHAKE_S, MAX_PENDING, MAX_PENDING_PER_PEER, raise_nofile_limit
 from cache_server.http import start_http
 from cache_server.lmcache_compat import unhonoured_lmcache_env
 from cache_server.lmcache_surface import env_hint, refusal
@@ -266,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         except L2ConfigError as e:
             ap.error(str(e))
     try:
+        nofile = raise_nofile_limit()  # before any socket: descriptors are what a flood of connections takes
         server = CacheServer(config)
     except zmq.ZMQError as e:
         logger.error("cannot bind tcp://%s:%d: %s", config.host, config.port, e)
@@ -317,6 +319,8 @@ def main(argv: list[str] | None = None) -> int:
                 server.store.max_leased_bytes, config.max_namespaces)
     logger.info("%d workers, %d ZMQ I/O threads, same-host shared memory %s", config.workers, config.io_threads,
                 "on" if server.segments.snapshot()["enabled"] else "off")
+    logger.info("connections: %d open descriptors at most (RLIMIT_NOFILE), handshakes within %.0f s, at most %d under "
+                "way per address and %d in all", nofile, HANDSHAKE_S, MAX_PENDING_PER_PEER, MAX_PENDING)
     if httpd:
         logger.info("HTTP: at most %d connections, %.0f s for each request", config.http_max_connections,
                     config.http_timeout_s)

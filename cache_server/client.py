@@ -235,7 +235,9 @@ class CacheClient:
                                        "(--auth-token-file) and this client has none"
                                        + ("" if refusal == "mechanism" else
                                           f", or something in front of it (a proxy, a load balancer) closed the "
-                                          f"connection during the handshake {closed} times"))
+                                          f"connection during the handshake {closed} times, or its accept gate "
+                                          "did (too many handshakes under way from this address: "
+                                          "glm_cache_refused_connections_total{reason=\"pending_cap\"})"))
             self._plain = not self._plain
 
     @property

@@ -36,6 +36,7 @@ from cache_server import protocol as p
 from cache_server.arena import PinTable, make_arena, pin_ids, pin_seconds, same_user_processes
 from cache_server.chunk_tree import UNKNOWN_PARENT
 from cache_server.config import ServerConfig
+from cache_server.conn_gate import HANDSHAKE_S, MAX_PENDING, MAX_PENDING_PER_PEER, ConnectionGate
 from cache_server.layout import Layout, copy_count
 from cache_server.leases import Release
 from cache_server.metrics import ServerMetrics
@@ -105,7 +106,13 @@ class CacheServer:
         self._sock.setsockopt(zmq.MAXMSGSIZE, config.message_limit_bytes)
         self._gate = (TokenGate(config.auth_token, self.metrics, self._ctx, self._sock)
                       if config.auth_token is not None else None)
+        ConnectionGate.configure(self._sock)
+        self._accept_gate = ConnectionGate(self._ctx, self._note_refused_connection,
+                                           self._gate.note_handshake_failed if self._gate is not None else None)
         self.port = self._bind(config.host, config.port)
+        self._accept_gate.watch(self._sock, self.port)
+        self._refused_since_log: dict[str, int] = {}
+        self._refusal_logged_at = -float("inf")
         self._handlers = {
             "hello": self._hello, "lookup": self._lookup, "get": self._get, "put": self._put,
             "delete": self._delete, "debug_corrupt": self._debug_corrupt, "debug_die_on": self._debug_die_on,
@@ -124,6 +131,18 @@ class CacheServer:
             return self._sock.bind_to_random_port(f"tcp://{h}")
         self._sock.bind(f"tcp://{h}:{port}")
         return port
+
+    def _note_refused_connection(self, peer: str) -> None:
+        """The accept gate shut a connection of ``peer`` (over the pending-handshake caps):
+        counted, and logged at most once a minute with the addresses."""
+        self.metrics.refused_connections.labels(reason="pending_cap").inc()
+        self._refused_since_log[peer] = self._refused_since_log.get(peer, 0) + 1
+        now = time.monotonic()
+        if now - self._refusal_logged_at >= 60.0:
+            counts, self._refused_since_log, self._refusal_logged_at = self._refused_since_log, {}, now
+            logger.warning("refused %d connection(s) over the caps on handshakes under way (%d per address, %d in "
+                           "all, each at most %.0f s): %s", sum(counts.values()), MAX_PENDING_PER_PEER, MAX_PENDING,
+                           HANDSHAKE_S, ", ".join(f"{a} x{n}" for a, n in sorted(counts.items())[:10]))
 
     # --- loop ----------------------------------------------------------------------------
 
@@ -169,6 +188,7 @@ class CacheServer:
                 sock.close(linger=0)
             if self._gate is not None:
                 self._gate.close()
+            self._accept_gate.close()
             self._ctx.term()
             self.segments.close()
             self.pins.clear()

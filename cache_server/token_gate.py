@@ -42,7 +42,12 @@ class TokenGate:
         self._refusal_lock = threading.Lock()  # refusals are noted by workers and the ZAP thread
         self._zap = ZapHandler(ctx, token, self._note_connection_refusal)
         ZapHandler.configure(sock)
-        self._zap.watch(sock)
+        self._zap.start()
+
+    def note_handshake_failed(self) -> None:
+        """A handshake failed on the mechanism (the connection gate's monitor saw it): a
+        peer without the token."""
+        self._note_connection_refusal("mechanism")
 
     def check(self, header: dict[str, Any]) -> None:
         """Refuse a request without the token, before it can read or change anything."""

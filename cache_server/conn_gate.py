@@ -1,0 +1,195 @@
+"""The server's connections, bounded before they cost anything.
+
+libzmq accepts every TCP connection on the ROUTER's port and keeps each until its handshake
+completes or ``ZMQ_HANDSHAKE_IVL`` passes (30 s by default), and it has no cap on
+connections per peer or in all: a peer that opens connections and never sends a greeting
+held every descriptor of the server (300 of them under ``RLIMIT_NOFILE`` 256: engines'
+requests failed, and libzmq's I/O thread spun on the failing ``accept``). So:
+
+* **A short handshake.** ``ZMQ_HANDSHAKE_IVL`` is :data:`HANDSHAKE_S`: a connection that
+  has not completed its handshake by then (with ``--auth-token-file``, presented the token)
+  is closed by libzmq.
+* **An accept gate.** A monitor of the ROUTER reports each accepted connection with its
+  descriptor; the gate looks at it (a duplicate of the descriptor, closed at once: the
+  socket must be a TCP connection to the server's port, and its peer's address is read)
+  and counts it as *pending* for :data:`HANDSHAKE_S`. Past :data:`MAX_PENDING_PER_PEER`
+  pending connections of one address, or :data:`MAX_PENDING` in all, the new connection is
+  shut down (``shutdown(2)`` on the duplicate: libzmq sees the peer leave and closes its
+  own descriptor), counted (``glm_cache_refused_connections_total{reason="pending_cap"}``).
+  A connection that outlived its handshake window completed it (libzmq closes the others),
+  so engines already connected are never touched, and new ones get through as soon as a
+  flood's connections time out.
+* **Descriptors.** The server raises its soft ``RLIMIT_NOFILE`` to the hard limit at start
+  (:func:`raise_nofile_limit`).
+
+The gate also reports handshakes that failed on the mechanism to ``on_handshake_failed``
+(a peer without the token, for :class:`cache_server.token_gate.TokenGate`): libzmq allows
+one monitor per socket, and this is it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import resource
+import socket
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+
+logger = logging.getLogger("glm_cache_server")
+
+HANDSHAKE_S = 5.0
+MAX_PENDING_PER_PEER = 32
+MAX_PENDING = 256
+_EVENTS = (zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+           | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+
+
+def raise_nofile_limit() -> int:
+    """Raise the soft limit on open descriptors to the hard one (2**20 if that is unlimited);
+    the soft limit now in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard if hard != resource.RLIM_INFINITY else 1 << 20
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            return target
+        except (ValueError, OSError):
+            pass
+    return soft
+
+
+def _peer_of(fd: int, port: int) -> str | None:
+    """The peer address of the accepted connection behind ``fd`` (a duplicate is looked at),
+    None when ``fd`` is no longer a TCP connection to ``port`` (closed and reused meanwhile)."""
+    try:
+        dup = os.dup(fd)
+    except OSError:
+        return None
+    try:
+        with socket.socket(fileno=dup) as s:
+            dup = -1  # the socket object owns it now
+            if s.type != socket.SOCK_STREAM or s.getsockname()[1] != port:
+                return None
+            return str(s.getpeername()[0])
+    except OSError:
+        return None
+    finally:
+        if dup >= 0:
+            os.close(dup)
+
+
+def _shut(fd: int) -> None:
+    """End the connection behind ``fd`` without closing libzmq's descriptor."""
+    try:
+        dup = os.dup(fd)
+    except OSError:
+        return
+    try:
+        with socket.socket(fileno=dup) as s:
+            s.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+
+
+class ConnectionGate:
+    """The accept gate of one ROUTER socket (the module docstring says what it does).
+    :meth:`watch` it after it is bound; :meth:`close` before the context terminates."""
+
+    def __init__(self, ctx: zmq.Context[Any], on_refused: Callable[[str], None],
+                 on_handshake_failed: Callable[[], None] | None = None,
+                 max_pending_per_peer: int = MAX_PENDING_PER_PEER, max_pending: int = MAX_PENDING,
+                 handshake_s: float = HANDSHAKE_S) -> None:
+        self._ctx = ctx
+        self._on_refused = on_refused
+        self.on_handshake_failed = on_handshake_failed
+        self.max_pending_per_peer, self.max_pending, self.handshake_s = max_pending_per_peer, max_pending, handshake_s
+        self._pending: deque[tuple[float, int, str]] = deque()  # (accepted at, fd, peer), oldest first
+        self._by_peer: Counter[str] = Counter()
+        self._monitor: Any = None
+        self._port = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="glm-accept-gate", daemon=True)
+        self.refused_total = 0
+
+    @staticmethod
+    def configure(sock: zmq.Socket[Any]) -> None:
+        """Before ``sock`` binds: its handshake window."""
+        sock.setsockopt(zmq.HANDSHAKE_IVL, int(HANDSHAKE_S * 1000))
+
+    def watch(self, sock: zmq.Socket[Any], port: int) -> None:
+        where = f"inproc://glm-accept-gate-{id(self)}"
+        sock.monitor(where, _EVENTS)
+        self._monitor = self._ctx.socket(zmq.PAIR)
+        self._monitor.setsockopt(zmq.LINGER, 0)
+        self._monitor.connect(where)
+        self._port = port
+        self._thread.start()
+
+    def pending(self) -> int:
+        return len(self._pending)
+
+    def _run(self) -> None:
+        from zmq.utils.monitor import parse_monitor_message
+
+        while not self._stop.is_set():
+            try:
+                if not self._monitor.poll(100):
+                    self._age(time.monotonic())
+                    continue
+                event = parse_monitor_message(self._monitor.recv_multipart())
+            except zmq.ZMQError as e:
+                if e.errno == zmq.ETERM:
+                    return
+                raise
+            kind, fd = event["event"], event["value"]
+            now = time.monotonic()
+            self._age(now)
+            if kind == zmq.EVENT_ACCEPTED:
+                self._admit(now, fd)
+            elif kind == zmq.EVENT_DISCONNECTED:
+                self._forget(fd)
+            elif self.on_handshake_failed is not None:
+                self.on_handshake_failed()
+
+    def _age(self, now: float) -> None:
+        """Connections older than the handshake window are no longer pending."""
+        while self._pending and now - self._pending[0][0] > self.handshake_s:
+            _, _, peer = self._pending.popleft()
+            self._drop_peer(peer)
+
+    def _admit(self, now: float, fd: int) -> None:
+        peer = _peer_of(fd, self._port)
+        if peer is None:
+            return
+        if self._by_peer[peer] >= self.max_pending_per_peer or len(self._pending) >= self.max_pending:
+            _shut(fd)
+            self.refused_total += 1
+            self._on_refused(peer)
+            return
+        self._pending.append((now, fd, peer))
+        self._by_peer[peer] += 1
+
+    def _forget(self, fd: int) -> None:
+        for i, (_, f, peer) in enumerate(self._pending):
+            if f == fd:
+                del self._pending[i]
+                self._drop_peer(peer)
+                return
+
+    def _drop_peer(self, peer: str) -> None:
+        self._by_peer[peer] -= 1
+        if self._by_peer[peer] <= 0:
+            del self._by_peer[peer]
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(5)
+        if self._monitor is not None:
+            self._monitor.close(linger=0)
