@@ -767,8 +767,10 @@ class CacheClient:
         reply, _ = self.request({"op": "release", "lease_id": lease_id}, timeout_s=timeout_s)
         return reply["released"]
 
-    def clear(self, namespace: str | None = None) -> int:
-        reply, _ = self.request({"op": "clear", "ns": namespace})
+    def clear(self, namespace: str | None = None, tier: str = "all", force: bool = True) -> int:
+        """Clear ``namespace`` (None: all), from every tier and leased objects too unless
+        told otherwise (the op's own defaults are HTTP's: ``l1``, leased objects kept)."""
+        reply, _ = self.request({"op": "clear", "ns": namespace, "tier": tier, "force": force})
         return reply["removed"]
 
     def stats(self) -> dict[str, Any]:

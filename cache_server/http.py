@@ -59,7 +59,6 @@ MAX_BODY_BYTES = 4096  # a clear's body: {"tier": ..., "force": ...}
 MAX_QUERY_BODY_BYTES = 5 << 20  # a router's query: 131072 token ids or 65536 hex hashes, as JSON
 QUERY_PATHS = {"/query": False, "/query_by_hash": True}  # the Mooncake KV Indexer RFC's (by_hash)
 CLEAR_PATHS = ("/cache/clear", "/clear-cache")  # ours, and an alias of it
-CLEAR_TIERS = ("l1", "l2", "all")
 VERSION_PATHS = ("/version", "/lmc_version", "/commit_id")  # LMCache's
 COMMIT_ID = ""  # not recorded at install: /commit_id answers "" and /version "<version>-NA", as LMCache's would
 QUOTA_REFUSAL = ("glm-cache-server has no per-salt quotas: every namespace shares --l1-size-gb (and "
@@ -291,8 +290,8 @@ def start_http(server: CacheServer, host: str, port: int, metrics_only: bool = F
             if body is None:
                 return
             tier, force = body.get("tier", "l1"), body.get("force", False)  # LMCache's defaults
-            if tier not in CLEAR_TIERS:
-                self._error(400, f"tier must be one of {', '.join(CLEAR_TIERS)}, not {str(tier)[:32]!r}")
+            if tier not in p.CLEAR_TIERS:
+                self._error(400, f"tier must be one of {', '.join(p.CLEAR_TIERS)}, not {str(tier)[:32]!r}")
                 return
             if not isinstance(force, bool):
                 self._error(400, "force must be true or false")
@@ -301,15 +300,7 @@ def start_http(server: CacheServer, host: str, port: int, metrics_only: bool = F
                 self._error(400, "this server has no L2 tier (--l2)")
                 return
             namespace = parse_qs(url.query).get("ns", [None])[0]
-            removed = kept = 0
-            if tier != "l2" and force:
-                removed = server.store.clear(namespace)
-            elif tier != "l2":
-                removed, kept = server.store.clear_unleased(namespace)
-            if server.l2 is not None and tier != "l1":  # in the background, after the writes queued before it
-                server.l2.clear(namespace)
-            logger.info("HTTP clear (%s%s) removed %d objects, kept %d leased", tier, ", force" if force else "",
-                        removed, kept)
+            removed, kept = server.clear(namespace, tier, force)
             reply: dict[str, object] = {"removed": removed}
             if kept:
                 reply["kept_leased"] = kept  # a lookup leased them for a load; force=true removes them too

@@ -161,6 +161,7 @@ MAX_NAMESPACE_CHARS = 1024  # engine fingerprints are about 100
 MAX_ALIGNMENT = 1 << 20  # tokens a chunk must be a multiple of (a scheduler block)
 MAX_NAME_CHARS = 64  # ``op``, ``reason``, ``on``: names from a fixed list
 MAX_LEASE_ID = (1 << 64) - 1  # lease ids are random 64-bit numbers (cache_server.leases)
+CLEAR_TIERS = ("l1", "l2", "all")  # what ``clear`` (and HTTP's /cache/clear) clears: LMCache's tiers
 MAX_QUERY_OBJECTS = 1 << 18  # chunks x objects per chunk of one query, all its namespaces together
 MAX_QUERY_TOKENS = 1 << 17  # token ids of one ``query``: 512 KiB as packed uint32, under the 1 MiB header
 

@@ -591,14 +591,32 @@ class CacheServer:
         return {"released": False, "reason": outcome.value}, []
 
     def _clear(self, h: dict[str, Any], _: list[memoryview]) -> Reply:
+        """``clear`` with HTTP's (and LMCache's) meaning: ``tier`` ``l1`` (default), ``l2`` or
+        ``all``; without ``force``, objects a lookup leased stay (``kept_leased``)."""
         ns = p.field(h, "ns", (str, type(None)), default=None)
         if ns is not None:
             ns = p.namespace_field(h)
-        removed = self.store.clear(ns)
-        if self.l2 is not None:
+        tier, force = p.field(h, "tier", str, default="l1"), p.field(h, "force", bool, default=False)
+        if tier not in p.CLEAR_TIERS:
+            raise p.ProtocolError(p.ErrorCode.BAD_REQUEST, f"tier must be one of {', '.join(p.CLEAR_TIERS)}")
+        if tier == "l2" and self.l2 is None:
+            raise p.ProtocolError(p.ErrorCode.BAD_REQUEST, "this server has no L2 tier (--l2)")
+        removed, kept = self.clear(ns, tier, force)
+        return {"removed": removed, **({"kept_leased": kept} if kept else {})}, []
+
+    def clear(self, ns: str | None, tier: str, force: bool) -> tuple[int, int]:
+        """Clear namespace ``ns`` (None: every one) from ``tier`` (``l1``, ``l2``, ``all``);
+        without ``force`` leased objects stay in L1. ``(removed, kept leased)``; L2's keys
+        go in the background, after the writes queued before it. Both the protocol's
+        ``clear`` and HTTP's ``POST /cache/clear`` come here."""
+        removed = kept = 0
+        if tier != "l2":
+            removed, kept = (self.store.clear(ns), 0) if force else self.store.clear_unleased(ns)
+        if self.l2 is not None and tier != "l1":
             self.l2.clear(ns)
-        logger.info("cleared %d objects%s", removed, f" of namespace {ns!r}" if ns else "")
-        return {"removed": removed}, []
+        logger.info("cleared %s%s: removed %d objects, kept %d leased%s", tier, ", force" if force else "", removed,
+                    kept, f" (namespace {ns!r})" if ns else "")
+        return removed, kept
 
     def _query(self, h: dict[str, Any], _: list[memoryview]) -> Later:
         """A router's question (:mod:`cache_server.prefix_query`): leases nothing. Parsed

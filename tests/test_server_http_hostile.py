@@ -261,6 +261,10 @@ def test_bare_clear_keeps_l2_and_leased_objects_named_tiers_and_force_do_not():
         # L2 untouched: the unleased prefix comes back from it
         assert c.lookup(NS, free, [0], [1], lease=False)[0] == 3
         assert c.stats()["objects"] == 8
+        # the protocol's clear op, bare: the same (it cleared L1, leased objects and L2 before)
+        assert c.request({"op": "clear"})[0]["removed"] == 4 and c.request({"op": "clear"})[0]["kept_leased"] == 4
+        assert c.lookup(NS, free, [0], [1], lease=False)[0] == 3
+        assert c.stats()["objects"] == 8
         # LMCache's CLI body: the same
         assert request(s, "POST", "/cache/clear", b'{"tier": "l1"}', {"Content-Type": "application/json"}) == (
             200, {"removed": 4, "kept_leased": 4, "status": "ok", "cleared": {"tier": "l1"}, "forced": False})
