@@ -21,7 +21,7 @@ from cache_server.auth import (
     world_readable,
 )
 from cache_server.config import GIB, MIB, PUT_OBJECTS_BOUND, ServerConfig
-from cache_server.conn_gate import HANDSHAKE_S, MAX_PENDING, MAX_PENDING_PER_PEER, raise_nofile_limit
+from cache_server.conn_gate import HANDSHAKE_S, pending_caps, raise_nofile_limit
 from cache_server.http import start_http
 from cache_server.lmcache_compat import unhonoured_lmcache_env
 from cache_server.lmcache_surface import env_hint, refusal
@@ -320,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     logger.info("%d workers, %d ZMQ I/O threads, same-host shared memory %s", config.workers, config.io_threads,
                 "on" if server.segments.snapshot()["enabled"] else "off")
     logger.info("connections: %d open descriptors at most (RLIMIT_NOFILE), handshakes within %.0f s, at most %d under "
-                "way per address and %d in all", nofile, HANDSHAKE_S, MAX_PENDING_PER_PEER, MAX_PENDING)
+                "way per address and %d in all", nofile, HANDSHAKE_S, *pending_caps())
     if httpd:
         logger.info("HTTP: at most %d connections, %.0f s for each request", config.http_max_connections,
                     config.http_timeout_s)

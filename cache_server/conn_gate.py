@@ -12,12 +12,15 @@ requests failed, and libzmq's I/O thread spun on the failing ``accept``). So:
 * **An accept gate.** A monitor of the ROUTER reports each accepted connection with its
   descriptor; the gate looks at it (a duplicate of the descriptor, closed at once: the
   socket must be a TCP connection to the server's port, and its peer's address is read)
-  and counts it as *pending* for :data:`HANDSHAKE_S`. Past :data:`MAX_PENDING_PER_PEER`
-  pending connections of one address, or :data:`MAX_PENDING` in all, the new connection is
-  shut down (``shutdown(2)`` on the duplicate: libzmq sees the peer leave and closes its
-  own descriptor), counted (``glm_cache_refused_connections_total{reason="pending_cap"}``).
-  A connection that outlived its handshake window completed it (libzmq closes the others),
-  so engines already connected are never touched, and new ones get through as soon as a
+  and counts it as *pending* while it is younger than :data:`HANDSHAKE_S` and its peer has
+  sent less than a ZMTP greeting (:data:`GREETING_BYTES`, read from ``TCP_INFO``): a peer
+  that speaks leaves the count within milliseconds, one that never does stays until
+  libzmq closes it. Past the caps (a pending connection per :data:`PER_PEER_SHARE`-th of
+  the open-descriptor limit for one address, per :data:`TOTAL_SHARE`-th in all, at least
+  :data:`MIN_PENDING_PER_PEER` and :data:`MIN_PENDING`), the new connection is shut down
+  (``shutdown(2)`` on the duplicate: libzmq sees the peer leave and closes its own
+  descriptor), counted (``glm_cache_refused_connections_total{reason="pending_cap"}``).
+  Engines already connected are never touched, and new ones get through as soon as a
   flood's connections time out.
 * **Descriptors.** The server raises its soft ``RLIMIT_NOFILE`` to the hard limit at start
   (:func:`raise_nofile_limit`).
@@ -33,6 +36,7 @@ import logging
 import os
 import resource
 import socket
+import sys
 import threading
 import time
 from collections import Counter, deque
@@ -44,8 +48,12 @@ import zmq
 logger = logging.getLogger("glm_cache_server")
 
 HANDSHAKE_S = 5.0
-MAX_PENDING_PER_PEER = 32
-MAX_PENDING = 256
+GREETING_BYTES = 64  # ZMTP 3's greeting: a peer that sent this much is speaking the protocol
+PER_PEER_SHARE = 8  # one address's pending connections: at most the descriptor limit / 8
+TOTAL_SHARE = 2  # everyone's: at most half of it
+MIN_PENDING_PER_PEER = 32
+MIN_PENDING = 128
+_TCP_INFO_BYTES_RECEIVED = 128  # offset of tcpi_bytes_received (u64) in struct tcp_info (Linux 4.1+)
 _EVENTS = (zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
            | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 
@@ -68,30 +76,43 @@ def _peer_of(fd: int, port: int) -> str | None:
     """The peer address of the accepted connection behind ``fd`` (a duplicate is looked at),
     None when ``fd`` is no longer a TCP connection to ``port`` (closed and reused meanwhile)."""
     try:
-        dup = os.dup(fd)
-    except OSError:
-        return None
-    try:
-        with socket.socket(fileno=dup) as s:
-            dup = -1  # the socket object owns it now
+        with _look(fd) as s:
             if s.type != socket.SOCK_STREAM or s.getsockname()[1] != port:
                 return None
             return str(s.getpeername()[0])
     except OSError:
         return None
-    finally:
-        if dup >= 0:
-            os.close(dup)
+
+
+def _bytes_received(fd: int) -> int | None:
+    """What the peer of ``fd`` has sent so far (``TCP_INFO``), None if unknown."""
+    try:
+        with _look(fd) as s:
+            info = s.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
+    except OSError:
+        return None
+    if len(info) < _TCP_INFO_BYTES_RECEIVED + 8:
+        return None
+    return int.from_bytes(info[_TCP_INFO_BYTES_RECEIVED:_TCP_INFO_BYTES_RECEIVED + 8], sys.byteorder)
+
+
+def _look(fd: int) -> socket.socket:
+    """A socket object over a duplicate of ``fd`` (closing it leaves libzmq's descriptor)."""
+    return socket.socket(fileno=os.dup(fd))
+
+
+def pending_caps() -> tuple[int, int]:
+    """``(per address, in all)``: pending connections the gate lets in, from the open-
+    descriptor limit in force now."""
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    soft = 1 << 20 if soft == resource.RLIM_INFINITY else soft
+    return max(MIN_PENDING_PER_PEER, soft // PER_PEER_SHARE), max(MIN_PENDING, soft // TOTAL_SHARE)
 
 
 def _shut(fd: int) -> None:
     """End the connection behind ``fd`` without closing libzmq's descriptor."""
     try:
-        dup = os.dup(fd)
-    except OSError:
-        return
-    try:
-        with socket.socket(fileno=dup) as s:
+        with _look(fd) as s:
             s.shutdown(socket.SHUT_RDWR)
     except OSError:
         pass
@@ -102,13 +123,11 @@ class ConnectionGate:
     :meth:`watch` it after it is bound; :meth:`close` before the context terminates."""
 
     def __init__(self, ctx: zmq.Context[Any], on_refused: Callable[[str], None],
-                 on_handshake_failed: Callable[[], None] | None = None,
-                 max_pending_per_peer: int = MAX_PENDING_PER_PEER, max_pending: int = MAX_PENDING,
-                 handshake_s: float = HANDSHAKE_S) -> None:
+                 on_handshake_failed: Callable[[], None] | None = None, handshake_s: float = HANDSHAKE_S) -> None:
         self._ctx = ctx
         self._on_refused = on_refused
         self.on_handshake_failed = on_handshake_failed
-        self.max_pending_per_peer, self.max_pending, self.handshake_s = max_pending_per_peer, max_pending, handshake_s
+        self.handshake_s = handshake_s
         self._pending: deque[tuple[float, int, str]] = deque()  # (accepted at, fd, peer), oldest first
         self._by_peer: Counter[str] = Counter()
         self._monitor: Any = None
@@ -167,13 +186,22 @@ class ConnectionGate:
         peer = _peer_of(fd, self._port)
         if peer is None:
             return
-        if self._by_peer[peer] >= self.max_pending_per_peer or len(self._pending) >= self.max_pending:
+        per_peer, total = pending_caps()
+        if self._by_peer[peer] >= per_peer or len(self._pending) >= total:
+            self._spoken()
+        if self._by_peer[peer] >= per_peer or len(self._pending) >= total:
             _shut(fd)
             self.refused_total += 1
             self._on_refused(peer)
             return
         self._pending.append((now, fd, peer))
         self._by_peer[peer] += 1
+
+    def _spoken(self) -> None:
+        """No longer count the pending connections whose peer has sent a greeting."""
+        for entry in [e for e in self._pending if (_bytes_received(e[1]) or 0) >= GREETING_BYTES]:
+            self._pending.remove(entry)
+            self._drop_peer(entry[2])
 
     def _forget(self, fd: int) -> None:
         for i, (_, f, peer) in enumerate(self._pending):

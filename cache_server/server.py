@@ -36,7 +36,7 @@ from cache_server import protocol as p
 from cache_server.arena import PinTable, make_arena, pin_ids, pin_seconds, same_user_processes
 from cache_server.chunk_tree import UNKNOWN_PARENT
 from cache_server.config import ServerConfig
-from cache_server.conn_gate import HANDSHAKE_S, MAX_PENDING, MAX_PENDING_PER_PEER, ConnectionGate
+from cache_server.conn_gate import HANDSHAKE_S, ConnectionGate, pending_caps
 from cache_server.layout import Layout, copy_count
 from cache_server.leases import Release
 from cache_server.metrics import ServerMetrics
@@ -141,7 +141,7 @@ class CacheServer:
         if now - self._refusal_logged_at >= 60.0:
             counts, self._refused_since_log, self._refusal_logged_at = self._refused_since_log, {}, now
             logger.warning("refused %d connection(s) over the caps on handshakes under way (%d per address, %d in "
-                           "all, each at most %.0f s): %s", sum(counts.values()), MAX_PENDING_PER_PEER, MAX_PENDING,
+                           "all, each at most %.0f s): %s", sum(counts.values()), *pending_caps(),
                            HANDSHAKE_S, ", ".join(f"{a} x{n}" for a, n in sorted(counts.items())[:10]))
 
     # --- loop ----------------------------------------------------------------------------

@@ -9,10 +9,12 @@ import time
 import urllib.request
 
 from cache_server.client import CacheClient
-from cache_server.conn_gate import HANDSHAKE_S, MAX_PENDING_PER_PEER
+from cache_server.conn_gate import HANDSHAKE_S, MIN_PENDING_PER_PEER, PER_PEER_SHARE
 from testing.server_process import ServerProcess
 
 FLOOD = 300
+NOFILE = 256  # the issue's RLIMIT_NOFILE, set on the running server
+PER_PEER = max(MIN_PENDING_PER_PEER, NOFILE // PER_PEER_SHARE)  # pending handshakes one address may hold
 
 
 def _refused(server: ServerProcess) -> float:
@@ -31,13 +33,13 @@ def test_a_flood_of_idle_connections_is_cut_and_engines_are_still_answered():
     flood's own address is refused while the flood fills that address's cap: what a cap per
     address can do when the engines share the flood's address.)"""
     with ServerProcess() as srv:
-        resource.prlimit(srv.proc.pid, resource.RLIMIT_NOFILE, (256, 256))
+        resource.prlimit(srv.proc.pid, resource.RLIMIT_NOFILE, (NOFILE, NOFILE))
         with CacheClient(srv.url, timeout_s=30.0, shm=False) as engine:
             engine.ping()
             flood = [socket.create_connection(("127.0.0.1", srv.port), timeout=30) for _ in range(FLOOD)]
             try:
                 deadline = time.monotonic() + 60  # generous: a hang fails, a slow machine does not
-                while _refused(srv) < FLOOD - MAX_PENDING_PER_PEER:
+                while _refused(srv) < FLOOD - PER_PEER:
                     assert time.monotonic() < deadline, f"the gate refused {_refused(srv)} of {FLOOD}"
                     time.sleep(0.05)
                 engine.ping()  # connected before: never touched
@@ -52,3 +54,19 @@ def test_a_flood_of_idle_connections_is_cut_and_engines_are_still_answered():
                 for s in flood:
                     s.close()
     assert HANDSHAKE_S <= 10
+
+
+def test_engines_that_speak_are_not_held_to_the_cap_on_silent_handshakes():
+    """Against the same limit, 48 clients of one address connecting at once (replicas
+    starting together): each sends its greeting within milliseconds, so the gate no longer
+    counts it, and every one is answered although they outnumber the per-address cap."""
+    with ServerProcess() as srv:
+        resource.prlimit(srv.proc.pid, resource.RLIMIT_NOFILE, (NOFILE, NOFILE))
+        clients = [CacheClient(srv.url, timeout_s=30.0, shm=False) for _ in range(PER_PEER + 16)]
+        try:
+            for c in clients:
+                c.ping()
+        finally:
+            for c in clients:
+                c.close()
+        assert _refused(srv) == 0
