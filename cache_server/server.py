@@ -54,6 +54,10 @@ logger = logging.getLogger("glm_cache_server")
 SLOW_REQUEST_S = 2.0
 # A client clock this far ahead of ours makes its requests' deadlines unknowable: none applied.
 CLOCK_SKEW_S = 1.0
+# The smallest object a put may hold. An object is at least one row of its group; each is also
+# charged the store's OBJECT_OVERHEAD_BYTES, so a flood of small ones fills the budget and is
+# evicted like any other (a minimum per group would need a row size the hello does not carry).
+MIN_OBJECT_BYTES = 1
 # Routers' queries (op ``query``) run on one query thread of their own, never on a worker that
 # serves engines: at most this many wait for it (past that: ``busy``), each answered within
 # QUERY_DEADLINE_S or told ``busy`` (the thread still finishes it; its cost is bounded by
@@ -498,8 +502,12 @@ class CacheServer:
             raise p.ProtocolError(p.ErrorCode.BAD_REQUEST,
                                   f"put has {len(keys)} keys but {len(frames)} payload frames")
         self._check_groups([k[1] for k in keys])
-        # One chunk's objects travel together: an oversize one rejects the whole put.
+        # One chunk's objects travel together: an oversize or empty one rejects the whole put.
         for (_, group, rank), frame in zip(keys, frames):
+            if frame.nbytes < MIN_OBJECT_BYTES:
+                raise p.ProtocolError(p.ErrorCode.BAD_REQUEST,
+                                      f"object (group {group}, rank {rank}) is empty: every group's object holds at "
+                                      "least one row (a PD hand-off's tail at least one token)")
             if frame.nbytes > self.config.max_object_bytes:
                 raise p.ProtocolError(p.ErrorCode.TOO_LARGE,
                                       f"object (group {group}, rank {rank}) is {frame.nbytes} bytes; "

@@ -189,6 +189,16 @@ def test_lease_cap_per_client_drops_that_clients_oldest_lease(server, client):
     assert metric(metrics(server), 'glm_cache_leases_dropped_total{cap="per_client"}') >= 2
 
 
+def test_an_empty_object_is_refused_with_its_chunk(server, client):
+    """Every object holds at least one row: a put with an empty one is refused whole (as an
+    oversize one is), and nothing of it is stored."""
+    client.hello(NS, 16)
+    with pytest.raises(CacheServerError) as e:
+        client.put(NS, [(h(7), 0, 0, b"x" * 64), (h(7), 1, 0, b"")])
+    assert e.value.code == "bad_request" and "empty" in e.value.message
+    assert client.get(NS, [(h(7), 0, 0)]) == [None]
+
+
 def test_a_thousand_lookups_cannot_make_every_put_no_space():
     obj = 10_000
     with ServerProcess("--l1-size-gb", "0.001", "--max-object-size-mb", "0.5",

@@ -3,7 +3,7 @@
     python -m validation.bench_object_overhead                 # 160,000 puts per mix, 0.005 GiB
     python -m validation.bench_object_overhead --objects 20000 # quicker
 
-For each payload mix (1 byte; 1 KiB; sizes spread from 0 to 64 KiB) a fresh server with
+For each payload mix (1 byte; 1 KiB; sizes spread from 1 byte to 64 KiB) a fresh server with
 ``--l1-size-gb`` of the budget takes ``--objects`` puts of attention objects along one chain
 (a declared layout, so each has its chunk-tree node), 128 to a put. Printed per mix: objects
 put and held, bytes charged against the budget, the server's RSS growth, and that growth
@@ -43,7 +43,7 @@ def _sizes(mix: str, n: int, rng: random.Random) -> list[int]:
         return [1] * n
     if mix == "1 KiB":
         return [1024] * n
-    return [rng.choice((0, 1, 16, 256, 4096, 65536)) for _ in range(n)]
+    return [rng.choice((1, 16, 256, 4096, 65536)) for _ in range(n)]
 
 
 def run_mix(mix: str, objects: int, budget_gb: float) -> dict[str, float]:
@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-gb", type=float, default=0.005)
     ap.add_argument("--namespaces", type=int, default=50_000)
     args = ap.parse_args(argv)
-    rows = [(mix, run_mix(mix, args.objects, args.budget_gb)) for mix in ("1 B", "1 KiB", "0-64 KiB")]
+    rows = [(mix, run_mix(mix, args.objects, args.budget_gb)) for mix in ("1 B", "1 KiB", "1 B-64 KiB")]
     cols = list(rows[0][1])
     print(f"{'mix':<10}" + "".join(f"{c:>16}" for c in cols))
     for mix, row in rows:
