@@ -17,11 +17,12 @@ requests failed, and libzmq's I/O thread spun on the failing ``accept``). So:
   that speaks leaves the count within milliseconds, one that never does stays until
   libzmq closes it. Past the caps (a pending connection per :data:`PER_PEER_SHARE`-th of
   the open-descriptor limit for one address, per :data:`TOTAL_SHARE`-th in all, at least
-  :data:`MIN_PENDING_PER_PEER` and :data:`MIN_PENDING`), the new connection is shut down
-  (``shutdown(2)`` on the duplicate: libzmq sees the peer leave and closes its own
-  descriptor), counted (``glm_cache_refused_connections_total{reason="pending_cap"}``).
-  Engines already connected are never touched, and new ones get through as soon as a
-  flood's connections time out.
+  :data:`MIN_PENDING_PER_PEER` and :data:`MIN_PENDING`), the *oldest* silent connections
+  past :data:`GRACE_S` are shut down (``shutdown(2)`` on the duplicate: libzmq sees the peer
+  leave and closes its own descriptor), counted
+  (``glm_cache_refused_connections_total{reason="pending_cap"}``). Engines already
+  connected are never touched, and a new one, which greets within its grace, is never
+  counted as silent: it gets through during a flood from its own address too.
 * **Descriptors.** The server raises its soft ``RLIMIT_NOFILE`` to the hard limit at start
   (:func:`raise_nofile_limit`).
 
@@ -49,6 +50,7 @@ logger = logging.getLogger("glm_cache_server")
 
 HANDSHAKE_S = 5.0
 GREETING_BYTES = 64  # ZMTP 3's greeting: a peer that sent this much is speaking the protocol
+GRACE_S = 1.0  # a new connection's time to greet before the caps may shut it
 PER_PEER_SHARE = 8  # one address's pending connections: at most the descriptor limit / 8
 TOTAL_SHARE = 2  # everyone's: at most half of it
 MIN_PENDING_PER_PEER = 32
@@ -72,14 +74,15 @@ def raise_nofile_limit() -> int:
     return soft
 
 
-def _peer_of(fd: int, port: int) -> str | None:
-    """The peer address of the accepted connection behind ``fd`` (a duplicate is looked at),
-    None when ``fd`` is no longer a TCP connection to ``port`` (closed and reused meanwhile)."""
+def _peer_of(fd: int, port: int) -> tuple[str, int] | None:
+    """The peer (address, port) of the accepted connection behind ``fd`` (a duplicate is
+    looked at), None when ``fd`` is no longer a TCP connection to ``port``."""
     try:
         with _look(fd) as s:
             if s.type != socket.SOCK_STREAM or s.getsockname()[1] != port:
                 return None
-            return str(s.getpeername()[0])
+            name = s.getpeername()
+            return str(name[0]), int(name[1])
     except OSError:
         return None
 
@@ -128,7 +131,8 @@ class ConnectionGate:
         self._on_refused = on_refused
         self.on_handshake_failed = on_handshake_failed
         self.handshake_s = handshake_s
-        self._pending: deque[tuple[float, int, str]] = deque()  # (accepted at, fd, peer), oldest first
+        # (accepted at, fd, peer address, peer port), oldest first
+        self._pending: deque[tuple[float, int, str, int]] = deque()
         self._by_peer: Counter[str] = Counter()
         self._monitor: Any = None
         self._port = 0
@@ -172,30 +176,54 @@ class ConnectionGate:
             if kind == zmq.EVENT_ACCEPTED:
                 self._admit(now, fd)
             elif kind == zmq.EVENT_DISCONNECTED:
-                self._forget(fd)
+                self._disconnected(fd)
             elif self.on_handshake_failed is not None:
                 self.on_handshake_failed()
 
     def _age(self, now: float) -> None:
-        """Connections older than the handshake window are no longer pending."""
+        """Connections older than the handshake window are no longer pending (libzmq closed
+        those that did not finish it); then the caps are enforced again (a newcomer's grace
+        may have ended)."""
         while self._pending and now - self._pending[0][0] > self.handshake_s:
-            _, _, peer = self._pending.popleft()
+            _, _, peer, _ = self._pending.popleft()
             self._drop_peer(peer)
+        if self._over_cap():
+            self._enforce(now)
 
     def _admit(self, now: float, fd: int) -> None:
         peer = _peer_of(fd, self._port)
         if peer is None:
             return
+        self._forget(fd)  # a descriptor number reused: its old connection is gone, whatever its event says
+        self._pending.append((now, fd, *peer))
+        self._by_peer[peer[0]] += 1
+        if self._over_cap():
+            self._enforce(now)
+
+    def _over_cap(self) -> bool:
         per_peer, total = pending_caps()
-        if self._by_peer[peer] >= per_peer or len(self._pending) >= total:
-            self._spoken()
-        if self._by_peer[peer] >= per_peer or len(self._pending) >= total:
-            _shut(fd)
+        return len(self._pending) > total or any(n > per_peer for n in self._by_peer.values())
+
+    def _enforce(self, now: float) -> None:
+        """Over a cap: forget the pending connections whose peers have greeted, then shut the
+        oldest silent ones past their grace (:data:`GRACE_S`) of the address over its cap
+        (or of anyone, over the total) until within the caps. A newcomer is never judged
+        before its grace: an engine greets within it and so outlives a flood's silent
+        connections, which are older and go first."""
+        self._spoken()
+        per_peer, total = pending_caps()
+        while True:
+            over = [peer for peer, n in self._by_peer.items() if n > per_peer]
+            if not over and len(self._pending) <= total:
+                return
+            victim = next((e for e in self._pending if now - e[0] >= GRACE_S and (not over or e[2] in over)), None)
+            if victim is None:
+                return  # only newcomers in their grace: judged at the next tick
+            self._pending.remove(victim)
+            self._drop_peer(victim[2])
+            _shut(victim[1])
             self.refused_total += 1
-            self._on_refused(peer)
-            return
-        self._pending.append((now, fd, peer))
-        self._by_peer[peer] += 1
+            self._on_refused(victim[2])
 
     def _spoken(self) -> None:
         """No longer count the pending connections whose peer has sent a greeting."""
@@ -203,8 +231,15 @@ class ConnectionGate:
             self._pending.remove(entry)
             self._drop_peer(entry[2])
 
+    def _disconnected(self, fd: int) -> None:
+        """libzmq closed the connection on ``fd``, unless that number already belongs to a
+        newer connection (its event came after the number was reused): then it stays."""
+        now = _peer_of(fd, self._port)
+        if now is None or not any(e[1] == fd and (e[2], e[3]) == now for e in self._pending):
+            self._forget(fd)
+
     def _forget(self, fd: int) -> None:
-        for i, (_, f, peer) in enumerate(self._pending):
+        for i, (_, f, peer, _port) in enumerate(self._pending):
             if f == fd:
                 del self._pending[i]
                 self._drop_peer(peer)

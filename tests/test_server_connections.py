@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import resource
 import socket
-import time
 import urllib.request
 
 from cache_server.client import CacheClient
-from cache_server.conn_gate import HANDSHAKE_S, MIN_PENDING_PER_PEER, PER_PEER_SHARE
+from cache_server.conn_gate import MIN_PENDING_PER_PEER, PER_PEER_SHARE
 from testing.server_process import ServerProcess
 
 FLOOD = 300
@@ -24,36 +23,42 @@ def _refused(server: ServerProcess) -> float:
     return next(float(ln[len(line):]) for ln in text.splitlines() if ln.startswith(line))
 
 
+def _closed_by_server(flood: list[socket.socket]) -> None:
+    """Wait until the server has closed every one of ``flood`` (shut by the gate, or at the
+    handshake window; the kernel hands the ones past the listen backlog over in bursts, on
+    its SYN-ACK retransmissions), reading libzmq's greeting where it sent one."""
+    for s in flood:
+        s.settimeout(120)  # generous: a hang fails, a slow machine does not
+        while s.recv(4096):
+            pass
+
+
 def test_a_flood_of_idle_connections_is_cut_and_engines_are_still_answered():
     """300 connections that never send a greeting, against a server allowed 256 descriptors
-    (the issue's RLIMIT_NOFILE, set on the running server): the accept gate shuts every one
-    past the per-address cap on handshakes under way at once, the rest go at the handshake
-    window; an engine already connected is answered throughout, and a new one after (before:
-    the descriptors ran out and a new engine's ping failed). A new connection from the
-    flood's own address is refused while the flood fills that address's cap: what a cap per
-    address can do when the engines share the flood's address.)"""
+    (the issue's RLIMIT_NOFILE, set on the running server): the accept gate shuts silent
+    ones past the per-address cap once their grace is over, libzmq the rest at the handshake
+    window; an engine already connected is answered throughout, and a new engine of the
+    flood's own address, connecting amid a second wave, is answered too (it greets within
+    its grace; silent ones are shut instead). Before: the descriptors ran out and a new
+    engine's ping failed."""
     with ServerProcess() as srv:
         resource.prlimit(srv.proc.pid, resource.RLIMIT_NOFILE, (NOFILE, NOFILE))
         with CacheClient(srv.url, timeout_s=30.0, shm=False) as engine:
             engine.ping()
             flood = [socket.create_connection(("127.0.0.1", srv.port), timeout=30) for _ in range(FLOOD)]
             try:
-                deadline = time.monotonic() + 60  # generous: a hang fails, a slow machine does not
-                while _refused(srv) < FLOOD - PER_PEER:
-                    assert time.monotonic() < deadline, f"the gate refused {_refused(srv)} of {FLOOD}"
-                    time.sleep(0.05)
                 engine.ping()  # connected before: never touched
-                for s in flood:  # each was closed by the server: refused, or cut at the handshake window
-                    s.settimeout(60)
-                    while s.recv(4096):  # libzmq's greeting first, for those it let in
-                        pass
-                engine.ping()
+                wave = [socket.create_connection(("127.0.0.1", srv.port), timeout=30) for _ in range(FLOOD)]
+                flood += wave
                 with CacheClient(srv.url, timeout_s=30.0, shm=False) as newcomer:
-                    newcomer.ping()  # descriptors left for a new engine (before: accept failed, EMFILE)
+                    newcomer.ping()  # amid the second wave, from the same address
+                    engine.ping()
+                _closed_by_server(flood)
+                engine.ping()
             finally:
                 for s in flood:
                     s.close()
-    assert HANDSHAKE_S <= 10
+        assert _refused(srv) > 0  # the gate shut some (how many depends on when the kernel hands them over)
 
 
 def test_engines_that_speak_are_not_held_to_the_cap_on_silent_handshakes():
