@@ -274,7 +274,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     httpd = metricsd = None
     http_host = config.bound_http_host
-    for port, metrics_only in ((config.http_port, False), (config.prometheus_port, True)):
+    # The metrics port first: HTTP's health check answering then means both are up.
+    for port, metrics_only in ((config.prometheus_port, True), (config.http_port, False)):
         if (port is None) if metrics_only else (port == 0):
             continue  # no --prometheus-port: no metrics port; --http-port 0: no HTTP
         try:
@@ -282,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
         except OSError as e:
             logger.error("cannot bind %s on %s:%d: %s", "--prometheus-port" if metrics_only else "HTTP", http_host,
                          port, e)
-            for started in (httpd,):
+            for started in (httpd, metricsd):
                 if started is not None:
                     started.shutdown()
                     started.server_close()

@@ -60,9 +60,10 @@ def _fill_and_pin(url: str, tag: int) -> tuple[CacheClient, int]:
     release it) and the lease: until it is released every put is no_space."""
     cli = CacheClient(url, timeout_s=60)
     cli.clear()
-    cap = cli.stats()["capacity_bytes"]
+    stats = cli.stats()
+    cap = stats["capacity_bytes"]
     cli.hello("filler", C, attn_groups=[FILLER_GROUPS[0]], state_groups=[FILLER_GROUPS[1]])
-    big = cap - 1024
+    big = cap - 1024 - 2 * stats["object_overhead_bytes"]  # each object is charged its index too
     res = cli.put("filler", [(_hash(tag), FILLER_GROUPS[0], 0, bytes(big // 2)),
                              (_hash(tag), FILLER_GROUPS[1], 0, bytes(big - big // 2))], parent=[None, None])
     assert res == ["stored", "stored"]
