@@ -6,9 +6,12 @@ connections per peer or in all: a peer that opens connections and never sends a 
 held every descriptor of the server (300 of them under ``RLIMIT_NOFILE`` 256: engines'
 requests failed, and libzmq's I/O thread spun on the failing ``accept``). So:
 
-* **A short handshake.** ``ZMQ_HANDSHAKE_IVL`` is :data:`HANDSHAKE_S`: a connection that
+* **A handshake window.** ``ZMQ_HANDSHAKE_IVL`` is :data:`HANDSHAKE_S`: a connection that
   has not completed its handshake by then (with ``--auth-token-file``, presented the token)
-  is closed by libzmq.
+  is closed by libzmq. It stays libzmq's 30 s: with 5 s, a vLLM worker on a loaded 2-core
+  machine (its OpenMP threads and a busy loop beside it) went 60 s without completing a
+  connection and failed a load (fresh-clone CI at ``bb27406``, MultiConnector module); the
+  caps below, not the window, are what bound a flood.
 * **An accept gate.** A monitor of the ROUTER reports each accepted connection with its
   descriptor; the gate looks at it (a duplicate of the descriptor, closed at once: the
   socket must be a TCP connection to the server's port, and its peer's address is read)
@@ -48,7 +51,7 @@ import zmq
 
 logger = logging.getLogger("glm_cache_server")
 
-HANDSHAKE_S = 5.0
+HANDSHAKE_S = 30.0
 GREETING_BYTES = 64  # ZMTP 3's greeting: a peer that sent this much is speaking the protocol
 GRACE_S = 1.0  # a new connection's time to greet before the caps may shut it
 PER_PEER_SHARE = 8  # one address's pending connections: at most the descriptor limit / 8

@@ -12,6 +12,7 @@ from cache_server.conn_gate import MIN_PENDING_PER_PEER, PER_PEER_SHARE
 from testing.server_process import ServerProcess
 
 FLOOD = 300
+WAVE = 100  # a second wave: past the listen backlog, the kernel would hand connections over in bursts
 NOFILE = 256  # the issue's RLIMIT_NOFILE, set on the running server
 PER_PEER = max(MIN_PENDING_PER_PEER, NOFILE // PER_PEER_SHARE)  # pending handshakes one address may hold
 
@@ -38,17 +39,17 @@ def test_a_flood_of_idle_connections_is_cut_and_engines_are_still_answered():
     (the issue's RLIMIT_NOFILE, set on the running server): the accept gate shuts silent
     ones past the per-address cap once their grace is over, libzmq the rest at the handshake
     window; an engine already connected is answered throughout, and a new engine of the
-    flood's own address, connecting amid a second wave, is answered too (it greets within
+    flood's own address, connecting amid a second wave of 100, is answered too (it greets within
     its grace; silent ones are shut instead). Before: the descriptors ran out and a new
     engine's ping failed."""
     with ServerProcess() as srv:
         resource.prlimit(srv.proc.pid, resource.RLIMIT_NOFILE, (NOFILE, NOFILE))
         with CacheClient(srv.url, timeout_s=30.0, shm=False) as engine:
             engine.ping()
-            flood = [socket.create_connection(("127.0.0.1", srv.port), timeout=30) for _ in range(FLOOD)]
+            flood = [socket.create_connection(("127.0.0.1", srv.port), timeout=120) for _ in range(FLOOD)]
             try:
                 engine.ping()  # connected before: never touched
-                wave = [socket.create_connection(("127.0.0.1", srv.port), timeout=30) for _ in range(FLOOD)]
+                wave = [socket.create_connection(("127.0.0.1", srv.port), timeout=120) for _ in range(WAVE)]
                 flood += wave
                 with CacheClient(srv.url, timeout_s=30.0, shm=False) as newcomer:
                     newcomer.ping()  # amid the second wave, from the same address
