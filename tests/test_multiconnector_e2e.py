@@ -92,7 +92,9 @@ NIXL = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device
 
 
 def _multi(children: list[dict[str, Any]]) -> str:
-    return json.dumps({"kv_connector": "MultiConnector", "kv_role": "kv_both",
+    """The MultiConnector's config: a failed load recomputes (a child's own setting reaches
+    only its copy of the config: docs/pd-composition.md)."""
+    return json.dumps({"kv_connector": "MultiConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
                        "kv_connector_extra_config": {"connectors": children}})
 
 
