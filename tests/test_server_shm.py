@@ -59,7 +59,7 @@ def no_shm_server():
 
 
 def test_shm_is_negotiated_and_payloads_round_trip_byte_exact(shm_server):
-    payloads = [b"", b"x", os.urandom(4097), os.urandom(3 << 20), np.arange(1000, dtype=np.float32)]
+    payloads = [b"\0", b"x", os.urandom(4097), os.urandom(3 << 20), np.arange(1000, dtype=np.float32)]  # (empty objects are refused)
     keys = [_key(i, 1) for i in range(len(payloads))]
     with CacheClient(shm_server.url, timeout_s=10) as client:
         before = client.stats()["shm"]
