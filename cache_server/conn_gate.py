@@ -58,6 +58,7 @@ PER_PEER_SHARE = 8  # one address's pending connections: at most the descriptor 
 TOTAL_SHARE = 2  # everyone's: at most half of it
 MIN_PENDING_PER_PEER = 32
 MIN_PENDING = 128
+_UNLIMITED = 1 << 20  # what an unlimited RLIMIT_NOFILE counts as
 _TCP_INFO_BYTES_RECEIVED = 128  # offset of tcpi_bytes_received (u64) in struct tcp_info (Linux 4.1+)
 _EVENTS = (zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
            | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
@@ -67,7 +68,7 @@ def raise_nofile_limit() -> int:
     """Raise the soft limit on open descriptors to the hard one (2**20 if that is unlimited);
     the soft limit now in force."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    target = hard if hard != resource.RLIM_INFINITY else 1 << 20
+    target = hard if hard != resource.RLIM_INFINITY else _UNLIMITED
     if soft != resource.RLIM_INFINITY and soft < target:
         try:
             resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
@@ -111,7 +112,7 @@ def pending_caps() -> tuple[int, int]:
     """``(per address, in all)``: pending connections the gate lets in, from the open-
     descriptor limit in force now."""
     soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-    soft = 1 << 20 if soft == resource.RLIM_INFINITY else soft
+    soft = _UNLIMITED if soft == resource.RLIM_INFINITY else soft
     return max(MIN_PENDING_PER_PEER, soft // PER_PEER_SHARE), max(MIN_PENDING, soft // TOTAL_SHARE)
 
 
@@ -129,11 +130,10 @@ class ConnectionGate:
     :meth:`watch` it after it is bound; :meth:`close` before the context terminates."""
 
     def __init__(self, ctx: zmq.Context[Any], on_refused: Callable[[str], None],
-                 on_handshake_failed: Callable[[], None] | None = None, handshake_s: float = HANDSHAKE_S) -> None:
+                 on_handshake_failed: Callable[[], None] | None = None) -> None:
         self._ctx = ctx
         self._on_refused = on_refused
         self.on_handshake_failed = on_handshake_failed
-        self.handshake_s = handshake_s
         # (accepted at, fd, peer address, peer port), oldest first
         self._pending: deque[tuple[float, int, str, int]] = deque()
         self._by_peer: Counter[str] = Counter()
@@ -141,7 +141,6 @@ class ConnectionGate:
         self._port = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="glm-accept-gate", daemon=True)
-        self.refused_total = 0
 
     @staticmethod
     def configure(sock: zmq.Socket[Any]) -> None:
@@ -156,9 +155,6 @@ class ConnectionGate:
         self._monitor.connect(where)
         self._port = port
         self._thread.start()
-
-    def pending(self) -> int:
-        return len(self._pending)
 
     def _run(self) -> None:
         from zmq.utils.monitor import parse_monitor_message
@@ -187,7 +183,7 @@ class ConnectionGate:
         """Connections older than the handshake window are no longer pending (libzmq closed
         those that did not finish it); then the caps are enforced again (a newcomer's grace
         may have ended)."""
-        while self._pending and now - self._pending[0][0] > self.handshake_s:
+        while self._pending and now - self._pending[0][0] > HANDSHAKE_S:
             _, _, peer, _ = self._pending.popleft()
             self._drop_peer(peer)
         if self._over_cap():
@@ -225,7 +221,6 @@ class ConnectionGate:
             self._pending.remove(victim)
             self._drop_peer(victim[2])
             _shut(victim[1])
-            self.refused_total += 1
             self._on_refused(victim[2])
 
     def _spoken(self) -> None:

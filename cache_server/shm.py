@@ -303,7 +303,8 @@ class SegmentTable:
         another process's): they would otherwise wait ``idle_drop_s``; returns how many."""
         with self._lock:
             peers = dict(self._peers)
-        exited = {owner for owner, peer in peers.items() if process_identity(peer[0]) != peer}
+        gone = {peer for peer in set(peers.values()) if process_identity(peer[0]) != peer}  # once per process
+        exited = {owner for owner, peer in peers.items() if peer in gone}
         if not exited:
             return 0
         with self._lock:
