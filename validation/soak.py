@@ -4,15 +4,15 @@ replica fail on a schedule; what was answered, whether any token was wrong, and 
 faults cost.
 
     .venv/bin/python -m validation.soak [--minutes 10] [--json PATH] [--faults pause,server,l2,link,replica]
-        [--clients 3] [--timeout-s 5] [--keep DIR]
+        [--clients 3] [--timeout-s 5] [--keep DIR] [--cores 0,1]
 
 **What runs.** The tiny GLM-5.3-Flash (``glm5next_plugin.tiny_checkpoint``, float32, its
 vision tower, chunk 128 = vLLM's block); ``glm-cache-server --separate-object-groups
 --chunk-size 128 --l1-size-gb 1`` with an L2 on a real three-node Redis cluster (``--l2``,
 ``testing.redis_nodes``); two ``vllm serve`` replicas with ``GlmCacheConnector``
 (``kv_both``; ``timeout_s`` ``--timeout-s``, ``retry_after_s`` 5, the connector's default),
-each on one core of its own (``VLLM_CPU_OMP_THREADS_BIND`` 0 and 1, as two engines on one
-host are run; ``VLLM_CPU_NUM_OF_RESERVED_CPU=1``), ``--enable-prompt-tokens-details``. The
+each on one core of its own (``VLLM_CPU_OMP_THREADS_BIND`` per replica, ``--cores``: by default the
+first two allowed cores, as two engines on one host are run; ``VLLM_CPU_NUM_OF_RESERVED_CPU=1``), ``--enable-prompt-tokens-details``. The
 replicas reach the server through a loopback TCP proxy in this script (:class:`FaultyLink`),
 so the link can fail; its HTTP side (``/metrics``, ``/status``) is read directly.
 
@@ -127,6 +127,7 @@ PAUSE_S = 5.0
 L2_DOWN_S = 5.0
 LINK_FAULT_S = 30.0
 LINK_DELAY_P, LINK_DELAY_S, LINK_DROP_P = 0.3, (0.05, 0.5), 0.02
+CLIENT_JOIN_S = 300.0  # after the traffic, each client's request in flight answered within this, in all
 REPLICA_COUNTERS = {
     "sent": "vllm:glm_cache_lookups_sent_total",
     "in_time": "vllm:glm_cache_lookups_in_time_total",
@@ -555,6 +556,7 @@ class Soak:
         self.windows: list[Window] = []
         self._lock = threading.Lock()
         self._turn: Counter[int] = Counter()
+        self._in_flight: dict[int, tuple[Prompt, str, float]] = {}  # client thread: prompt, replica, sent at
         self._rr = 0
         self.t0 = 0.0
 
@@ -594,8 +596,11 @@ class Soak:
     def one(self, p: Prompt) -> Record:
         rec = Record(p.kind, p.name, "", time.monotonic() - self.t0)
         first = self.pick()
+        me = threading.get_ident()
         try:
             rec.replica = first.name
+            with self._lock:
+                self._in_flight[me] = (p, rec.replica, rec.sent_s)
             if p.kind == "pd":
                 t0 = time.perf_counter()
                 params = prefill_leg(first.url, p, self.args.salt)
@@ -603,6 +608,8 @@ class Soak:
                 first.leave()
                 second = self.pick(avoid=first)
                 rec.replica += ">" + second.name
+                with self._lock:
+                    self._in_flight[me] = (p, rec.replica, rec.sent_s)
                 first = second
                 reply = send(second.url, p, self.args.salt, self.args.max_tokens, params)
                 reply.ttft_s += prefill_s
@@ -615,6 +622,8 @@ class Soak:
             rec.error = f"{type(e).__name__}: {e}"[:300]
         finally:
             first.leave()
+            with self._lock:
+                self._in_flight.pop(me, None)
         if rec.wrong_tokens:
             self.log(f"  WRONG: {p.name} on {rec.replica} at {rec.sent_s:.1f} s: {rec.wrong_tokens} tokens differ")
         return rec
@@ -706,7 +715,7 @@ class Soak:
                                     "--max-num-seqs", "4", "--block-size", str(C), "--seed", "0",
                                     "--limit-mm-per-prompt", json.dumps({"image": 1}), "--mm-processor-cache-gb", "0",
                                     kv_transfer_config=config, max_model_len=4096,
-                                    env={"VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "VLLM_CPU_OMP_THREADS_BIND": str(i)},
+                                    env={"VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "VLLM_CPU_OMP_THREADS_BIND": a.cores[i]},
                                     log_path=logs / f"replica{i + 1}.log")
                 self.replicas.append(Replica(f"replica{i + 1}", engine))
             t = time.monotonic()
@@ -777,11 +786,28 @@ class Soak:
             self.wait_until(duration_s)
         finally:
             stop.set()
-            for c in clients:
-                c.join()
+            stuck = self.join_clients(clients)
+        if stuck:  # a request that is never answered is the failure to see, not a hung run
+            tails = "\n".join(f"--- {r.name} ({r.url}), log tail:\n{r.engine.log_tail(40)}" for r in self.replicas)
+            raise RuntimeError(f"{len(stuck)} request(s) unanswered {CLIENT_JOIN_S:.0f} s after the traffic "
+                               f"ended: {'; '.join(stuck)}\n{tails}")
         traffic_s = time.monotonic() - self.t0
         counters_end = self.counters()
         return self.report(traffic_s, counters_start, counters_end, rss_traffic)
+
+    def join_clients(self, clients: list[threading.Thread]) -> list[str]:
+        """Wait for each client's request in flight, at most ``CLIENT_JOIN_S`` in all; what is
+        still unanswered then (prompt, replica, seconds since it was sent), with every thread's
+        stack on stderr."""
+        deadline = time.monotonic() + CLIENT_JOIN_S
+        for c in clients:
+            c.join(max(0.0, deadline - time.monotonic()))
+        if not any(c.is_alive() for c in clients):
+            return []
+        faulthandler.dump_traceback(all_threads=True)
+        now = time.monotonic() - self.t0
+        with self._lock:
+            return [f"{p.name} on {r} sent {now - t:.0f} s ago" for p, r, t in self._in_flight.values()]
 
     # the report
     def report(self, traffic_s: float, c0: dict[str, Any], c1: dict[str, Any], rss_traffic: float | None) -> dict:
@@ -919,11 +945,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--salt", default="soak")
     ap.add_argument("--checkpoint", default=str(ROOT / "artifacts" / "glm5next-tiny"))
     ap.add_argument("--keep", help="write the processes' logs here (default: a temporary directory)")
+    ap.add_argument("--cores", default=None,
+                    help="VLLM_CPU_OMP_THREADS_BIND of replica 1 and replica 2, comma-separated (default: the first "
+                         "two cores this process may run on, one each; the same core twice shares it)")
     args = ap.parse_args(argv)
     args.faults = [f.strip() for f in args.faults.split(",") if f.strip()]
     unknown = set(args.faults) - set(FAULTS)
     if unknown:
         ap.error(f"unknown faults {sorted(unknown)}")
+    allowed = sorted(os.sched_getaffinity(0))
+    args.cores = (args.cores.split(",") if args.cores else [str(c) for c in (allowed * 2)[:2]])
+    if len(args.cores) != 2 or not all(c.strip() for c in args.cores):
+        ap.error(f"--cores: two values (replica 1, replica 2), got {args.cores!r}")
     return args
 
 
