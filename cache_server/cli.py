@@ -21,7 +21,7 @@ from cache_server.auth import (
     world_readable,
 )
 from cache_server.config import GIB, MIB, PUT_OBJECTS_BOUND, ServerConfig
-from cache_server.conn_gate import HANDSHAKE_S, pending_caps, raise_nofile_limit
+from cache_server.conn_gate import HANDSHAKE_S, SILENT_S, pending_caps, raise_nofile_limit
 from cache_server.http import start_http
 from cache_server.lmcache_compat import unhonoured_lmcache_env
 from cache_server.lmcache_surface import env_hint, refusal
@@ -320,8 +320,9 @@ def main(argv: list[str] | None = None) -> int:
                 server.store.max_leased_bytes, config.max_namespaces)
     logger.info("%d workers, %d ZMQ I/O threads, same-host shared memory %s", config.workers, config.io_threads,
                 "on" if server.segments.snapshot()["enabled"] else "off")
-    logger.info("connections: %d open descriptors at most (RLIMIT_NOFILE), handshakes within %.0f s, at most %d under "
-                "way per address and %d in all", nofile, HANDSHAKE_S, *pending_caps())
+    logger.info("connections: %d open descriptors at most (RLIMIT_NOFILE), a greeting within %.0f s and the handshake "
+                "within %.0f s, at most %d under way per address and %d in all", nofile, SILENT_S, HANDSHAKE_S,
+                *pending_caps())
     if httpd:
         logger.info("HTTP: at most %d connections, %.0f s for each request", config.http_max_connections,
                     config.http_timeout_s)

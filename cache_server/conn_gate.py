@@ -12,13 +12,19 @@ requests failed, and libzmq's I/O thread spun on the failing ``accept``). So:
   machine (its OpenMP threads and a busy loop beside it) went 60 s without completing a
   connection and failed a load (fresh-clone CI at ``bb27406``, MultiConnector module); the
   caps below, not the window, are what bound a flood.
+* **A greeting deadline.** A connection whose peer has not sent a whole ZMTP greeting
+  (:data:`GREETING_BYTES`) :data:`SILENT_S` after it was accepted is shut by the gate and
+  counted (``reason="silent"``), whatever the caps: the greeting is 64 bytes that a peer's
+  I/O thread sends as soon as TCP connects, before its application does anything, so 10 s
+  of silence is no engine (and a client shut by mistake reconnects, as ZeroMQ does). The
+  rest of the handshake keeps libzmq's window.
 * **An accept gate.** A monitor of the ROUTER reports each accepted connection with its
   descriptor; the gate looks at it (a duplicate of the descriptor, closed at once: the
   socket must be a TCP connection to the server's port, and its peer's address is read)
-  and counts it as *pending* while it is younger than :data:`HANDSHAKE_S` and its peer has
+  and counts it as *pending* while it is younger than :data:`SILENT_S` and its peer has
   sent less than a ZMTP greeting (:data:`GREETING_BYTES`, read from ``TCP_INFO``): a peer
-  that speaks leaves the count within milliseconds, one that never does stays until
-  libzmq closes it. Past the caps (a pending connection per :data:`PER_PEER_SHARE`-th of
+  that speaks leaves the count within milliseconds, one that never does stays until the
+  greeting deadline shuts it. Past the caps (a pending connection per :data:`PER_PEER_SHARE`-th of
   the open-descriptor limit for one address, per :data:`TOTAL_SHARE`-th in all, at least
   :data:`MIN_PENDING_PER_PEER` and :data:`MIN_PENDING`), the *oldest* silent connections
   past :data:`GRACE_S` are shut down (``shutdown(2)`` on the duplicate: libzmq sees the peer
@@ -54,6 +60,7 @@ logger = logging.getLogger("glm_cache_server")
 HANDSHAKE_S = 30.0
 GREETING_BYTES = 64  # ZMTP 3's greeting: a peer that sent this much is speaking the protocol
 GRACE_S = 1.0  # a new connection's time to greet before the caps may shut it
+SILENT_S = 10.0  # a connection's time to greet at all
 PER_PEER_SHARE = 8  # one address's pending connections: at most the descriptor limit / 8
 TOTAL_SHARE = 2  # everyone's: at most half of it
 MIN_PENDING_PER_PEER = 32
@@ -129,7 +136,7 @@ class ConnectionGate:
     """The accept gate of one ROUTER socket (the module docstring says what it does).
     :meth:`watch` it after it is bound; :meth:`close` before the context terminates."""
 
-    def __init__(self, ctx: zmq.Context[Any], on_refused: Callable[[str], None],
+    def __init__(self, ctx: zmq.Context[Any], on_refused: Callable[[str, str], None],
                  on_handshake_failed: Callable[[], None] | None = None) -> None:
         self._ctx = ctx
         self._on_refused = on_refused
@@ -180,12 +187,14 @@ class ConnectionGate:
                 self.on_handshake_failed()
 
     def _age(self, now: float) -> None:
-        """Connections older than the handshake window are no longer pending (libzmq closed
-        those that did not finish it); then the caps are enforced again (a newcomer's grace
-        may have ended)."""
-        while self._pending and now - self._pending[0][0] > HANDSHAKE_S:
-            _, _, peer, _ = self._pending.popleft()
+        """Connections past the greeting deadline leave the count: shut if their peer is
+        still silent; then the caps are enforced again (a newcomer's grace may have ended)."""
+        while self._pending and now - self._pending[0][0] > SILENT_S:
+            _, fd, peer, _ = self._pending.popleft()
             self._drop_peer(peer)
+            if (_bytes_received(fd) or 0) < GREETING_BYTES and _peer_of(fd, self._port) is not None:
+                _shut(fd)
+                self._on_refused(peer, "silent")
         if self._over_cap():
             self._enforce(now)
 
@@ -221,7 +230,7 @@ class ConnectionGate:
             self._pending.remove(victim)
             self._drop_peer(victim[2])
             _shut(victim[1])
-            self._on_refused(victim[2])
+            self._on_refused(victim[2], "pending_cap")
 
     def _spoken(self) -> None:
         """No longer count the pending connections whose peer has sent a greeting."""

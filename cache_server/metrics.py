@@ -308,10 +308,12 @@ class ServerMetrics:
             self.limit_refusals.labels(limit=limit)  # present at 0 from the start
         self.refused_connections = Counter(
             f"{PREFIX}_refused_connections", "ZMQ connections refused before any message was read: pending_cap "
-            "(over the caps on handshakes under way, per address or in all: cache_server.conn_gate), and with "
+            "(over the caps on handshakes under way, per address or in all: cache_server.conn_gate), silent (no "
+            "whole ZMQ greeting 10 s after it was accepted), and with "
             "--auth-token-file token (PLAIN with a wrong token, one a connection attempt), mechanism (no token; "
             "a peer retries, so one or more a client)", ["reason"], registry=self.registry)
-        self.refused_connections.labels(reason="pending_cap")  # present at 0 from the start
+        for reason in ("pending_cap", "silent"):
+            self.refused_connections.labels(reason=reason)  # present at 0 from the start
 
     def count_lookup(self, chunk_size: int | None, n_hashes: int, start_chunk: int, answered: int,
                      l1_depth: int | None = None, namespace: str | None = None, salt: str | None = None) -> None:

@@ -36,7 +36,7 @@ from cache_server import protocol as p
 from cache_server.arena import PinTable, make_arena, pin_ids, pin_seconds, same_user_processes
 from cache_server.chunk_tree import UNKNOWN_PARENT
 from cache_server.config import ServerConfig
-from cache_server.conn_gate import HANDSHAKE_S, ConnectionGate, pending_caps
+from cache_server.conn_gate import SILENT_S, ConnectionGate, pending_caps
 from cache_server.layout import Layout, copy_count
 from cache_server.leases import Release
 from cache_server.metrics import ServerMetrics
@@ -136,17 +136,18 @@ class CacheServer:
         self._sock.bind(f"tcp://{h}:{port}")
         return port
 
-    def _note_refused_connection(self, peer: str) -> None:
-        """The accept gate shut a connection of ``peer`` (over the pending-handshake caps):
-        counted, and logged at most once a minute with the addresses."""
-        self.metrics.refused_connections.labels(reason="pending_cap").inc()
+    def _note_refused_connection(self, peer: str, reason: str) -> None:
+        """The accept gate shut a connection of ``peer`` (``reason``: over the pending-handshake
+        caps, or silent past the greeting deadline): counted, and logged at most once a
+        minute with the addresses."""
+        self.metrics.refused_connections.labels(reason=reason).inc()
         self._refused_since_log[peer] = self._refused_since_log.get(peer, 0) + 1
         now = time.monotonic()
         if now - self._refusal_logged_at >= 60.0:
             counts, self._refused_since_log, self._refusal_logged_at = self._refused_since_log, {}, now
-            logger.warning("refused %d connection(s) over the caps on handshakes under way (%d per address, %d in "
-                           "all, each at most %.0f s): %s", sum(counts.values()), *pending_caps(),
-                           HANDSHAKE_S, ", ".join(f"{a} x{n}" for a, n in sorted(counts.items())[:10]))
+            logger.warning("shut %d connection(s) that sent no greeting: over the caps on handshakes under way "
+                           "(%d per address, %d in all) or silent for %.0f s: %s", sum(counts.values()),
+                           *pending_caps(), SILENT_S, ", ".join(f"{a} x{n}" for a, n in sorted(counts.items())[:10]))
 
     # --- loop ----------------------------------------------------------------------------
 

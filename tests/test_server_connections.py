@@ -76,3 +76,33 @@ def test_engines_that_speak_are_not_held_to_the_cap_on_silent_handshakes():
             for c in clients:
                 c.close()
         assert _refused(srv) == 0
+
+
+def _refusals(server: ServerProcess) -> dict[str, float]:
+    with urllib.request.urlopen(server.http_url + "/metrics", timeout=30) as r:
+        text = r.read().decode()
+    head = "glm_cache_refused_connections_total{reason=\""
+    return {ln[len(head):].split('"', 1)[0]: float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines()
+            if ln.startswith(head)}
+
+
+def test_a_connection_that_never_greets_is_shut_at_the_greeting_deadline():
+    """Two connections, far below every cap: one sends nothing, one the first 10 bytes of a
+    ZMTP greeting (a peer holding a handshake half-open). The gate shuts both once
+    SILENT_S has passed since each was accepted, counted as ``silent``; without the
+    deadline they would stay until libzmq's handshake window and never be counted. An
+    engine connected meanwhile is answered."""
+    with ServerProcess() as srv:
+        assert _refusals(srv) == {"pending_cap": 0.0, "silent": 0.0}
+        quiet = socket.create_connection(("127.0.0.1", srv.port), timeout=120)
+        half = socket.create_connection(("127.0.0.1", srv.port), timeout=120)
+        try:
+            half.sendall(b"\xff" + bytes(8) + b"\x7f")  # the greeting's signature, then nothing
+            with CacheClient(srv.url, timeout_s=30.0, shm=False) as engine:
+                engine.ping()
+                _closed_by_server([quiet, half])
+                engine.ping()
+        finally:
+            quiet.close()
+            half.close()
+        assert _refusals(srv) == {"pending_cap": 0.0, "silent": 2.0}
