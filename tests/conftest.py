@@ -166,8 +166,9 @@ def pytest_collection_modifyitems(config, items):
 
 # -- Two lanes (`make test` runs pytest-xdist with two workers) ----------------------------------
 #
-# Two engines at once share the cores and twice the memory (each lane's engines compute on
-# a core of their own: pytest_configure below). Every module with
+# vLLM's CPU worker binds its compute threads itself: a connector engine to both cores of
+# this host, any other to the first, so two engines at once share cores and twice the
+# memory. Every module with
 # an engine test that uses the external cache runs in one lane, one module after another as
 # without xdist: the connector's 2 s request deadline is part of what those tests check, so
 # they never run beside another engine. Each other module is a unit of its own (its fixtures
@@ -187,31 +188,6 @@ PLUGIN_ENGINE_MODULES = frozenset({
     # past 600 s.
 })
 PLUGIN_LANE = "engines without the external cache"
-
-
-# -- Each lane's engines compute on a core of their own ----------------------------------------
-#
-# vLLM's CPU worker binds its OpenMP compute threads itself (VLLM_CPU_OMP_THREADS_BIND,
-# default "auto"). With a KV connector on a 2-core host "auto" reserves a core for the
-# scheduler and one for the connector, finds none left, and binds its threads to both
-# cores: an engine in one lane and one in the other then each run every parallel region on
-# both cores, and each region waits for a thread that the other engine (or the soak's
-# replicas, or a busy neighbour) holds. Measured beside a `nice -n 0` busy loop, two
-# connector engines at once, each starting and answering 4 prompts of 1500 tokens: "auto"
-# 41 s and 12 s; one core each, 36 s and 6 s. So each xdist worker's engines take one core
-# (gw0 the first allowed core, gw1 the second), as an operator runs several CPU engines on
-# one host: vLLM's own setting, one core list per engine. A test that binds its engines
-# itself (tensor parallel: one core per rank) sets its own value; a run without xdist keeps
-# vLLM's default.
-
-
-def pytest_configure(config):
-    import os
-
-    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
-    if worker.startswith("gw") and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
-        cores = sorted(os.sched_getaffinity(0))
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(cores[int(worker[2:]) % len(cores)])
 
 
 @cache

@@ -133,15 +133,20 @@ def _delta(after: Snapshot, before: Snapshot) -> dict[str, Any]:
     }
 
 
-def _settled(srv: ServerProcess, engine: VllmServer, before: Snapshot, timeout_s: float = 30.0) -> Snapshot:
-    """Once the saves have landed and been counted: the server's stored objects and our
-    connector's saved count agree and stay put for a second (saves are asynchronous)."""
+def _settled(srv: ServerProcess, engine: VllmServer, before: Snapshot, saves: int = 0,
+             timeout_s: float = 120.0) -> Snapshot:
+    """Once the saves have landed and been counted: the server has received at least
+    ``saves`` objects since ``before`` (the request's saves travel after its response: on a
+    loaded machine they land seconds later, and a second without any is no proof that none
+    is coming), its stored objects and our connector's saved count agree, and all stay put
+    for a second."""
     deadline = time.monotonic() + timeout_s
     last: Snapshot | None = None
     while time.monotonic() < deadline:
         snap = Snapshot(srv, engine)
         d = _delta(snap, before)
-        if last is not None and d == _delta(last, before) and d["saved_objects"] == d["puts_stored"]:
+        if (last is not None and d == _delta(last, before) and d["saved_objects"] == d["puts_stored"]
+                and d["puts_stored"] + d["puts_existing"] >= saves):
             return snap
         last = snap
         time.sleep(1.0)
@@ -244,7 +249,7 @@ def composed(tmp_path_factory):
             _warm_up(e)
             s0 = Snapshot(srv, e)
             cold = complete(e.base_url, PROMPT, max_tokens=TOKENS, cache_salt=SALT)
-            s1 = _settled(srv, e, s0)
+            s1 = _settled(srv, e, s0, saves=SINGLE["saved_objects"])
             warm, s1r, s2 = _reload(srv, e, s1, out["late_retries"], reset=True)
             # NIXL's producer side on the same request our connector saves
             body = {"model": "model", "prompt": OTHER, "max_tokens": 1, "temperature": 0.0, "ignore_eos": True,
@@ -252,7 +257,9 @@ def composed(tmp_path_factory):
             out["glm_first"] = {"cold": cold, "warm": warm, "save": _delta(s1, s0), "load": _delta(s2, s1r)}
             try:  # last on this engine: a child's failure here kills the engine core
                 out["glm_first"]["handoff"] = post_json(e.base_url + "/v1/completions", body, timeout_s=300)
-                out["glm_first"]["handoff_save"] = _delta(_settled(srv, e, s2), s2)
+                chunks = RESUMED // C
+                out["glm_first"]["handoff_save"] = _delta(
+                    _settled(srv, e, s2, saves=SINGLE["saved_objects"] * (chunks + 1) // chunks), s2)
             except urllib.error.HTTPError as err:
                 clash = [line for line in e.log().splitlines() if "Key clash" in line]
                 out["glm_first"]["handoff_error"] = f"{err}: {clash[-1] if clash else e.log_tail(5)}"
@@ -266,7 +273,7 @@ def composed(tmp_path_factory):
             _warm_up(e)
             s0 = Snapshot(srv, e)
             cold = complete(e.base_url, PROMPT, max_tokens=TOKENS, cache_salt="cold-nixl-first")
-            s1 = _settled(srv, e, s0)
+            s1 = _settled(srv, e, s0)  # a consumer: saves nothing
             first, s1r, s2 = _reload(srv, e, s1, out["late_retries"], reset=False)
             again, s2r, s3 = _reload(srv, e, s2, out["late_retries"], reset=True)
             out["nixl_first"] = {"cold": cold, "first": first, "again": again, "cold_delta": _delta(s1, s0),

@@ -51,9 +51,10 @@ LP_TOL = 1e-4  # float32: the decode sums the tail's KDA recurrence in another o
 def _config(url: str, role: str) -> str:
     # timeout_s: how long the decode side waits for the prefill's saves (default 2 s). With
     # the other test lane's engine on the second core, the prefill's first saves of a run
-    # have landed later than that (the decode then computed the whole prompt, correctly).
+    # have landed later than that (the decode then computed the whole prompt, correctly),
+    # and beside a busy loop as well later than 10 s (fresh-clone runs at fb9e98e, 17056cc).
     return json.dumps({"kv_connector": "GlmCacheConnector", "kv_role": role,
-                       "kv_connector_extra_config": {"server": url, "timeout_s": 10.0}})
+                       "kv_connector_extra_config": {"server": url, "timeout_s": 30.0}})
 
 
 def _engines(ckpt, url: str, *extra: str) -> tuple[VllmServer, VllmServer]:

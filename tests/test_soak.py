@@ -15,8 +15,6 @@ correctness, not how fast anything was.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from testing.l2_fixtures import require_store
@@ -30,11 +28,7 @@ def test_soak_with_faults_answers_every_request_with_the_cold_tokens(tmp_path):
     require_store()
     from validation import soak
 
-    # both replicas on this lane's core (tests/conftest.py binds each xdist worker's engines
-    # to one), so the soak's engines never compute on the other lane's
-    lane = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
-    cores = ["--cores", f"{lane},{lane}"] if lane else []
-    args = soak.parse_args([*cores, "--minutes", "2", "--faults", ",".join(FAULTS), "--timeout-s", "30",
+    args = soak.parse_args(["--minutes", "2", "--faults", ",".join(FAULTS), "--timeout-s", "30",
                             "--conversations", "2", "--turns", "3", "--documents", "2", "--questions", "2",
                             "--pd", "2", "--images", "2", "--checkpoint", str(tmp_path / "glm5next-tiny"),
                             "--keep", str(tmp_path / "logs")])
