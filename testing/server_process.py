@@ -61,8 +61,10 @@ class ServerProcess:
     def http_url(self) -> str:
         return f"http://127.0.0.1:{self.http_port}"
 
-    def start(self, timeout_s: float = 30.0) -> ServerProcess:
-        """Start the server and wait until it answers. A port picked by :func:`free_port` can
+    def start(self, timeout_s: float = 120.0) -> ServerProcess:
+        """Start the server and wait until it answers (generous: a server that exits is seen
+        at once; a loaded machine has taken over 30 s to start one, the soak's restart in a
+        fresh-clone run beside a busy loop at cad13c3). A port picked by :func:`free_port` can
         be taken before the server binds it (another process's outgoing connection takes
         ephemeral ports from the same range): then new ports are picked, up to three times."""
         for attempt in range(3):
