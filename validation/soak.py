@@ -556,7 +556,7 @@ class Soak:
         self.windows: list[Window] = []
         self._lock = threading.Lock()
         self._turn: Counter[int] = Counter()
-        self._in_flight: dict[int, tuple[Prompt, str, float]] = {}  # client thread: prompt, replica, sent at
+        self._in_flight: dict[int, Record] = {}  # each client thread's request under way
         self._rr = 0
         self.t0 = 0.0
 
@@ -600,7 +600,7 @@ class Soak:
         try:
             rec.replica = first.name
             with self._lock:
-                self._in_flight[me] = (p, rec.replica, rec.sent_s)
+                self._in_flight[me] = rec
             if p.kind == "pd":
                 t0 = time.perf_counter()
                 params = prefill_leg(first.url, p, self.args.salt)
@@ -608,8 +608,6 @@ class Soak:
                 first.leave()
                 second = self.pick(avoid=first)
                 rec.replica += ">" + second.name
-                with self._lock:
-                    self._in_flight[me] = (p, rec.replica, rec.sent_s)
                 first = second
                 reply = send(second.url, p, self.args.salt, self.args.max_tokens, params)
                 reply.ttft_s += prefill_s
@@ -807,7 +805,7 @@ class Soak:
         faulthandler.dump_traceback(all_threads=True)
         now = time.monotonic() - self.t0
         with self._lock:
-            return [f"{p.name} on {r} sent {now - t:.0f} s ago" for p, r, t in self._in_flight.values()]
+            return [f"{r.name} on {r.replica} sent {now - r.sent_s:.0f} s ago" for r in self._in_flight.values()]
 
     # the report
     def report(self, traffic_s: float, c0: dict[str, Any], c1: dict[str, Any], rss_traffic: float | None) -> dict:
