@@ -212,3 +212,31 @@ def pytest_xdist_make_scheduler(config, log):
             super()._assign_work_unit(node)
 
     return EngineLanes(config, log)
+
+
+# -- Machine stalls (testing.stalls) ---------------------------------------------------------
+#
+# The test run's controller (no test runs in it: it only sleeps) notes each time the whole
+# machine stood still, and the summary lists them: a deadline that passed during one was
+# the machine's, whatever the failure says.
+_STALLS_KEY = pytest.StashKey["StallWatch"]()
+
+
+def pytest_configure(config):
+    if hasattr(config, "workerinput"):  # an xdist worker: the controller watches
+        return
+    from testing.stalls import StallWatch
+
+    config.stash[_STALLS_KEY] = StallWatch().start()
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    watch = config.stash.get(_STALLS_KEY, None)
+    if watch is None:
+        return
+    watch.stop()
+    if watch.stalls:
+        terminalreporter.write_sep("-", "machine stalls")
+        terminalreporter.write_line(
+            f"every process stood still {len(watch.stalls)} time(s): {watch.describe(watch.stalls)}; a request "
+            "in flight then was late on both sides (testing/stalls.py)")

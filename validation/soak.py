@@ -112,6 +112,7 @@ from typing import Any
 from testing.l2_fixtures import l2_args
 from testing.redis_nodes import RedisNodes
 from testing.server_process import ServerProcess, free_port
+from testing.stalls import StallWatch
 from validation.demo import document
 from validation.image_chat import png_data_url
 from validation.serving import VllmServer, metric_sum, post_json, scrape_metrics, sse_events
@@ -692,6 +693,7 @@ class Soak:
         a = self.args
         from glm5next_plugin.tiny_checkpoint import ensure_checkpoint
 
+        self.stall_watch = StallWatch().start()  # the machine's own stalls, reported beside the faults
         ckpt = ensure_checkpoint(Path(a.checkpoint), log=self.log)
         logs = Path(a.keep) if a.keep else Path(tempfile.mkdtemp(prefix="glm-soak-"))
         logs.mkdir(parents=True, exist_ok=True)
@@ -735,6 +737,7 @@ class Soak:
             if hasattr(self, "server"):
                 self.server.proc.stop()
             self.redis.stop()
+            self.stall_watch.stop()
 
 
     def wait_until(self, at_s: float) -> None:
@@ -867,6 +870,8 @@ class Soak:
                        "rss_mib_end": self.server.rss(), "restarts": self.server.restarts},
             "replica_restarts": {r.name: r.restarts for r in self.replicas},
             "link": dict(self.link.stats) if self.link else {},
+            "machine_stalls": [{"at_s": start - (time.time() - (time.monotonic() - self.t0)), "s": length}
+                               for start, length in self.stall_watch.stalls],
         }
         print_report(result)
         return result
@@ -919,6 +924,9 @@ def print_report(r: dict[str, Any]) -> None:
           f"(restarts: {s['restarts']})")
     for w in r["windows"]:
         print(f"  {w['fault']}: {w['note']}")
+    stalls = r.get("machine_stalls") or []
+    print("machine stalls (every process stood still; testing/stalls.py): "
+          + (", ".join(f"at {st['at_s']:.0f} s for {st['s']:.1f} s" for st in stalls) or "none"))
     if r["errors"]:
         print("errors:", *(f"  {e['name']} on {e['replica']} at {e['sent_s']:.1f} s: {e['error']}" for e in r["errors"]),
               sep="\n")
