@@ -52,8 +52,9 @@ def model_dir(tmp_path_factory):
     return make_tiny_qwen3_next(tmp_path_factory.mktemp("tiny_qwen3_next"))
 
 
-TIMEOUT_S = 10.0  # the connector's timeout_s (per request, the floor of a batch's deadline): generous, as
-# these tests check hits, not deadlines; the paused-server test waits this long once
+TIMEOUT_S = 60.0  # the connector's timeout_s (per request, the floor of a batch's deadline): generous, as
+# these tests check hits, not deadlines (tests.engines.TIMEOUT_S says why 60); the paused-server
+# tests wait this long once each
 
 
 @pytest.fixture(scope="module")
@@ -323,7 +324,7 @@ def test_abort_during_external_load_keeps_the_engine_healthy(llm, server):
         req_id = f"abort-{attempt}"
         engine.add_request(req_id, TokensPrompt(prompt_token_ids=prompt, cache_salt=salt),
                            SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + TIMEOUT_S
         while client.stats()["leases_granted"] == before["leases_granted"]:  # the lookup hit
             assert time.monotonic() < deadline, "no lookup reached the server"
         os.kill(server.proc.pid, signal.SIGSTOP)

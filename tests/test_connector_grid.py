@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from engines import connector_engine, generate_one, random_prompt, stop_engine
+from engines import TIMEOUT_S, connector_engine, generate_one, random_prompt, stop_engine
 
 from cache_server.client import CacheClient
 from glm5next_plugin import tiny_checkpoint
@@ -77,7 +77,8 @@ def test_a_chunk_size_change_mid_run_never_mixes_grids(tmp_path, capfd):
         first.kill()
         # A lookup against the dead server fails: the link backs off and forgets the handshake.
         engine.add_request("probe", _prompt(random_prompt(700, 6), "grid-probe"), _params(1))
-        step_until(lambda: "lookup failed" in log)  # after timeout_s: no answer from the dead server
+        # after timeout_s: no answer from the dead server
+        step_until(lambda: "lookup failed" in log, timeout_s=TIMEOUT_S + 120)
         second = _server("--chunk-size", str(2 * C), port=first.port, http_port=first.http_port)
         time.sleep(RETRY_S + 0.2)
         for i in (1, 2):

@@ -76,8 +76,9 @@ def _saved_through(srv: ServerProcess, puts: int) -> dict:
     return wait_written(lambda: _stats(srv), _settled(srv, puts)["puts_stored"])
 
 
-TIMEOUT_S = 30.0  # the connector's timeout_s: generous, as these tests check hits (and a miss the
-# server answers), not the connector's deadline
+TIMEOUT_S = 60.0  # the connector's timeout_s: generous, as these tests check hits (and a miss the
+# server answers), not the connector's deadline; 60 s outlasts a stall of the whole machine
+# (tests.engines.TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")

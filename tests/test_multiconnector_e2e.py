@@ -72,11 +72,13 @@ SINGLE = {"saved_objects": 8, "saved_bytes": 150272, "loaded_objects": 6, "loade
 GLM_ROLE_NIXL_FIRST = "kv_consumer"
 
 
-# This module checks how the two connectors compose, not deadlines: its requests get 30 s, not
-# the default 2: on 2 loaded cores one run saw a server reply take over 2 s here and served
-# the reload cold (a correct answer, which the tests below would read as a lost load), and CI
-# once saw a /status reply take over 10 s.
-TIMEOUT_S = 30.0
+# This module checks how the two connectors compose, not deadlines: its requests get 60 s, not
+# the default 2. Its CI runs' "did not answer 'lookup' within 30.0s (connected throughout)" and
+# "not reachable (no connection within 30.0s)", with the server logging the same request as
+# queued 30 s (or nothing, for a connection), were the whole machine standing still for
+# about 30 s (testing/stalls.py: every process's heartbeat late by the same 26-31 s at the
+# same second): late on both sides, lost on neither. Twice that is what a request gets here.
+TIMEOUT_S = 60.0
 
 
 RETRY_AFTER_S = 1.0  # the connector's back-off after a failed lookup (5 s by default)
@@ -221,28 +223,6 @@ def _reload(srv: ServerProcess, e: VllmServer, before: Snapshot, retries: list[d
 
 
 @pytest.fixture(scope="module")
-def runs(composed):
-    """The runs, when every lookup of the module's engines was answered in time. Open bug
-    (docs/benchmarks.md, "Soak with faults"): a request is sometimes held between the
-    client's send and the server's workers until the engine gives up and sends other traffic
-    (fresh-clone CI at fbfe820: a fresh engine's first lookup, 30 s, "connected throughout",
-    answered late). Such a run is served cold, correctly, but its saves and loads shift in
-    time and the composition is not what it shows: the composition tests are skipped with
-    the counters, and ``test_every_lookup_was_answered_in_time`` still requires that none
-    was lost and every late one was counted late by the server."""
-    held = {name: composed[name]["lookups"] for name in ("glm_first", "nixl_first")
-            if composed[name]["lookups"]["lookups_sent"] != composed[name]["lookups"]["lookups_in_time"]}
-    # The same bug before the first request: the scheduler's first connection not made within
-    # 30 s on a loaded machine, the server having logged nothing (fresh clone beside a busy
-    # loop at cad13c3); that run is served cold, saves nothing, and shows no composition.
-    held.update({name: composed[name]["unreachable"] for name in ("glm_first", "nixl_first")
-                 if composed[name]["unreachable"]})
-    if held:
-        pytest.skip(f"lookup(s) held past their deadline (open bug): {held}; server late {composed['server_late']}")
-    return composed
-
-
-@pytest.fixture(scope="module")
 def composed(tmp_path_factory):
     """Both orders, one engine at a time, on one server; what each request changed."""
     from glm5next_plugin.tiny_checkpoint import ensure_checkpoint
@@ -326,19 +306,19 @@ def _assert_single_connector_load(d: dict[str, Any]) -> None:
     assert d["nixl_transfers"] == 0
 
 
-def test_glm_first_saves_once_and_serves_the_reset_resend(runs):
-    r = runs["glm_first"]
+def test_glm_first_saves_once_and_serves_the_reset_resend(composed):
+    r = composed["glm_first"]
     _assert_single_connector_save(r["save"])
     assert r["warm"].cached_tokens == RESUMED
     _assert_same_generation(r["warm"], r["cold"])
     _assert_single_connector_load(r["load"])
 
 
-def test_glm_first_nixl_child_keeps_its_producer_side(runs):
+def test_glm_first_nixl_child_keeps_its_producer_side(composed):
     """NIXL (second) answers a ``do_remote_decode`` request with its hand-off (the blocks a
     decode instance would pull) while ours (first) saves the same request to the server,
     with our own hand-off: both answers reach the client, under keys that do not clash."""
-    r = runs["glm_first"]
+    r = composed["glm_first"]
     assert "handoff_error" not in r, r.get("handoff_error")
     params = r["handoff"].get("kv_transfer_params") or {}
     assert params.get("do_remote_prefill") is True and params.get("remote_engine_id")
@@ -347,10 +327,10 @@ def test_glm_first_nixl_child_keeps_its_producer_side(runs):
     _assert_single_connector_save(r["handoff_save"], handoff=True)
 
 
-def test_nixl_first_loads_from_glm_once(runs):
+def test_nixl_first_loads_from_glm_once(composed):
     """NIXL, asked first, matches nothing; ours is asked next and loads from the server
     what the first engine saved: a fresh engine, so no local prefix cache helped."""
-    r = runs["nixl_first"]
+    r = composed["nixl_first"]
     assert r["first"].cached_tokens == RESUMED
     _assert_same_generation(r["first"], r["cold"])
     _assert_single_connector_load(r["load"])
@@ -360,19 +340,19 @@ def test_nixl_first_loads_from_glm_once(runs):
     _assert_single_connector_load(r["load_again"])
 
 
-def test_nixl_first_glm_child_keeps_its_consumer_role(runs):
+def test_nixl_first_glm_child_keeps_its_consumer_role(composed):
     """Ours is ``kv_consumer`` inside a ``kv_both`` MultiConnector: its cold request (a
     miss) saved nothing, while NIXL beside it is ``kv_both``."""
-    d = runs["nixl_first"]["cold_delta"]
-    assert runs["nixl_first"]["cold"].cached_tokens == 0
+    d = composed["nixl_first"]["cold_delta"]
+    assert composed["nixl_first"]["cold"].cached_tokens == 0
     assert d["get_hits"] == 0 and d["loaded_objects"] == 0
     assert d["objects"] == d["puts_stored"] == d["saved_objects"] == 0, "a kv_consumer child saved"
 
 
-def test_both_orders_generate_alike(runs):
+def test_both_orders_generate_alike(composed):
     """The two engines' cold runs agree (the same model, greedy, one request at a time)."""
-    assert runs["nixl_first"]["cold"].token_ids == runs["glm_first"]["cold"].token_ids
-    assert runs["nixl_first"]["cold"].token_logprobs[0] == runs["glm_first"]["cold"].token_logprobs[0]
+    assert composed["nixl_first"]["cold"].token_ids == composed["glm_first"]["cold"].token_ids
+    assert composed["nixl_first"]["cold"].token_logprobs[0] == composed["glm_first"]["cold"].token_logprobs[0]
 
 
 def test_every_lookup_was_answered_in_time(composed):
@@ -389,6 +369,7 @@ def test_every_lookup_was_answered_in_time(composed):
     for name, counts in report.items():
         assert counts["lookups_sent"] > 0, report
         assert counts["lookups_unanswered"] == 0, ("lost", name, report, composed["server_late"], retries)
+        assert not composed[name]["unreachable"], (name, composed[name]["unreachable"])
     assert late_on_server >= len(retries), (report, composed["server_late"], retries)
     assert sum(c["lookups_late"] for c in report.values()) <= late_on_server, (report, composed["server_late"])
     if retries:

@@ -52,9 +52,10 @@ def _config(url: str, role: str) -> str:
     # timeout_s: how long the decode side waits for the prefill's saves (default 2 s). With
     # the other test lane's engine on the second core, the prefill's first saves of a run
     # have landed later than that (the decode then computed the whole prompt, correctly),
-    # and beside a busy loop as well later than 10 s (fresh-clone runs at fb9e98e, 17056cc).
+    # and beside a busy loop as well later than 10 s (fresh-clone runs at fb9e98e, 17056cc);
+    # 60 s outlasts a stall of the whole machine (tests.engines.TIMEOUT_S).
     return json.dumps({"kv_connector": "GlmCacheConnector", "kv_role": role,
-                       "kv_connector_extra_config": {"server": url, "timeout_s": 30.0}})
+                       "kv_connector_extra_config": {"server": url, "timeout_s": 60.0}})
 
 
 def _engines(ckpt, url: str, *extra: str) -> tuple[VllmServer, VllmServer]:
