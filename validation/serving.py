@@ -140,6 +140,10 @@ class VllmServer:
                     break
                 except subprocess.TimeoutExpired:
                     continue
+        try:  # what outlived the API server in its group (an engine core, a worker): nothing may stay
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
         if not self._log.closed:
             self._log.close()
 
