@@ -40,8 +40,8 @@ answers tokens)::
   in the query. Namespaces without a declared layout (engines that said no state groups
   at hello) are not answered.
 * **Keys.** With ``chunk_keys: lmcache`` the server hashes the token ids itself, with the
-  connector's own functions (:func:`connector.keys.extend_chunk_hashes`, salted by
-  ``cache_salt``; :func:`connector.keys.lookahead_keys` for a drafter's lookahead). With
+  functions the connector uses too (:func:`cache_server.chunk_keys.extend_chunk_hashes`, salted by
+  ``cache_salt``; :func:`cache_server.chunk_keys.lookahead_keys` for a drafter's lookahead). With
   ``chunk_keys: vllm`` (the default where usable) keys derive from vLLM's block hashes,
   which need vLLM's hash function, its seed and the request's extra keys: the router sends
   those hashes (``seq_hashes``: 32-byte sha256 digests, hex in JSON), the salt already in
@@ -70,11 +70,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from cache_server import protocol as p
+from cache_server.chunk_keys import block_hash_keys, extend_chunk_hashes, lookahead_keys
 from cache_server.layout import Layout, StoreKey, resume_depth
-from connector.keys import block_hash_keys, extend_chunk_hashes, lookahead_keys
 
 if TYPE_CHECKING:
-    from cache_server.server import CacheServer
+    from cache_server.l2 import L2Tier
+    from cache_server.namespaces import NamespaceTable
+    from cache_server.store import ObjectStore
 
 L1_MEDIUM = "CPU"  # vLLM's MEDIUM_CPU: the server's memory
 L2_MEDIUM = "STORAGE"  # vLLM's MEDIUM_STORAGE: the shared Redis/Valkey tier (--l2)
@@ -250,11 +252,13 @@ def model_of(namespace: str) -> str:
 
 
 class PrefixQuery:
-    """Answers :class:`Query` s from one server's store, namespace table and L2 tier."""
+    """Answers :class:`Query` s from one server's store, namespace table and L2 tier (None:
+    no L2); the key schemes of at most twice ``max_namespaces`` namespaces are remembered."""
 
-    def __init__(self, server: CacheServer) -> None:
-        self._server = server
-        self.schemes = KeySchemes(2 * server.config.max_namespaces)
+    def __init__(self, store: ObjectStore, namespaces: NamespaceTable, l2: L2Tier | None,
+                 max_namespaces: int) -> None:
+        self.store, self.namespaces, self.l2 = store, namespaces, l2
+        self.schemes = KeySchemes(2 * max_namespaces)
 
     def record_hello(self, ns: str, scheme: ChunkKeyScheme | None) -> None:
         """Remember the key scheme a ``hello`` declared (parsed with :func:`chunk_key_scheme`
@@ -264,14 +268,13 @@ class PrefixQuery:
 
     def namespaces_of(self, q: Query) -> list[str]:
         """The namespaces a query names, tracked ones only (a declared layout and chunk size)."""
-        server = self._server
         wanted = q.model.rstrip("/").split("/")[-1]
         out = []
-        for ns in server.store.tracked_namespaces():
+        for ns in self.store.tracked_namespaces():
             if q.instance is not None and ns != q.instance:
                 continue
-            if (ns == q.model or model_of(ns) == wanted) and server.namespaces.chunk_size(ns) \
-                    and server.store.declared_layout(ns) is not None:
+            if (ns == q.model or model_of(ns) == wanted) and self.namespaces.chunk_size(ns) \
+                    and self.store.declared_layout(ns) is not None:
                 out.append(ns)
         if not out:
             raise p.ProtocolError(p.ErrorCode.UNKNOWN_MODEL,
@@ -306,9 +309,9 @@ class PrefixQuery:
         """One bound for the whole query, before any key is hashed: its chunks times objects
         per chunk, summed over every namespace it walks, at most
         :data:`~cache_server.protocol.MAX_QUERY_OBJECTS`."""
-        server, total = self._server, 0
+        total = 0
         for ns in namespaces:
-            C, layout = server.namespaces.chunk_size(ns), server.store.declared_layout(ns)
+            C, layout = self.namespaces.chunk_size(ns), self.store.declared_layout(ns)
             if not C or layout is None:
                 continue
             scheme = self.schemes.get(ns) or TOKEN_CHAIN
@@ -362,21 +365,20 @@ class PrefixQuery:
         return lookahead_keys(plain, q.tokens, C, L, 0, end)
 
     def _entry(self, ns: str, q: Query, memo: dict[tuple[Any, ...], list[bytes]]) -> dict[str, int]:
-        server = self._server
-        C = server.namespaces.chunk_size(ns)
-        layout = server.store.declared_layout(ns)
+        C = self.namespaces.chunk_size(ns)
+        layout = self.store.declared_layout(ns)
         if not C or layout is None:  # forgotten since namespaces_of
             return {"longest_matched": 0, L1_MEDIUM: 0}
         if q.lora:  # the connector caches no LoRA request (connector.admission.uncacheable_reason)
             out = {"longest_matched": 0, L1_MEDIUM: 0}
-            if server.l2 is not None:
+            if self.l2 is not None:
                 out[L2_MEDIUM] = 0
             return out
         keys = self._keys(ns, q, C, memo)
-        l1, missing_attn, missing_state, horizon = server.store.presence(
-            ns, keys, layout, MAX_L2_PROBE_KEYS if server.l2 is not None else 0)
+        l1, missing_attn, missing_state, horizon = self.store.presence(
+            ns, keys, layout, MAX_L2_PROBE_KEYS if self.l2 is not None else 0)
         out = {"longest_matched": l1 * C, L1_MEDIUM: l1 * C}
-        if server.l2 is None:
+        if self.l2 is None:
             return out
         if horizon == len(keys) and not missing_attn and not missing_state:
             out[L2_MEDIUM] = l1 * C  # L1 holds every object of the prompt's chunks
@@ -397,7 +399,7 @@ class PrefixQuery:
         the state objects L1 lacks before it; only if L2 holds that chunk's attention, the
         rest. A prompt no tier holds (most replicas, for most requests) costs the first
         trip only: attention must be there for every chunk, so the first gap ends it."""
-        l2 = self._server.l2
+        l2 = self.l2
         index = {h: i for i, h in enumerate(keys)}
         first: list[StoreKey] = []
         if missing_attn:

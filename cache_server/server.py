@@ -79,7 +79,7 @@ class CacheServer:
         self.metrics = ServerMetrics(self.store, (config.auth_token or "").encode())
         self.l2 = _make_l2(config, self.metrics)  # None without --l2
         self.namespaces = NamespaceTable(self.store, self.metrics, config.max_namespaces)
-        self.queries = PrefixQuery(self)  # routers' questions (op query, HTTP /query)
+        self.queries = PrefixQuery(self.store, self.namespaces, self.l2, config.max_namespaces)  # routers' questions
         self._local = threading.local()  # per worker: the ZMQ identity of the request being handled
         self.segments = SegmentTable(config.shm)
         # Large objects put through shared memory live in a sealed memfd same-host engines map

@@ -13,7 +13,7 @@ its own image would resume from the other's KV. So, unless the operator says the
 clients are trusted (``trust_media_ids``), the connector names each image by what the
 encoder reads, its processed tensors (``pixel_values`` and grid), with its own digest, and
 mixes those digests into the key of every chunk at or after the image's first placeholder
-(:func:`connector.keys.media_keys`). A request whose processed tensors are not on the scheduler (vLLM's
+(:func:`cache_server.chunk_keys.media_keys`). A request whose processed tensors are not on the scheduler (vLLM's
 ``shm`` processor cache keeps them on the workers only) is not cached.
 
 The token-chain scheme (``chunk_keys: lmcache``) hashes token ids only, in which every

@@ -13,8 +13,8 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from cache_server.chunk_keys import parent_of
 from connector.config import logger
-from connector.keys import parent_of
 from connector.metadata import TRANSIENT_SAVE_FAILURES, ObjectMove, SaveFailure
 
 if TYPE_CHECKING:

@@ -27,7 +27,7 @@ row was computed from the writer's next token, which its block hash does not cov
 hit (``allocate_slots(..., num_external_computed_tokens)``, scheduler.py:1262; no
 lookahead slots during the async load, :1224) and hands them to
 :meth:`SchedulerSide.update_state_after_alloc` (:1289). None is needed: our chunk keys
-cover the token after each chunk (:func:`connector.keys.lookahead_keys`), which is what
+cover the token after each chunk (:func:`cache_server.chunk_keys.lookahead_keys`), which is what
 vLLM's drop buys locally. The drop moves vLLM's KDA snapshots one block back instead:
 a prompt's prefill checkpoint is ``N_b * floor(len / N_b) - N_b``
 (``kv_cache_interface.py:1110``, used at scheduler.py:476) and the retained replay
@@ -119,7 +119,7 @@ class SchedulerSide:
         # the namespace: key scheme, weights, engine, drafts, media (connector.namespace)
         self._names = names = Namespace(vllm_config, kv_cache_config, settings, geometry, row_format, numerics)
         self._trust_media_ids = settings.trust_media_ids
-        # a drafter's lookahead joins every chunk key (connector.keys.lookahead_keys)
+        # a drafter's lookahead joins every chunk key (cache_server.chunk_keys.lookahead_keys)
         self.keys = ChunkKeys(names.scheme, names.hash_span, names.drafts.lookahead)
         self._drafts = names.drafts
         self._weights = WeightsView(world_size)

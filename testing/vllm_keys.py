@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from connector.keys import block_hash_keys
+from cache_server.chunk_keys import block_hash_keys
 
 
 def vllm_hashed_request(req_id: str, token_ids: Sequence[int], span: int, cache_salt: str | None = None,

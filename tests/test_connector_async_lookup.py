@@ -14,8 +14,8 @@ import time
 
 import pytest
 
+from cache_server.chunk_keys import chunk_hashes
 from cache_server.client import CacheClient
-from connector.keys import chunk_hashes
 from testing.sched_harness import request, scheduler_side
 
 C = 256  # the shared server fixture's minimum chunk (conftest.py)

@@ -113,8 +113,8 @@ def test_stored_draft_rows_depend_on_the_prefix_and_next_token_only(llm, draft_l
     255 came from each prompt's last token. (KDA state objects are checked by the reloads
     above: with drafts on, vLLM pads each state page, and the padding between the conv and
     recurrent parts holds whatever the pool held.)"""
+    from cache_server.chunk_keys import lookahead_keys
     from cache_server.client import CacheClient
-    from connector.keys import lookahead_keys
     from testing.vllm_keys import vllm_chunk_keys
 
     shared = random_prompt(2 * C + 1, seed=77)

@@ -77,7 +77,7 @@ def test_a_client_media_id_reaches_another_clients_kv_only_when_trusted(sides):
     assert ta == tb
     # trusted keys are vLLM's block hashes at chunk ends, as for text
     hashed = vllm_hashed_request("x", PROMPT, C, mm_features=[image_feature("tenant-a-photo", AT, LENGTH, None)])
-    from connector.keys import block_hash_keys
+    from cache_server.chunk_keys import block_hash_keys
 
     assert ta == block_hash_keys(hashed.block_hashes, C, C, 0, 3)
 

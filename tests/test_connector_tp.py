@@ -130,7 +130,7 @@ def test_tp2_stores_the_replicated_latent_once_and_states_per_rank(llm, server):
     assert states and all(names[g] == "kda_state" for g in states)
     assert all(new[g] >= 2 and new[g] % 2 == 0 for g in states)  # every state: one per rank
     # the keys: latent under rank 0 only, each state under ranks 0 and 1
-    from connector.keys import lookahead_keys
+    from cache_server.chunk_keys import lookahead_keys
     from testing.vllm_keys import vllm_chunk_keys
 
     hashes = lookahead_keys(vllm_chunk_keys(prompt, C, C, salt), prompt, C, 1, 0, 5)  # MTP: the next token too

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 
+from cache_server.chunk_keys import chunk_hashes
 from cache_server.client import CacheClient
-from connector.keys import chunk_hashes
 from testing.sched_harness import request
 from testing.vllm_keys import vllm_chunk_keys
 

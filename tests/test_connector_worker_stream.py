@@ -251,7 +251,8 @@ def test_worker_metadata_of_every_rank_is_kept_when_aggregated():
 def _scheduler_with(tracked_chunks: int):
     """A save planner and one tracked request of ``tracked_chunks`` saved chunks (only the
     save-outcome bookkeeping is exercised: no engine, no server)."""
-    from connector.keys import ChunkKeys, chunk_hashes
+    from cache_server.chunk_keys import chunk_hashes
+    from connector.keys import ChunkKeys
     from connector.namespace import KeyScheme
     from connector.requests import RequestState
 

@@ -23,6 +23,7 @@ import torch
 from engines import connector_engine, generate_one, random_prompt, stop_engine
 from torch import nn
 
+from cache_server.chunk_keys import chunk_hashes
 from cache_server.client import CacheClient
 from connector.config import Settings
 from connector.geometry import CacheGroup, Geometry, LayerPage
@@ -34,7 +35,6 @@ from connector.identity import (
     check_weights_source,
     weights_digest,
 )
-from connector.keys import chunk_hashes
 from connector.metadata import GlmConnectorMetadata, GlmWorkerMeta, LoadJob, ObjectMove
 from connector.namespace import model_numerics_version, numerics_version_of
 from connector.worker import WorkerSide

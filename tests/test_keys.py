@@ -3,7 +3,7 @@
 import pytest
 from blake3 import blake3
 
-from connector.keys import NONE_HASH, chain_seed, chunk_hashes
+from cache_server.chunk_keys import NONE_HASH, chain_seed, chunk_hashes
 
 # Computed once from the definition (blake3 over big-endian bytes) and pinned here, so a
 # change of byte order, width or seed shows up as a mismatch.

@@ -13,10 +13,10 @@ from types import SimpleNamespace
 
 import pytest
 
+from cache_server.chunk_keys import chunk_hashes
 from cache_server.client import CacheClient
 from connector import events as ev
 from connector.geometry import CacheGroup, Geometry, LayerPage
-from connector.keys import chunk_hashes
 from connector.remote import LookupAnswer
 from testing.server_process import ServerProcess
 

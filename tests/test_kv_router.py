@@ -77,8 +77,8 @@ def test_cache_aware_sends_to_the_server_holding_the_prefix():
     """Real glm-cache-servers: one holds a 2-chunk prefix of the prompt (stored as the
     connector names it under token-chain keys), the other nothing; the router asks both
     and sends the request to the first, and records the stream's usage."""
+    from cache_server.chunk_keys import chunk_hashes, parent_of
     from cache_server.client import CacheClient
-    from connector.keys import chunk_hashes, parent_of
     from testing.server_process import ServerProcess
 
     C = 256

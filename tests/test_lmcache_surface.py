@@ -1,6 +1,6 @@
 """Every LMCache 0.5.7 server flag, connector key, ``LMCACHE_*`` variable and HTTP route, read
-from the installed ``lmcache-cli`` source (cache_server.lmcache_surface.scan), is in our table
-(cache_server.lmcache_surface.table), and each behaves as its row says, against a real
+from the installed ``lmcache-cli`` source (validation.lmcache_surface.scan), is in our table
+(validation.lmcache_surface.table), and each behaves as its row says, against a real
 glm-cache-server process (no engine). A name LMCache adds fails the first test by name.
 About 15 s (one server, 16 short-lived refused starts, the rest in process)."""
 
@@ -20,11 +20,12 @@ from pathlib import Path
 
 import pytest
 
-from cache_server import lmcache_surface as surface
 from cache_server.cli import build_parser, main
 from cache_server.lmcache_compat import HONOURED_ENV
+from cache_server.lmcache_surface import ACCEPTED, NOT_APPLICABLE, REFUSED
 from connector.lmcache_settings import _KEYS, MAX_OFFLOAD_TOKENS, SKIP_LOAD, LMCacheSettingRefused, translate
 from testing.server_process import ServerProcess
+from validation import lmcache_surface as surface
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = "lmcache-surface-key-0123456789abcdef"
@@ -76,7 +77,7 @@ def test_the_scan_reads_each_kind_the_way_lmcache_builds_it(scanned):
 
 def test_a_flag_is_accepted_exactly_when_our_parser_takes_it(table):
     wrong = {flag: status for flag, (status, _) in table["server flags"].items()
-             if (status == surface.ACCEPTED) != (flag in OURS)}
+             if (status == ACCEPTED) != (flag in OURS)}
     assert not wrong, f"accepted in the table but not our flag, or ours but not accepted: {wrong}"
 
 
@@ -89,7 +90,7 @@ SAMPLES = {"--host": ("127.0.0.2", "host"), "--http-host": ("127.0.0.3", "http_h
 
 
 def test_every_accepted_flag_parses_with_lmcaches_value(table):
-    accepted = [f for f, (s, _) in table["server flags"].items() if s == surface.ACCEPTED]
+    accepted = [f for f, (s, _) in table["server flags"].items() if s == ACCEPTED]
     assert sorted(accepted) == sorted(SAMPLES)
     for flag in accepted:
         value, dest = SAMPLES[flag]
@@ -106,7 +107,7 @@ def _names_ours(text: str) -> bool:
 
 
 def test_each_refused_flag_stops_the_server_naming_our_equivalent(table):
-    refused = {f: text for f, (s, text) in table["server flags"].items() if s == surface.REFUSED}
+    refused = {f: text for f, (s, text) in table["server flags"].items() if s == REFUSED}
     assert refused
     procs = {flag: subprocess.Popen([sys.executable, "-m", "cache_server.cli", flag, "4", "--port", "0",
                                      "--http-port", "0"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -123,7 +124,7 @@ def test_each_refused_flag_stops_the_server_naming_our_equivalent(table):
 
 def test_each_not_applicable_flag_stops_the_server_with_why(table, capsys):
     for flag, (status, text) in table["server flags"].items():
-        if status != surface.NOT_APPLICABLE:
+        if status != NOT_APPLICABLE:
             continue
         for argv in ([flag, "x"], [f"{flag}=x"], ["--port", "0", flag]):
             with pytest.raises(SystemExit) as exit_:
@@ -138,7 +139,7 @@ def test_connector_keys_are_connector_lmcache_settings_own(table):
     rows = table["connector keys"]
     assert set(rows) == set(_KEYS)
     for key, (status, text) in rows.items():
-        if status == surface.REFUSED:
+        if status == REFUSED:
             with pytest.raises(LMCacheSettingRefused):
                 translate({key: 1})
         elif text.startswith("only "):
@@ -170,7 +171,7 @@ def _concrete(name: str) -> str:
 
 @pytest.fixture(scope="module")
 def server(table):
-    env = {_concrete(n): "1" for n, (s, _) in table["environment variables"].items() if s != surface.ACCEPTED}
+    env = {_concrete(n): "1" for n, (s, _) in table["environment variables"].items() if s != ACCEPTED}
     saved = {n: v for n, v in os.environ.items() if n.startswith("LMCACHE_")}
     for n in saved:
         del os.environ[n]
@@ -189,10 +190,10 @@ def test_each_unread_variable_is_named_once_with_our_equivalent(server, table):
     for name, (status, text) in table["environment variables"].items():
         concrete = _concrete(name)
         line = f"{concrete} is set and not honoured"
-        if status == surface.ACCEPTED:
+        if status == ACCEPTED:
             assert name in HONOURED_ENV and line not in log
             continue
-        where = "here: " if status == surface.REFUSED else "not applicable here: "
+        where = "here: " if status == REFUSED else "not applicable here: "
         assert log.count(line) == 1, (name, log)
         assert f"{line}: glm-cache-server does not read it ({where}{text}; docs/lmcache-surface.md)" in log
     assert "auth on (LMCACHE_API_KEY)" in log  # the honoured one was read: its key is the token
@@ -208,9 +209,9 @@ def test_each_route_answers_as_its_row_says(server, table):
         method, path = _path(route)
         body = b"{}" if method == "POST" else None
         code, reply = _request(method, server.http_url + path, body)
-        if status == surface.ACCEPTED:
+        if status == ACCEPTED:
             assert code == 200, (route, code, reply[:200])
-        elif status == surface.REFUSED:
+        elif status == REFUSED:
             assert code == 501 and text.startswith("501")
             assert "--l1-size-gb" in json.loads(reply)["error"] and "--l1-size-gb" in text, (route, reply)
         else:
@@ -220,7 +221,7 @@ def test_each_route_answers_as_its_row_says(server, table):
 def test_the_generated_page_is_current_and_linked():
     page = ROOT / "docs" / "lmcache-surface.md"
     assert page.read_text() == surface.markdown(), \
-        "regenerate: python -m cache_server.lmcache_surface > docs/lmcache-surface.md"
+        "regenerate: python -m validation.lmcache_surface > docs/lmcache-surface.md"
     assert "(lmcache-surface.md)" in (ROOT / "docs" / "migrating-from-lmcache.md").read_text()
 
 

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
+from cache_server.chunk_keys import chunk_hashes
 from cache_server.client import CacheClient
-from connector.keys import chunk_hashes
 from testing.server_process import ServerProcess
 
 MIB = 1 << 20

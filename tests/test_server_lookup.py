@@ -2,8 +2,8 @@
 Redis L2: the resumable prefix in tokens per tier (``CPU`` = L1, ``L2``), over HTTP with the
 token (``POST /query``, ``POST /query_by_hash``, the Mooncake KV Indexer RFC's shape) and over
 the protocol (op ``query``). Objects are stored through the client exactly as the connector
-names them: token-chain keys of :func:`connector.keys.chunk_hashes` (salted by the request's
-cache salt), or :func:`connector.keys.block_hash_keys` of vLLM's block hashes; one object per
+names them: token-chain keys of :func:`cache_server.chunk_keys.chunk_hashes` (salted by the request's
+cache salt), or :func:`cache_server.chunk_keys.block_hash_keys` of vLLM's block hashes; one object per
 group (MLA latent 0, indexer 1 at every chunk; KDA state 2 at each chunk's end), with the
 engine's layout and key scheme declared at hello as the connector declares them. What a real
 engine's connector saves, queried the same way: ``test_connector_glm.py``."""
@@ -19,9 +19,9 @@ import time
 import pytest
 
 from cache_server import protocol as p
+from cache_server.chunk_keys import block_hash_keys, chunk_hashes, parent_of
 from cache_server.client import CacheClient
 from cache_server.client_errors import CacheServerError
-from connector.keys import block_hash_keys, chunk_hashes, parent_of
 from testing.l2_fixtures import l2_args, require_store, wait_written
 from testing.redis_nodes import RedisNodes
 from testing.server_process import ServerProcess

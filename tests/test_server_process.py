@@ -13,10 +13,10 @@ import msgpack
 import pytest
 import zmq
 
+from cache_server.chunk_keys import chunk_hashes
 from cache_server.client import CacheClient
 from cache_server.client_errors import CacheServerError, CacheServerUnavailable
 from cache_server.protocol import PROTOCOL_VERSION
-from connector.keys import chunk_hashes
 from testing.server_process import ServerProcess, free_port
 
 NS = "test-ns"

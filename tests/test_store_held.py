@@ -54,7 +54,7 @@ def test_chunk_hashes_ignore_an_unhashed_tail_and_extend_incrementally():
     """keys.chunk_hashes packs a whole list at once when only a partial chunk follows;
     an invalid id there (never hashed) must not fail it, and extending a chain equals
     hashing from scratch."""
-    from connector.keys import chunk_hashes, extend_chunk_hashes
+    from cache_server.chunk_keys import chunk_hashes, extend_chunk_hashes
 
     assert chunk_hashes([1, 2, 3, 4, -1], 4) == chunk_hashes([1, 2, 3, 4], 4)
     tokens = list(range(100, 140))

@@ -10,7 +10,7 @@ does not run on this machine); the driver plays vLLM's part:
 
 * Real: two ``glm-cache-server`` processes (``cache_server.cli``, one per policy, same
   ``--l1-size-gb``), the connector's client (:class:`cache_server.client.CacheClient`: hello,
-  lookup, put with ``prev`` and ``parent``), its keys (:func:`connector.keys.chunk_hashes`),
+  lookup, put with ``prev`` and ``parent``), its keys (:func:`cache_server.chunk_keys.chunk_hashes`),
   its strict-prefix rule (:func:`connector.geometry.strict_prefix_chunks`), and the object
   sizes per group of vLLM's native GLM-5.3-Flash at TP 4 (from
   ``testing/glm_flash_kv_layouts.py``, the same numbers ``geometry_report`` prints:
@@ -65,9 +65,9 @@ import random
 import time
 from dataclasses import dataclass, field
 
+from cache_server.chunk_keys import chunk_hashes
 from cache_server.client import CacheClient
 from connector.geometry import strict_prefix_chunks
-from connector.keys import chunk_hashes
 from testing.server_process import ServerProcess
 
 GB = 1e9

@@ -8,7 +8,7 @@ Prints median and p90 milliseconds, client to answer, for: the whole prefix in L
 the first chunk's objects); and with ``--l2`` (a real redis-server) the prefix in L2 only
 (L1 cleared: two pipelined EXISTS round trips, the second of every chunk's objects). Also,
 in this process, the server's JSON parse and checks alone and its hashing alone (blake3
-chain, :func:`connector.keys.chunk_hashes`).
+chain, :func:`cache_server.chunk_keys.chunk_hashes`).
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ import random
 import statistics
 import time
 
+from cache_server.chunk_keys import chunk_hashes, parent_of
 from cache_server.client import CacheClient
 from cache_server.prefix_query import parse_query
-from connector.keys import chunk_hashes, parent_of
 from testing.server_process import ServerProcess
 
 TOKEN = "bench-lookup-token"

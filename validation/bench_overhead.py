@@ -33,8 +33,8 @@ import statistics
 import tempfile
 import time
 
+from cache_server.chunk_keys import chunk_hashes
 from cache_server.client import CacheClient
-from connector.keys import chunk_hashes
 from testing.server_process import ServerProcess
 
 PROMPT_TOKENS = 300_000

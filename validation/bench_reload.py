@@ -49,9 +49,9 @@ from dataclasses import replace
 import numpy as np
 import torch
 
+from cache_server.chunk_keys import chunk_hashes
 from cache_server.client import CacheClient
 from connector.config import Settings
-from connector.keys import chunk_hashes
 from connector.metadata import GlmConnectorMetadata, LoadJob, ObjectMove
 from connector.worker import batches
 from testing.server_process import ServerProcess

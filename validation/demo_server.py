@@ -13,8 +13,8 @@ import os
 import random
 import sys
 
+from cache_server.chunk_keys import chunk_hashes
 from cache_server.client import CacheClient
-from connector.keys import chunk_hashes
 from testing.server_process import ServerProcess
 
 ATTN_GROUP, STATE_GROUP = 4, 0  # group ids as vLLM numbers them: KDA state groups first
