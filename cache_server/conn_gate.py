@@ -193,8 +193,8 @@ class ConnectionGate:
             _, fd, peer, _ = self._pending.popleft()
             self._drop_peer(peer)
             if (_bytes_received(fd) or 0) < GREETING_BYTES and _peer_of(fd, self._port) is not None:
+                self._on_refused(peer, "silent")  # counted before the peer can see the close
                 _shut(fd)
-                self._on_refused(peer, "silent")
         if self._over_cap():
             self._enforce(now)
 
@@ -229,8 +229,8 @@ class ConnectionGate:
                 return  # only newcomers in their grace: judged at the next tick
             self._pending.remove(victim)
             self._drop_peer(victim[2])
+            self._on_refused(victim[2], "pending_cap")  # counted before the peer can see the close
             _shut(victim[1])
-            self._on_refused(victim[2], "pending_cap")
 
     def _spoken(self) -> None:
         """No longer count the pending connections whose peer has sent a greeting."""
