@@ -50,10 +50,6 @@ class StallWatch:
                 self.stalls.append((self._wall() - (now - last), now - last))
             last = now
 
-    def since(self, t_wall: float) -> list[tuple[float, float]]:
-        """The stalls that ended after ``t_wall`` (wall clock)."""
-        return [(start, length) for start, length in list(self.stalls) if start + length > t_wall]
-
     @staticmethod
     def describe(stalls: list[tuple[float, float]]) -> str:
         return ", ".join(f"{time.strftime('%H:%M:%S', time.gmtime(start))} UTC for {length:.1f} s"

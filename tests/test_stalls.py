@@ -24,7 +24,6 @@ def _watch(ticks: list[float]) -> StallWatch:
 def test_a_late_wake_up_is_one_stall_with_its_start_and_length():
     watch = _watch([0.0, 0.1, 0.2, 30.2, 30.3, 30.4])
     assert watch.stalls == [(1000.0 - 30.0, 30.0)]
-    assert watch.since(975.0) == watch.stalls and watch.since(1000.5) == []
     assert "for 30.0 s" in watch.describe(watch.stalls)
 
 
