@@ -216,7 +216,7 @@ def pytest_xdist_make_scheduler(config, log):
 
 # -- Machine stalls (testing.stalls) ---------------------------------------------------------
 #
-# The test run's controller (no test runs in it: it only sleeps) notes each time the whole
+# The test run's controller (no test runs in it: it only sleeps) notes each time a CPU of the
 # machine stood still, and the summary lists them: a deadline that passed during one was
 # the machine's, whatever the failure says.
 _STALLS_KEY = pytest.StashKey["StallWatch"]()
@@ -238,5 +238,5 @@ def pytest_terminal_summary(terminalreporter, config):
     if watch.stalls:
         terminalreporter.write_sep("-", "machine stalls")
         terminalreporter.write_line(
-            f"every process stood still {len(watch.stalls)} time(s): {watch.describe(watch.stalls)}; a request "
-            "in flight then was late on both sides (testing/stalls.py)")
+            f"a CPU stood still {len(watch.stalls)} time(s) ({watch.describe(watch.stalls)}): a thread running or "
+            "pinned there then was late, and a request it had in flight was late on both sides (testing/stalls.py)")

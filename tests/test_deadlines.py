@@ -8,8 +8,6 @@ sent with its deadline already past, or a handler that returns only once the dea
 
 from __future__ import annotations
 
-import os
-import signal
 import time
 import urllib.request
 
@@ -140,12 +138,12 @@ def test_a_paused_server_makes_a_late_answer_not_a_lost_one(server):
     with CacheClient(server.url, timeout_s=30.0, shm=False) as c:
         c.ping()
         dropped = _server_late(server, "ping", "dropped")
-        os.kill(server.proc.pid, signal.SIGSTOP)
+        server.pause()  # returns once every thread stopped: a raw SIGSTOP can let one more answer out
         try:
             with pytest.raises(CacheServerUnavailable, match="did not answer 'ping'"):
                 c.ping(timeout_s=0.5)
         finally:
-            os.kill(server.proc.pid, signal.SIGCONT)
+            server.resume()
         # The late answer is taken by a later call (the server's workers may answer a newer
         # ping first: then the one after takes it).
         deadline = time.monotonic() + 60
@@ -160,13 +158,13 @@ def test_a_paused_server_makes_a_late_answer_not_a_lost_one(server):
 def test_a_closed_connection_counts_its_pending_requests_unanswered(server):
     with CacheClient(server.url, timeout_s=30.0, shm=False) as c:
         c.ping()
-        os.kill(server.proc.pid, signal.SIGSTOP)
+        server.pause()  # returns once every thread stopped: a raw SIGSTOP can let one more answer out
         try:
             with pytest.raises(CacheServerUnavailable):
                 c.ping(timeout_s=0.5)
             c.close()  # its answer can never arrive now
         finally:
-            os.kill(server.proc.pid, signal.SIGCONT)
+            server.resume()
         assert c.counts("ping") == {"sent": 2, "in_time": 1, "late": 0, "unanswered": 1}
 
 
@@ -177,7 +175,7 @@ def test_a_request_pending_on_a_dropped_connection_counts_unanswered():
 
     with ServerProcess("--separate-object-groups") as srv, CacheClient(srv.url, timeout_s=30.0, shm=False) as c:
         c.ping()
-        os.kill(srv.proc.pid, signal.SIGSTOP)
+        srv.pause()
         with pytest.raises(CacheServerUnavailable):
             c.ping(timeout_s=0.5)
         srv.kill()

@@ -1,12 +1,17 @@
-"""testing.stalls.StallWatch: a wake-up later than the stall bound is one stall, with its
-start and length; on-time wake-ups are none."""
+"""testing.stalls.StallWatch: a wake-up later than the stall bound is one stall of the CPU
+its thread is pinned to, with its start and length; on-time wake-ups are none; a watcher
+that is late now names its CPU as standing still."""
 
 from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
 
 from testing.stalls import StallWatch
 
 
-def _watch(ticks: list[float]) -> StallWatch:
+def _watch(ticks: list[float], cpu: int | None = None) -> StallWatch:
     clock = iter(ticks)
     watch: StallWatch
 
@@ -16,17 +21,52 @@ def _watch(ticks: list[float]) -> StallWatch:
             watch._stop.set()
 
     sleep.calls = 0
-    watch = StallWatch(stall_s=5.0, clock=lambda: next(clock), sleep=sleep, wall=lambda: 1000.0)
-    watch.run()
+    watch = StallWatch(stall_s=5.0, cpus=[cpu], clock=lambda: next(clock), sleep=sleep, wall=lambda: 1000.0)
+    watch.run(cpu)
     return watch
 
 
 def test_a_late_wake_up_is_one_stall_with_its_start_and_length():
     watch = _watch([0.0, 0.1, 0.2, 30.2, 30.3, 30.4])
-    assert watch.stalls == [(1000.0 - 30.0, 30.0)]
-    assert "for 30.0 s" in watch.describe(watch.stalls)
+    assert watch.stalls == [(None, 1000.0 - 30.0, 30.0)]
+    assert watch.describe(watch.stalls) == "the machine: 00:16:10 UTC for 30.0 s"
 
 
 def test_wake_ups_within_the_bound_are_no_stall():
     watch = _watch([0.0, 0.1, 4.9, 5.0, 9.9])
     assert watch.stalls == [] and watch.describe(watch.stalls) == "none"
+
+
+def test_stalls_are_told_per_cpu():
+    stalls = [(1, 0.0, 240.0), (0, 60.0, 30.0), (1, 600.0, 6.0)]
+    assert StallWatch.describe(stalls) == ("cpu 0: 00:01:00 UTC for 30.0 s; "
+                                           "cpu 1: 00:00:00 UTC for 240.0 s, 00:10:00 UTC for 6.0 s")
+
+
+def test_a_cpu_whose_watcher_is_late_now_stands_still():
+    now = [100.0]
+    watch = StallWatch(stall_s=5.0, cpus=[0, 1], clock=lambda: now[0])
+    watch._beats = {0: 99.9, 1: 90.0}  # cpu 1's watcher last ran 10 s ago
+    assert watch.standing_still() == [1]
+    watch._beats[1] = 99.95
+    assert watch.standing_still() == []
+
+
+def test_each_cpu_has_a_watcher_pinned_to_it():
+    cpus = sorted(os.sched_getaffinity(0))
+    watch = StallWatch(interval_s=0.01).start()
+    try:
+        deadline = time.monotonic() + 60
+        while len(watch._beats) < len(cpus):
+            assert time.monotonic() < deadline, watch._beats
+            time.sleep(0.01)
+        pinned = {}
+        for t in watch._threads:
+            status = Path(f"/proc/self/task/{t.native_id}/status").read_text()
+            pinned[t.name] = next(line.split(":")[1].strip() for line in status.splitlines()
+                                  if line.startswith("Cpus_allowed_list"))
+        assert pinned == {f"stall-watch-{c}": str(c) for c in cpus}
+        assert watch.standing_still() == []
+    finally:
+        watch.stop()
+    assert not any(t.is_alive() for t in watch._threads)
