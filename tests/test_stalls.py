@@ -70,3 +70,33 @@ def test_each_cpu_has_a_watcher_pinned_to_it():
     finally:
         watch.stop()
     assert not any(t.is_alive() for t in watch._threads)
+
+
+def test_the_soak_does_not_count_a_cpu_standing_still_against_its_last_wait(monkeypatch):
+    """validation.soak.Soak.join_clients: while a CPU stands still, a replica's request in
+    flight cannot be answered, so that time is not counted against CLIENT_JOIN_S."""
+    import threading
+    import types
+
+    from validation import soak
+
+    answered = threading.Event()
+
+    class Watch:
+        calls = 0
+
+        def standing_still(self):  # cpu 1 stands still for the first four turns of the wait
+            Watch.calls += 1
+            if Watch.calls < 5:
+                return [1]
+            answered.set()
+            return []
+
+    monkeypatch.setattr(soak, "CLIENT_JOIN_S", 2.5)  # less than the four turns the CPU stood still
+    s = soak.Soak.__new__(soak.Soak)
+    request = types.SimpleNamespace(name="pd0", replica="replica1", sent_s=0.0)
+    s.stall_watch, s._lock, s._in_flight, s.t0 = Watch(), threading.Lock(), {1: request}, 0.0
+    client = threading.Thread(target=lambda: answered.wait(120), daemon=True)
+    client.start()
+    assert s.join_clients([client]) == []
+    assert Watch.calls >= 5 and not client.is_alive()

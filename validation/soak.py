@@ -800,7 +800,8 @@ class Soak:
     def join_clients(self, clients: list[threading.Thread]) -> list[str]:
         """Wait for each client's request in flight, at most ``CLIENT_JOIN_S`` in all, not
         counting time while a CPU of the machine stands still (a thread of a replica running
-        or pinned there waits for the host to run it again; testing.stalls), and never more
+        or pinned there waits for the host to run it again; testing.stalls), nor a turn of
+        this loop that came back late (the whole machine stood still), and never more
         than ``CLIENT_JOIN_MAX_S``; what is still unanswered then (prompt, replica, seconds
         since it was sent), with every thread's stack on stderr."""
         start = last = time.monotonic()
@@ -809,8 +810,8 @@ class Soak:
                 and last - start < CLIENT_JOIN_MAX_S:
             next(c for c in clients if c.is_alive()).join(1.0)
             now = time.monotonic()
-            if not self.stall_watch.standing_still():
-                waited += now - last
+            if not self.stall_watch.standing_still():  # and at most 2 s a turn: a longer one stood still here
+                waited += min(now - last, 2.0)
             last = now
         if not any(c.is_alive() for c in clients):
             return []
