@@ -272,6 +272,11 @@ def main(argv: list[str] | None = None) -> int:
     except zmq.ZMQError as e:
         logger.error("cannot bind tcp://%s:%d: %s", config.host, config.port, e)
         return 1
+    # Before HTTP answers its health check: a supervisor (or a test) that saw it up and stops
+    # the server at once gets a clean shutdown, not the signal's default death.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, _frame: (logger.info("received %s, shutting down",
+                                                               signal.Signals(signum).name), server.stop()))
     httpd = metricsd = None
     http_host = config.bound_http_host
     # The metrics port first: HTTP's health check answering then means both are up.
@@ -294,9 +299,6 @@ def main(argv: list[str] | None = None) -> int:
             metricsd = bound
         else:
             httpd = bound
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda signum, _frame: (logger.info("received %s, shutting down",
-                                                               signal.Signals(signum).name), server.stop()))
     http_where = f"http://{http_host}:{httpd.server_address[1]}" if httpd else "disabled"
     logger.info("glm-cache-server listening on tcp://%s:%d (HTTP %s)", config.host, server.port, http_where)
     if metricsd is not None:
@@ -319,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
                 config.message_limit_bytes, config.max_header_bytes, config.max_leases_per_client,
                 server.store.max_leased_bytes, config.max_namespaces)
     logger.info("%d workers, %d ZMQ I/O threads, same-host shared memory %s", config.workers, config.io_threads,
-                "on" if server.segments.snapshot()["enabled"] else "off")
+                "on" if server.same_host.segments.snapshot()["enabled"] else "off")
     logger.info("connections: %d open descriptors at most (RLIMIT_NOFILE), a greeting within %.0f s and the handshake "
                 "within %.0f s, at most %d under way per address and %d in all", nofile, SILENT_S, HANDSHAKE_S,
                 *pending_caps())
