@@ -12,10 +12,10 @@ writes. Its first page holds a random 16-byte nonce, which the client checks: a
 ``/proc/<pid>/fd/<fd>`` in another pid namespace names another process's file.
 
 Objects of at least :data:`MIN_ARENA_BYTES` that a client puts through shared memory are
-copied into the arena (:func:`cache_server.shm.owned_copy`: the one copy a save makes
-into the server's memory); smaller ones, objects put as frames, L2 promotions, and any
-object the arena has no room for are kept as before and served by copy: the arena is an
-optimisation, never a new failure.
+copied into the arena (:func:`cache_server.shm_payloads.owned_copy`: the one copy a save
+makes into the server's memory); smaller ones, objects put as frames, L2 promotions, and
+any object the arena has no room for are kept as before and served by copy: the arena is
+an optimisation, never a new failure.
 
 A range is free again only once nothing in the server refers to its bytes: each stored
 object is a view of a :class:`_Range` that frees the range when the last view of it goes

@@ -132,6 +132,27 @@ def _shut(fd: int) -> None:
         pass
 
 
+class RefusalLog:
+    """The gate's ``on_refused``: a connection of ``peer`` it shut (``reason``: over the
+    pending-handshake caps, or silent past the greeting deadline) is counted in ``counter``
+    (a metric labelled by reason), and logged at most once a minute with the addresses."""
+
+    def __init__(self, counter: Any) -> None:
+        self._counter = counter
+        self._since_log: dict[str, int] = {}
+        self._logged_at = -float("inf")
+
+    def __call__(self, peer: str, reason: str) -> None:
+        self._counter.labels(reason=reason).inc()
+        self._since_log[peer] = self._since_log.get(peer, 0) + 1
+        now = time.monotonic()
+        if now - self._logged_at >= 60.0:
+            counts, self._since_log, self._logged_at = self._since_log, {}, now
+            logger.warning("shut %d connection(s) that sent no greeting: over the caps on handshakes under way "
+                           "(%d per address, %d in all) or silent for %.0f s: %s", sum(counts.values()),
+                           *pending_caps(), SILENT_S, ", ".join(f"{a} x{n}" for a, n in sorted(counts.items())[:10]))
+
+
 class ConnectionGate:
     """The accept gate of one ROUTER socket (the module docstring says what it does).
     :meth:`watch` it after it is bound; :meth:`close` before the context terminates."""

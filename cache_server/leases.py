@@ -57,8 +57,8 @@ ANY_OWNER = object()  # release(owner=ANY_OWNER): whoever asks (in-process calle
 class LeaseTable:
     """The active leases on the objects of ``objects`` (the store's own table, which it
     keeps current), and the bytes they pin. ``counters`` is the store's
-    :class:`~cache_server.store.StoreCounters`; ``unpinned(key, obj)`` is called for an
-    object whose last lease ended (it becomes an eviction candidate again). Not
+    :class:`~cache_server.store_accounts.StoreCounters`; ``unpinned(key, obj)`` is called
+    for an object whose last lease ended (it becomes an eviction candidate again). Not
     thread-safe: the store calls it under its lock."""
 
     def __init__(self, objects: Mapping[StoreKey, Any], ttl_s: float, clock: Callable[[], float],

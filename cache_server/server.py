@@ -12,58 +12,50 @@ the housekeeping (lease expiry, dropping idle shared-memory segments). The HTTP 
 (``cache_server.http``) runs in another thread and only reads the store, or clears it.
 
 Same-host clients may move payloads through shared memory instead of frames
-(:mod:`cache_server.shm`, ``--no-shm`` turns it off). The worker loop is
-:mod:`cache_server.workers`, the namespace table :mod:`cache_server.namespaces`, the token
-check of ``--auth-token-file`` :mod:`cache_server.token_gate`; this module dispatches the
-operations and answers each with exactly one reply.
+(:mod:`cache_server.shm`, ``--no-shm`` turns it off; the server's side of it, with the
+arena, is :mod:`cache_server.same_host`). The worker loop is :mod:`cache_server.workers`,
+the namespace table :mod:`cache_server.namespaces`, the token check of
+``--auth-token-file`` :mod:`cache_server.token_gate`, a request's deadline
+:mod:`cache_server.deadlines`, routers' queries' thread :mod:`cache_server.query_thread`,
+the fault hooks :mod:`cache_server.fault_hooks`; this module dispatches the operations and
+answers each with exactly one reply.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import signal
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 import zmq
 
 from cache_server import protocol as p
-from cache_server.arena import PinTable, make_arena, pin_ids, pin_seconds, same_user_processes
 from cache_server.chunk_tree import UNKNOWN_PARENT
 from cache_server.config import ServerConfig
-from cache_server.conn_gate import SILENT_S, ConnectionGate, pending_caps
+from cache_server.conn_gate import ConnectionGate, RefusalLog
+from cache_server.deadlines import Request, account_late, note_deadline
+from cache_server.fault_hooks import FaultHooks
 from cache_server.layout import Layout, copy_count
 from cache_server.leases import Release
 from cache_server.metrics import ServerMetrics
 from cache_server.namespaces import NamespaceTable
-from cache_server.prefix_query import PrefixQuery, chunk_key_scheme, parse_query
-from cache_server.shm import GetRegion, SegmentTable, SizedSpan, owned_copy, put_spans
-from cache_server.store import OBJECT_OVERHEAD_BYTES, ObjectStore
+from cache_server.prefix_query import PrefixQuery, chunk_key_scheme
+from cache_server.query_thread import QueryThread
+from cache_server.same_host import SameHost
+from cache_server.shm_payloads import SizedSpan
+from cache_server.store import ObjectStore
+from cache_server.store_accounts import OBJECT_OVERHEAD_BYTES
 from cache_server.token_gate import TokenGate
 from cache_server.workers import Later, Reply, Waiting, Watchdog, work
 
 logger = logging.getLogger("glm_cache_server")
 
-# A request answered slower than this is logged: its client (2 s by default) may have given up.
-# A request that says its deadline (``sent`` + ``budget``) is logged when answered after it.
-SLOW_REQUEST_S = 2.0
-# A client clock this far ahead of ours makes its requests' deadlines unknowable: none applied.
-CLOCK_SKEW_S = 1.0
 # The smallest object a put may hold. An object is at least one row of its group; each is also
 # charged the store's OBJECT_OVERHEAD_BYTES, so a flood of small ones fills the budget and is
 # evicted like any other (a minimum per group would need a row size the hello does not carry).
 MIN_OBJECT_BYTES = 1
-# Routers' queries (op ``query``) run on one query thread of their own, never on a worker that
-# serves engines: at most this many wait for it (past that: ``busy``), each answered within
-# QUERY_DEADLINE_S or told ``busy`` (the thread still finishes it; its cost is bounded by
-# MAX_QUERY_OBJECTS and the L2 probe's timeout).
-MAX_WAITING_QUERIES = 16
-QUERY_DEADLINE_S = 10.0
 
 
 class CacheServer:
@@ -80,27 +72,11 @@ class CacheServer:
         self.l2 = _make_l2(config, self.metrics)  # None without --l2
         self.namespaces = NamespaceTable(self.store, self.metrics, config.max_namespaces)
         self.queries = PrefixQuery(self.store, self.namespaces, self.l2, config.max_namespaces)  # routers' questions
+        self._query_thread = QueryThread(self.queries)
         self._local = threading.local()  # per worker: the ZMQ identity of the request being handled
-        self.segments = SegmentTable(config.shm)
-        # Large objects put through shared memory live in a sealed memfd same-host engines map
-        # read-only (cache_server.arena); read pins keep what a get placed there from reuse.
-        self.arena, why = (None, "--no-arena") if not config.arena else \
-            make_arena(config.l1_size_bytes) if self.segments.host is not None else (None, "no shm")
-        if self.arena is None and config.shm:
-            logger.info("no arena (%s): same-host gets are served by copy", why)
-        elif self.arena is not None:
-            others = same_user_processes()
-            if others:
-                logger.warning("the arena (stored objects of 256 KiB and more) can be read by every process of uid %d "
-                               "on this host, %d of which run now (%s): run the server as a user of its own, or "
-                               "with --no-arena where tenants share this host and are kept apart by cache_salt only",
-                               os.getuid(), len(others), ", ".join(others[:5]))
-        self.pins = PinTable()
-        self._query_pool = ThreadPoolExecutor(1, thread_name_prefix="glm-query")
-        self._query_lock = threading.Lock()
-        self._queries_waiting = 0
+        self.same_host = SameHost(config, lambda: self._client)  # segments, the arena, its read pins
+        self._faults = FaultHooks(config.debug_fault_hooks, self.store, self.same_host.arena)
         self._stop = threading.Event()
-        self._die_on: str | None = None  # debug fault hook: SIGKILL ourselves on this op
         self._ctx = zmq.Context(io_threads=max(1, config.io_threads))
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -111,18 +87,16 @@ class CacheServer:
         self._gate = (TokenGate(config.auth_token, self.metrics, self._ctx, self._sock)
                       if config.auth_token is not None else None)
         ConnectionGate.configure(self._sock)
-        self._accept_gate = ConnectionGate(self._ctx, self._note_refused_connection,
+        self._accept_gate = ConnectionGate(self._ctx, RefusalLog(self.metrics.refused_connections),
                                            self._gate.note_handshake_failed if self._gate is not None else None)
         self.port = self._bind(config.host, config.port)
         self._accept_gate.watch(self._sock, self.port)
-        self._refused_since_log: dict[str, int] = {}
-        self._refusal_logged_at = -float("inf")
         self._handlers = {
             "hello": self._hello, "lookup": self._lookup, "get": self._get, "put": self._put,
-            "delete": self._delete, "debug_corrupt": self._debug_corrupt, "debug_die_on": self._debug_die_on,
+            "delete": self._delete, "debug_corrupt": self._faults.corrupt, "debug_die_on": self._faults.die_on,
             "release": self._release, "clear": self._clear, "stats": self._stats, "ping": self._ping,
-            "shm_attach": self._shm_attach, "shm_detach": self._shm_detach, "query": self._query,
-            "unpin": self._unpin,
+            "shm_attach": self.same_host.shm_attach, "shm_detach": self.same_host.shm_detach,
+            "query": self._query_thread.query, "unpin": self.same_host.unpin,
         }
         assert set(self._handlers) == set(p.OPS)
 
@@ -135,19 +109,6 @@ class CacheServer:
             return self._sock.bind_to_random_port(f"tcp://{h}")
         self._sock.bind(f"tcp://{h}:{port}")
         return port
-
-    def _note_refused_connection(self, peer: str, reason: str) -> None:
-        """The accept gate shut a connection of ``peer`` (``reason``: over the pending-handshake
-        caps, or silent past the greeting deadline): counted, and logged at most once a
-        minute with the addresses."""
-        self.metrics.refused_connections.labels(reason=reason).inc()
-        self._refused_since_log[peer] = self._refused_since_log.get(peer, 0) + 1
-        now = time.monotonic()
-        if now - self._refusal_logged_at >= 60.0:
-            counts, self._refused_since_log, self._refusal_logged_at = self._refused_since_log, {}, now
-            logger.warning("shut %d connection(s) that sent no greeting: over the caps on handshakes under way "
-                           "(%d per address, %d in all) or silent for %.0f s: %s", sum(counts.values()),
-                           *pending_caps(), SILENT_S, ", ".join(f"{a} x{n}" for a, n in sorted(counts.items())[:10]))
 
     # --- loop ----------------------------------------------------------------------------
 
@@ -178,11 +139,7 @@ class CacheServer:
                 self.store.expire_leases()
                 if time.monotonic() - last_shm_check > 1.0:
                     watchdog.check()
-                    self.segments.expire()
-                    self.segments.reap_exited()
-                    for owner in self.segments.take_gone():  # a connection's pins go with it
-                        self.pins.drop_owner(owner)
-                    self.pins.expire()
+                    self.same_host.housekeep()
                     last_shm_check = time.monotonic()
         finally:
             control.send(b"TERMINATE")
@@ -195,13 +152,10 @@ class CacheServer:
                 self._gate.close()
             self._accept_gate.close()
             self._ctx.term()
-            self.segments.close()
-            self.pins.clear()
-            if self.arena is not None:
-                self.arena.close()
+            self.same_host.close()
             if self.l2 is not None:
                 self.l2.close()
-            self._query_pool.shutdown(wait=False, cancel_futures=True)
+            self._query_thread.shutdown()
 
     def _proxy(self, backend: zmq.Socket, control: zmq.Socket) -> None:
         try:
@@ -227,7 +181,7 @@ class CacheServer:
     def _handle(self, frames: list[Any], client: bytes | None = None) -> list[Any] | Waiting:
         """:meth:`handle`, except that a lookup waiting for an L2 promotion comes back as a
         :class:`Waiting`, to be answered once it is ready."""
-        request = _Request(time.perf_counter(), time.time(), client)
+        request = Request(time.perf_counter(), time.time(), client)
         self._local.client = client
 
         def run() -> Reply | Later:
@@ -247,12 +201,11 @@ class CacheServer:
                 raise p.ProtocolError(p.ErrorCode.UNKNOWN_OP,
                                       f"unknown op {op_field[:64]!r}; expected one of {', '.join(p.OPS)}")
             request.op = op_field
-            self._note_deadline(request, header)
+            note_deadline(request, header, self.metrics)
             if request.expired and op_field in p.SKIPPED_WHEN_EXPIRED:
                 raise p.ProtocolError(p.ErrorCode.EXPIRED, f"the client's deadline passed {-request.left():.1f}s "
                                                            "before a worker took this request: not done")
-            if request.op == self._die_on:  # debug fault hook: die mid-request, as kill -9 would
-                os.kill(os.getpid(), signal.SIGKILL)
+            self._faults.die_if_armed(request.op)  # a debug fault hook: mid-request, as kill -9 would
             return handler(header, [_buffer(f) for f in frames[1:]])
 
         out = self._answer(request, frames, run)
@@ -261,7 +214,7 @@ class CacheServer:
             return Waiting(later, lambda: self._answer(request, frames, later.finish))
         return out
 
-    def _answer(self, request: _Request, frames: list[Any],
+    def _answer(self, request: Request, frames: list[Any],
                 produce: Callable[[], Reply | Later]) -> list[Any] | Later:
         """The reply frames of what ``produce`` answers (an error reply for what it raises),
         or the :class:`Later` it returns."""
@@ -284,47 +237,8 @@ class CacheServer:
             out = [p.pack_header(p.error_reply(request.id, p.ErrorCode.INTERNAL, f"{type(e).__name__}: {e}"))]
         took = time.perf_counter() - request.start
         self.metrics.requests.labels(op=request.op).observe(took)
-        self._account_late(request, took, reply_header)
+        account_late(request, took, reply_header, self.store, self.metrics)
         return out
-
-    def _note_deadline(self, request: _Request, header: dict[str, Any]) -> None:
-        """Read the request's ``sent`` and ``budget``: how long it waited before a worker
-        took it, and whether its client has given up already (:attr:`_Request.expired`)."""
-        fields = p.deadline_fields(header)
-        if fields is None:
-            return
-        sent, budget = fields
-        queued = request.arrived - sent
-        if queued < -CLOCK_SKEW_S:
-            self.metrics.clock_skewed.inc()
-            return
-        request.sent, request.budget = sent, budget
-        request.queued = max(0.0, queued)
-        self.metrics.queued.labels(op=request.op).observe(request.queued)
-        request.expired = request.left() < 0
-
-    def _account_late(self, request: _Request, took: float, reply: dict[str, Any] | None) -> None:
-        """Count and log a request answered after its client's deadline, or skipped for it;
-        release the lease a late lookup took (its client has given up on it: nothing else
-        would release it before the TTL). Without a deadline, log one slower than
-        :data:`SLOW_REQUEST_S` to handle."""
-        if request.budget is None:
-            if took > SLOW_REQUEST_S:
-                logger.warning("%r (request %s) took %.1f s to answer", request.op, request.id, took)
-            return
-        if request.expired and request.op in p.SKIPPED_WHEN_EXPIRED:  # releases and deletes are done anyway
-            self.metrics.late.labels(op=request.op, outcome="dropped").inc()
-            logger.warning("%r (request %s) dropped: its client's %.1f s deadline had passed when a worker took it "
-                           "(queued %.1f s)", request.op, request.id, request.budget, request.queued)
-            return
-        if request.queued + took <= request.budget:
-            return
-        self.metrics.late.labels(op=request.op, outcome="answered").inc()
-        lease_id = reply.get("lease_id") if reply is not None else None
-        released = type(lease_id) is int and self.store.release_from(lease_id, request.client) is Release.RELEASED
-        logger.warning("%r (request %s) answered after its client's %.1f s deadline: queued %.1f s, handled %.1f s%s",
-                       request.op, request.id, request.budget, request.queued, took,
-                       "; its lease released" if released else "")
 
     def _size_refusal(self, frames: list[Any]) -> p.ProtocolError | None:
         """The error for an oversize request, found before parsing anything in it."""
@@ -384,7 +298,7 @@ class CacheServer:
                  "separate_object_groups": self.config.separate_object_groups,
                  "max_object_bytes": self.config.max_object_bytes}
         if "shm" in h:  # a same-host offer: agree or say why not (the client then uses frames)
-            reply["shm"] = self._agree(h["shm"])
+            reply["shm"] = self.same_host.agree(h["shm"])
         return reply, []
 
     def _lookup(self, h: dict[str, Any], _: list[memoryview]) -> Reply:
@@ -444,15 +358,7 @@ class CacheServer:
     def _get(self, h: dict[str, Any], _: list[memoryview]) -> Reply:
         ns = p.namespace_field(h)
         keys = p.key_list(h)
-        if "unpin" in h:  # pins of earlier gets the client is done with
-            self.pins.release(self._client, pin_ids(h, "unpin"))
-        want_arena = p.field(h, "arena", bool, default=False)
-        pin_s = pin_seconds(h) if want_arena else 0.0
-        if want_arena and "shm" not in h:
-            raise p.ProtocolError(p.ErrorCode.BAD_REQUEST, "arena placement needs the get's shm region (a client "
-                                                           "whose shared memory the server agreed to)")
-        # Copy what fits into the client's region; the rest goes as frames.
-        region = GetRegion(self.segments, h["shm"]) if "shm" in h else None
+        plan = self.same_host.begin_get(h)  # the arena, the client's region, or frames
         found, sums, hits = [], [], []
         for digest, group, rank in keys:
             hit = self.store.get_with_checksum((ns, digest, group, rank))  # the store's lock ends here
@@ -461,44 +367,18 @@ class CacheServer:
                 sums.append(hit[1])
                 hits.append(hit[0])  # holds an arena object's bytes while this get uses them
         reply: dict[str, Any] = {"found": found, "sums": sums}
-        spans: list[Any] = [None] * len(hits)
-        if want_arena and self.arena is not None:
-            spans = [self.arena.offset_of(x) for x in hits]
-            pinned = [x for x, span in zip(hits, spans) if span is not None]
-            pin = self.pins.grant(self._client, pinned, pin_s, self.segments.peer_of(self._client)) if pinned else None
-            if pin is None:  # nothing there, or past a bound: by copy
-                spans = [None] * len(hits)
-            reply.update(arena=[list(x) if x is not None else None for x in spans], pin=pin, pin_s=pin_s,
-                         arena_nonce=self.arena.nonce,
-                         # verified when placed (Arena.place): the reader copies them without a hash
-                         arena_checked=[x is not None and self.arena.checked(h) for h, x in zip(hits, spans)])
-        payloads, places = [], []
-        for x, span in zip(hits, spans):
-            if span is not None:
-                continue
-            place = None if region is None else region.place(x)
-            places.append(place)
-            if place is None:
-                payloads.append(x)
+        payloads = self.same_host.deliver(plan, hits, reply)
         self.metrics.count_get_misses(ns, found.count(False))
-        if region is not None:
-            reply["shm"] = places  # the objects not answered in the arena, in order
-            self.segments.count(get_bytes=region.copied)
         return reply, payloads
 
     def _put(self, h: dict[str, Any], frames: list[memoryview]) -> Reply:
         ns = p.namespace_field(h)
         keys = p.key_list(h)
-        spans: list[tuple[int, int]] | None = None
-        if "shm" in h:  # payloads lie in the client's segment, not in frames
-            if frames:
-                raise p.ProtocolError(p.ErrorCode.BAD_REQUEST, "a put through shared memory carries no payload frames")
-            view = self.segments.request_view(h["shm"])
-            spans = put_spans(view, h["shm"].get("at"), len(keys))
-            total = sum(n for _, n in spans)
-            if total > self.config.message_limit_bytes:  # the same bound on what one put makes us copy
-                raise self._message_refusal(total)
-            frames = [SizedSpan(n) for _, n in spans]  # sizes only, for the checks below
+        source = self.same_host.put_source(h, frames, len(keys))
+        if source is not None:  # payloads lie in the client's segment, not in frames
+            if source.total > self.config.message_limit_bytes:  # the same bound on what one put makes us copy
+                raise self._message_refusal(source.total)
+            frames = [SizedSpan(n) for _, n in source.spans]  # sizes only, for the checks below
         if len(keys) != len(frames):
             raise p.ProtocolError(p.ErrorCode.BAD_REQUEST,
                                   f"put has {len(keys)} keys but {len(frames)} payload frames")
@@ -525,10 +405,8 @@ class CacheServer:
             raise p.ProtocolError(p.ErrorCode.BAD_REQUEST,
                                   f"parent must list one {p.HASH_BYTES}-byte hash, nil or empty bytes per key")
         self.namespaces.admit(ns)
-        if spans is not None:  # the store keeps its own copy: the client reuses its segment
-            frames = [owned_copy(view[off:off + n], self.arena, (p.key_prefix(ns, tuple(key)), s))
-                      for (off, n), key, s in zip(spans, keys, sums)]
-            self.segments.count(put_bytes=sum(n for _, n in spans))
+        if source is not None:  # the store keeps its own copy: the client reuses its segment
+            frames = self.same_host.take(source, ns, keys, sums)
         results = [self.store.put((ns, *key), frame, prev, s, parent).value
                    for key, frame, prev, s, parent in zip(keys, frames, prevs, sums, parents)]
         self.metrics.count_put_no_space(ns, results.count(p.PutResult.NO_SPACE.value))
@@ -552,45 +430,6 @@ class CacheServer:
             logger.warning("deleted %d object(s) of namespace %r whose bytes failed their checksum at a loader",
                            removed, ns)
         return {"removed": removed}, []
-
-    def _debug_corrupt(self, h: dict[str, Any], _: list[memoryview]) -> Reply:
-        """Flip one byte of a stored object, keeping its checksum: bit rot on demand."""
-        if not self.config.debug_fault_hooks:
-            raise p.ProtocolError(p.ErrorCode.UNKNOWN_OP, "debug_corrupt needs --debug-fault-hooks")
-        ns = p.namespace_field(h)
-        keys = p.key_list(h)
-        if len(keys) != 1:
-            raise p.ProtocolError(p.ErrorCode.BAD_REQUEST, "debug_corrupt takes exactly one key")
-        key = keys[0]
-        offset = p.int_field(h, "offset", minimum=0, default=0)
-        found = self.store.get_with_checksum((ns, *key))
-        if found is None or not memoryview(found[0]).nbytes:  # nothing to flip
-            return {"corrupted": False}, []
-        if self.arena is not None and self.arena.offset_of(found[0]) is not None:  # in place, in the arena
-            view = found[0]
-            view[offset % view.nbytes] ^= 0xFF
-            self.arena.written(view)  # readers verify it again, and find the flip
-            logger.warning("debug fault hook: flipped byte %d of an arena object in namespace %r",
-                           offset % view.nbytes, ns)
-            return {"corrupted": True}, []
-        data = bytearray(found[0])
-        data[offset % len(data)] ^= 0xFF
-        self.store.delete((ns, *key))
-        self.store.put((ns, *key), bytes(data), None, found[1])
-        logger.warning("debug fault hook: flipped byte %d of an object in namespace %r", offset % len(data), ns)
-        return {"corrupted": True}, []
-
-    def _debug_die_on(self, h: dict[str, Any], _: list[memoryview]) -> Reply:
-        """Arm a SIGKILL of this process when the next request of ``op`` arrives (before it is
-        answered): a crash during a load (``get``) or a save (``put``), on demand."""
-        if not self.config.debug_fault_hooks:
-            raise p.ProtocolError(p.ErrorCode.UNKNOWN_OP, "debug_die_on needs --debug-fault-hooks")
-        op = p.str_field(h, "on", p.MAX_NAME_CHARS)
-        if op not in ("get", "put", "lookup"):
-            raise p.ProtocolError(p.ErrorCode.BAD_REQUEST, "on must be get, put or lookup")
-        self._die_on = op
-        logger.warning("debug fault hook: this server will SIGKILL itself on the next %s", op)
-        return {"armed": op}, []
 
     def _release(self, h: dict[str, Any], _: list[memoryview]) -> Reply:
         lease_id = p.int_field(h, "lease_id", minimum=1, maximum=p.MAX_LEASE_ID)
@@ -627,56 +466,11 @@ class CacheServer:
                     kept, f" (namespace {ns!r})" if ns else "")
         return removed, kept
 
-    def _query(self, h: dict[str, Any], _: list[memoryview]) -> Later:
-        """A router's question (:mod:`cache_server.prefix_query`): leases nothing. Parsed
-        here (bounded), answered on the query thread (its store walk and L2 probe never hold
-        a worker that engines' requests are dealt to), replied to by this worker when done."""
-        q = parse_query(h)
-        with self._query_lock:
-            if self._queries_waiting >= MAX_WAITING_QUERIES:
-                raise p.ProtocolError(p.ErrorCode.BUSY, f"{self._queries_waiting} router queries wait for the "
-                                                        "server's query thread; ask again later")
-            self._queries_waiting += 1
-
-        def run() -> dict[str, Any]:
-            try:
-                return self.queries.answer(q)
-            finally:
-                with self._query_lock:
-                    self._queries_waiting -= 1
-
-        job = _QueryJob(self._query_pool.submit(run), time.monotonic() + QUERY_DEADLINE_S)
-
-        def finish() -> Reply:
-            assert job.future is not None
-            if not job.future.done():
-                raise p.ProtocolError(p.ErrorCode.BUSY, f"the query was not answered within {QUERY_DEADLINE_S:.0f} s "
-                                                        "(queries queue for one thread)")
-            return {"result": job.future.result()}, []  # its ProtocolError, if any, is the reply
-
-        return Later(job, finish)
-
     def _stats(self, h: dict[str, Any], _: list[memoryview]) -> Reply:
         return {"stats": self.status()}, []
 
     def _ping(self, h: dict[str, Any], _: list[memoryview]) -> Reply:
         return {}, []
-
-    def _shm_attach(self, h: dict[str, Any], _: list[memoryview]) -> Reply:
-        return {"shm": self._agree(p.field(h, "shm", dict))}, []
-
-    def _agree(self, spec: Any) -> dict[str, Any]:
-        """Answer a segment offer; an agreed one also learns where the arena is."""
-        answer = self.segments.attach(spec, self._client)
-        if answer.get("seg") and self.arena is not None:
-            answer["arena"] = self.arena.describe()
-        return answer
-
-    def _unpin(self, h: dict[str, Any], _: list[memoryview]) -> Reply:
-        return {"unpinned": self.pins.release(self._client, pin_ids(h, "pins"))}, []
-
-    def _shm_detach(self, h: dict[str, Any], _: list[memoryview]) -> Reply:
-        return {"detached": self.segments.detach(p.int_field(h, "seg", minimum=1))}, []
 
     def _check_copies(self, groups: list[int], world_size: int, replicated: list[int]) -> int:
         """The objects one chunk of ``groups`` has on ``world_size`` ranks, counted without
@@ -713,44 +507,11 @@ class CacheServer:
             "max_leased_bytes": self.store.max_leased_bytes, "max_namespaces": self.config.max_namespaces,
             "shm": self.config.shm, "workers": self.config.workers, "io_threads": self.config.io_threads,
         }
-        with self._query_lock:
-            status["queries"] = {"waiting": self._queries_waiting, "max_waiting": MAX_WAITING_QUERIES,
-                                 "deadline_s": QUERY_DEADLINE_S}
-        status["shm"] = self.segments.snapshot()
-        if self.arena is not None:
-            status["shm"]["arena"] = {**self.arena.snapshot(), **self.pins.snapshot()}
+        status["queries"] = self._query_thread.status()
+        status["shm"] = self.same_host.status()
         if self.l2 is not None:
             status["l2"] = self.l2.snapshot()
         return status
-
-
-@dataclass
-class _QueryJob:
-    """A router's query on the query thread (a :class:`~cache_server.workers.Job`)."""
-
-    future: Future[dict[str, Any]] | None
-    deadline: float
-
-
-@dataclass
-class _Request:
-    """What the reply to a request needs of it while it is being answered."""
-
-    start: float  # time.perf_counter() when a worker took it
-    arrived: float  # time.time() then
-    client: bytes | None = None  # the sender's ZMQ identity
-    id: Any = None
-    op: str = "invalid"
-    sent: float | None = None  # the client's time.time() at sending (None: it gave no deadline)
-    budget: float | None = None  # seconds the client waits
-    queued: float = 0.0  # from sending to a worker taking it
-    expired: bool = False  # the deadline had passed when a worker took it
-
-    def left(self) -> float:
-        """Seconds to the client's deadline now (negative: past it; inf: none given)."""
-        if self.sent is None or self.budget is None:
-            return float("inf")
-        return self.sent + self.budget - time.time()
 
 
 def _make_l2(config: ServerConfig, metrics: ServerMetrics) -> Any:

@@ -13,7 +13,9 @@ the previous state of the same conversation path (``prev``): the store counts ea
 resident newer states, which says whether it is superseded. Whether a put can succeed is
 known before anything is evicted, from the unleased byte total.
 
-Lookups lease what their resume needs (:mod:`cache_server.leases`: the caps, and why).
+Lookups lease what their resume needs (:mod:`cache_server.leases`: the caps, and why). Each
+object's entry, the byte and object counts by kind, group and namespace, and the counters
+are :mod:`cache_server.store_accounts`.
 
 Optional separate share for states (``state_share`` in (0, 1)): the declared state groups
 of tracked namespaces may hold at most that fraction of the capacity and everything else
@@ -28,9 +30,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import defaultdict
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass, fields
 from typing import Any
 
 from cache_server.chunk_tree import UNKNOWN_PARENT, ChunkTree
@@ -48,65 +48,9 @@ from cache_server.eviction import (
 from cache_server.layout import Layout, StoreKey, attention_depth, group_ranks, resume_depth
 from cache_server.leases import ANY_OWNER, LeaseTable, Release
 from cache_server.protocol import PutResult
+from cache_server.store_accounts import Entry, Occupancy, Payload, StoreCounters
 
 __all__ = ["ObjectStore", "StoreCounters"]
-
-Payload = bytes | memoryview
-
-
-OBJECT_OVERHEAD_BYTES = 2048
-"""What the server charges each object against ``--l1-size-gb`` beyond its payload: its index
-entry, key, eviction-heap item, chunk-tree node and counters. Measured: 1.03 KB of Python
-objects per 1-byte object in a declared namespace (``tracemalloc``), about 1.5 KB of RSS; 2 KB
-keeps a flood of tiny objects within the budget (``validation/bench_object_overhead.py``)."""
-
-
-@dataclass(slots=True)
-class _Entry:
-    payload: Payload
-    nbytes: int
-    charge: int  # what it counts against the budget: nbytes plus the store's per-object overhead
-    tick: int  # last use; breaks priority ties (LRU)
-    kind: int = OTHER  # STATE: counts against the state share
-    base: float = 0.0  # the eviction queues' L (inflation) at last use
-    prio: float = 0.0  # base + value per byte when last queued; orders eviction within a class
-    checksum: bytes = b""  # written by the storing client, returned to loaders as is
-    leases: int = 0  # active leases holding this object; > 0 means not evictable
-    next_states: set[bytes] | None = None  # hashes of resident newer states linked to this one by ``prev``
-    prev_state: bytes | None = None  # hash of the state this one was linked to, when it was resident
-
-    @property
-    def superseded(self) -> bool:
-        return self.next_states is not None and len(self.next_states) == 1
-
-
-@dataclass
-class StoreCounters:
-    """Monotonic counters, read by /status and /metrics."""
-
-    lookups: int = 0
-    lookup_hits: int = 0  # lookups that found a resume point past start_chunk
-    lookup_misses: int = 0
-    lookup_hit_chunks: int = 0
-    get_hits: int = 0
-    get_misses: int = 0
-    puts_stored: int = 0
-    puts_existing: int = 0
-    puts_no_space: int = 0
-    evictions: int = 0
-    evicted_bytes: int = 0
-    leases_granted: int = 0
-    leases_released: int = 0
-    leases_expired: int = 0
-    leases_dropped_client_cap: int = 0  # oldest lease of an owner dropped for its newest
-    leases_dropped_leased_bytes: int = 0  # oldest lease of anyone dropped to keep pinned bytes under the cap
-    leases_refused: int = 0  # hits answered without a lease: their own objects exceed the byte cap
-    lease_releases_refused: int = 0  # releases of another connection's lease (left as it was)
-    stored_bytes_total: int = 0
-    served_bytes_total: int = 0
-
-
-_SNAPSHOT_NAMES = {"lookup_hits": "hits", "lookup_misses": "misses", "lookup_hit_chunks": "hit_chunks"}
 
 
 class ObjectStore:
@@ -116,9 +60,10 @@ class ObjectStore:
     ``max_leased_bytes`` (default: the whole capacity, i.e. no cap beyond it) bounds the
     bytes pinned by leases; ``max_leases_per_owner`` (default: none) the leases one owner
     holds. Each object is charged its payload plus ``object_overhead_bytes`` (the server
-    passes :data:`OBJECT_OVERHEAD_BYTES`) against the capacity, its kind's share and the
-    leased-bytes cap: tiny objects fill the budget too, and are evicted like any other.
-    ``used_bytes`` stays the payloads' sum; ``charged_bytes`` is what the budget holds.
+    passes :data:`~cache_server.store_accounts.OBJECT_OVERHEAD_BYTES`) against the
+    capacity, its kind's share and the leased-bytes cap: tiny objects fill the budget too,
+    and are evicted like any other. ``used_bytes`` stays the payloads' sum;
+    ``charged_bytes`` is what the budget holds.
     """
 
     def __init__(self, capacity_bytes: int, max_object_bytes: int, lease_ttl_s: float = 60.0,
@@ -144,24 +89,18 @@ class ObjectStore:
         # Byte caps per kind (other, state); None: one budget for both.
         self._kind_caps: tuple[int, int] | None = None if state_share is None else (
             capacity_bytes - int(capacity_bytes * state_share), int(capacity_bytes * state_share))
-        self._kind_bytes = [0, 0]  # charged, per kind
         self.capacity_bytes = capacity_bytes
         self.max_object_bytes = max_object_bytes
         self.lease_ttl_s = lease_ttl_s
         self.max_leased_bytes = min(max_leased_bytes or capacity_bytes, capacity_bytes)
         self.max_leases_per_owner = max_leases_per_owner
         self._lock = threading.Lock()
-        self._objects: dict[StoreKey, _Entry] = {}
+        self._objects: dict[StoreKey, Entry] = {}
         self._eviction = EvictionQueues()  # unleased objects by kind and class, lazy deletion
         self._trees: dict[str, ChunkTree] = {}  # namespaces with a declared layout
         self._tick = 0
-        self._used_bytes = 0  # payloads
-        self._charged_bytes = 0  # payloads plus each object's overhead: what the capacity bounds
+        self._held = Occupancy()  # bytes and objects, by kind, group and namespace
         self._superseded_objects = 0
-        self._bytes_by_group: dict[int, int] = defaultdict(int)
-        self._objects_by_group: dict[int, int] = defaultdict(int)
-        self._objects_by_namespace: dict[str, int] = defaultdict(int)
-        self._bytes_by_namespace_group: dict[tuple[str, int], int] = defaultdict(int)
         self.counters = StoreCounters()
         self._leases = LeaseTable(self._objects, lease_ttl_s, clock, self.max_leased_bytes, max_leases_per_owner,
                                   self.counters, unpinned=self._queue_locked)
@@ -175,7 +114,7 @@ class ObjectStore:
         the namespace holds no objects (its tree was built with the old counts)."""
         with self._lock:
             tree = self._trees.get(namespace)
-            if tree is not None and (tree.layout == layout or self._objects_by_namespace.get(namespace)):
+            if tree is not None and (tree.layout == layout or self._held.objects_by_namespace.get(namespace)):
                 return
             self._trees[namespace] = ChunkTree(namespace, layout, self.value_alpha, self._requeue_locked)
 
@@ -204,12 +143,12 @@ class ObjectStore:
                 return PutResult.EXISTS
             kind = self._kind_of(key)
             if self._kind_caps is None:  # one budget: any unleased object may go
-                need = self._charged_bytes + charge - self.capacity_bytes
-                evictable = self._charged_bytes - self._leases.leased_bytes
+                need = self._held.charged_bytes + charge - self.capacity_bytes
+                evictable = self._held.charged_bytes - self._leases.leased_bytes
                 victims_of: int | None = None
             else:  # its own share only
-                need = self._kind_bytes[kind] + charge - self._kind_caps[kind]
-                evictable = self._kind_bytes[kind] - self._leases.kind_leased[kind]
+                need = self._held.kind_bytes[kind] + charge - self._kind_caps[kind]
+                evictable = self._held.kind_bytes[kind] - self._leases.kind_leased[kind]
                 victims_of = kind
             kept = [e for e in map(self._objects.get, keep)
                     if e is not None and not e.leases and victims_of in (None, e.kind)]
@@ -225,15 +164,9 @@ class ObjectStore:
             for k in passed_over:  # back in line: popping them off the heap was not evicting them
                 self._queue_locked(k, self._objects[k])
             self._tick += 1
-            entry = _Entry(payload, nbytes, charge, self._tick, kind, self._eviction.inflation, checksum=checksum)
+            entry = Entry(payload, nbytes, charge, self._tick, kind, self._eviction.inflation, checksum=checksum)
             self._objects[key] = entry
-            self._used_bytes += nbytes
-            self._charged_bytes += charge
-            self._kind_bytes[kind] += charge
-            self._bytes_by_group[key.group] += nbytes
-            self._objects_by_group[key.group] += 1
-            self._objects_by_namespace[key.namespace] += 1
-            self._bytes_by_namespace_group[key.namespace, key.group] += nbytes
+            self._held.add(key, entry)
             tree = self._trees.get(key.namespace)
             if tree is not None:
                 tree.add(key.chunk, key.group, parent)
@@ -273,7 +206,7 @@ class ObjectStore:
             raise RuntimeError("store invariant broken: unleased bytes exist but no eviction candidate")
         return key
 
-    def _density_locked(self, key: StoreKey, entry: _Entry) -> float:
+    def _density_locked(self, key: StoreKey, entry: Entry) -> float:
         """Value per byte of budget of one object (0: untracked, ``eviction="lru"``, or off the
         tree); its charge, at least 1 (an empty object under an overhead of 0)."""
         if self.eviction != "value":
@@ -281,13 +214,13 @@ class ObjectStore:
         tree = self._trees.get(key.namespace)
         return 0.0 if tree is None else tree.value_per_byte(key.chunk, key.group, max(1, entry.charge))
 
-    def _class_locked(self, key: StoreKey, entry: _Entry) -> int:
+    def _class_locked(self, key: StoreKey, entry: Entry) -> int:
         tree = self._trees.get(key.namespace)
         if tree is not None and tree.worthless(key.chunk):
             return WORTHLESS
         return SUPERSEDED if entry.superseded else PLAIN
 
-    def _queue_locked(self, key: StoreKey, entry: _Entry) -> None:
+    def _queue_locked(self, key: StoreKey, entry: Entry) -> None:
         """Make an unleased object an eviction candidate at its priority (recomputed: its
         value may have changed since its last use)."""
         if entry.leases:
@@ -306,13 +239,13 @@ class ObjectStore:
         self._queue_locked(key, entry)
         return True
 
-    def _touch_locked(self, key: StoreKey, entry: _Entry) -> None:
+    def _touch_locked(self, key: StoreKey, entry: Entry) -> None:
         self._tick += 1
         entry.tick = self._tick
         entry.base = self._eviction.inflation
         self._queue_locked(key, entry)
 
-    def _set_next_states_locked(self, key: StoreKey, entry: _Entry, next_states: set[bytes] | None) -> None:
+    def _set_next_states_locked(self, key: StoreKey, entry: Entry, next_states: set[bytes] | None) -> None:
         """Replace a state's newer states, keeping the superseded count and its class heap right."""
         was = entry.superseded
         entry.next_states = next_states or None
@@ -320,18 +253,9 @@ class ObjectStore:
             self._superseded_objects += 1 if entry.superseded else -1
             self._queue_locked(key, entry)  # same last use, new class
 
-    def _remove_locked(self, key: StoreKey, evicted: bool = False) -> _Entry:
+    def _remove_locked(self, key: StoreKey, evicted: bool = False) -> Entry:
         entry = self._objects.pop(key)
-        self._used_bytes -= entry.nbytes
-        self._charged_bytes -= entry.charge
-        self._kind_bytes[entry.kind] -= entry.charge
-        for counts, label, amount in ((self._bytes_by_group, key.group, entry.nbytes),
-                                      (self._objects_by_group, key.group, 1),
-                                      (self._objects_by_namespace, key.namespace, 1),
-                                      (self._bytes_by_namespace_group, (key.namespace, key.group), entry.nbytes)):
-            counts[label] -= amount
-            if not counts[label]:  # a table per label ever seen would grow without bound
-                del counts[label]
+        self._held.remove(key, entry)
         if entry.leases:
             self._leases.removed(entry)
         if entry.superseded:
@@ -532,7 +456,7 @@ class ObjectStore:
 
     @property
     def used_bytes(self) -> int:
-        return self._used_bytes
+        return self._held.used_bytes
 
     @property
     def leased_bytes(self) -> int:
@@ -554,7 +478,7 @@ class ObjectStore:
 
     def namespace_group_bytes(self, namespace: str, group: int) -> int:
         """Resident bytes of one group in one namespace."""
-        return self._bytes_by_namespace_group.get((namespace, group), 0)
+        return self._held.bytes_by_namespace_group.get((namespace, group), 0)
 
     def group_names(self, namespace: str) -> dict[str, str]:
         """What each of a namespace's groups holds, as its engine named them at hello
@@ -574,7 +498,7 @@ class ObjectStore:
         """Drop an empty namespace's declared layout and chunk tree (the namespace table
         forgot it); False, and nothing dropped, while it holds objects."""
         with self._lock:
-            if self._objects_by_namespace.get(namespace):
+            if self._held.objects_by_namespace.get(namespace):
                 return False
             self._trees.pop(namespace, None)
             return True
@@ -586,16 +510,13 @@ class ObjectStore:
 
     def namespace_objects(self, namespace: str) -> int:
         """Objects resident in one namespace."""
-        return self._objects_by_namespace.get(namespace, 0)
+        return self._held.objects_by_namespace.get(namespace, 0)
 
-    def _bytes_by_group_name_locked(self) -> dict[str, int]:
-        """Resident bytes by what the groups hold, over every namespace (group ids mean
-        different things in different namespaces; names, declared at hello, do not)."""
-        out: dict[str, int] = defaultdict(int)
-        for (ns, g), b in self._bytes_by_namespace_group.items():
-            tree = self._trees.get(ns)
-            out[tree.layout.name_of(g) if tree is not None else f"group_{g}"] += b
-        return dict(sorted(out.items()))
+    def _group_name_locked(self, namespace: str, group: int) -> str:
+        """What a namespace's group holds, as its engine named it at hello (``group_<id>``
+        without a declared layout)."""
+        tree = self._trees.get(namespace)
+        return tree.layout.name_of(group) if tree is not None else f"group_{group}"
 
     def snapshot(self) -> dict[str, Any]:
         """A consistent JSON-able view for /status and /metrics; O(namespaces x groups), not O(objects)."""
@@ -603,17 +524,17 @@ class ObjectStore:
             c = self.counters
             return {
                 "objects": len(self._objects),
-                "used_bytes": self._used_bytes,
-                "charged_bytes": self._charged_bytes,
+                "used_bytes": self._held.used_bytes,
+                "charged_bytes": self._held.charged_bytes,
                 "object_overhead_bytes": self.object_overhead_bytes,
                 "capacity_bytes": self.capacity_bytes,
-                "bytes_by_group": {str(g): b for g, b in sorted(self._bytes_by_group.items()) if b},
-                "objects_by_group": {str(g): n for g, n in sorted(self._objects_by_group.items()) if n},
-                "bytes_by_group_name": self._bytes_by_group_name_locked(),
+                "bytes_by_group": {str(g): b for g, b in sorted(self._held.bytes_by_group.items()) if b},
+                "objects_by_group": {str(g): n for g, n in sorted(self._held.objects_by_group.items()) if n},
+                "bytes_by_group_name": self._held.bytes_by_group_name(self._group_name_locked),
                 "active_leases": len(self._leases),
                 "leased_objects": self._leases.leased_objects,
                 "leased_bytes": self._leases.leased_bytes,
                 "max_leased_bytes": self.max_leased_bytes,
                 "superseded_objects": self._superseded_objects,
-                **{_SNAPSHOT_NAMES.get(f.name, f.name): getattr(c, f.name) for f in fields(c)},
+                **c.snapshot(),
             }

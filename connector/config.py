@@ -247,6 +247,26 @@ def refuse_decode_saves_with_draft_rows(settings: Settings, draft_method: str | 
         )
 
 
+def kv_role(vllm_config: VllmConfig, settings: Settings) -> tuple[bool, bool]:
+    """Whether this engine loads and whether it saves, by vLLM's ``kv_role`` (said once): a
+    prefill instance (``kv_producer``) saves and never loads, a decode instance
+    (``kv_consumer``) loads and never saves, unless a setting says otherwise."""
+    role = getattr(vllm_config.kv_transfer_config, "kv_role", None) or "kv_both"
+    loads = role != "kv_producer" or settings.producer_loads
+    stores = role != "kv_consumer" or settings.consumer_saves
+    logger.info("GlmCacheConnector: kv_role %s: %s", role, "looks up, loads and saves" if loads and stores
+                else "saves, never loads" if stores else "loads, never saves" if loads else "neither loads nor saves")
+    return loads, stores
+
+
+def strict_prefix(settings: Settings) -> bool:
+    """``strict_prefix``, warned of where it is off (diagnosis only)."""
+    if not settings.strict_prefix:
+        logger.warning("GlmCacheConnector: strict_prefix=false (diagnosis only): full-prompt hits apply the last "
+                       "token to the KDA state twice and outputs drift; this engine loads but never saves")
+    return settings.strict_prefix
+
+
 def require_recompute_on_load_failure(vllm_config: VllmConfig) -> None:
     """A failed load must become a recompute, not a failed request.
 

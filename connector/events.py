@@ -202,6 +202,7 @@ class ServerEvents:
         # due at its start before the engine may idle (the pacing spreads it over steps).
         self._round_from: float | None = None
         self._budget_at = time.monotonic()
+        self._vllm_map: Any = None  # vLLM's prefix-cache map at the last step (take_step)
         self.stats = EventStats()
 
     # What the scheduler tells us --------------------------------------------------------
@@ -265,6 +266,25 @@ class ServerEvents:
         out = list(self._queue)
         self._queue.clear()
         return out
+
+    def take_step(self, vllm_map: Any) -> list[Any]:
+        """:meth:`take` for an engine step, ``vllm_map`` being vLLM's prefix-cache map (a new
+        object after each reset of it); where events fail, the step has none."""
+        cleared, self._vllm_map = self._vllm_map is not None and vllm_map is not self._vllm_map, vllm_map
+        try:
+            return self.take(cleared)
+        except Exception as e:  # noqa: BLE001 - events never stop the engine
+            logger.warning("GlmCacheConnector: KV events failed (%s: %.200s); none this step", type(e).__name__, e,
+                           exc_info=e)
+            return []
+
+    def step_pending(self, vllm_map: Any) -> bool:
+        """Whether an idle engine should step: vLLM reset its prefix cache since the last step
+        (``vllm_map`` as for :meth:`take_step`; vLLM publishes its ``AllBlocksCleared`` only
+        from a step: without one a router keeps scoring the dropped blocks), or :meth:`pending`."""
+        if self.enabled and self._vllm_map is not None and vllm_map is not self._vllm_map:
+            return True
+        return self.pending()
 
     def pending(self) -> bool:
         """Whether the engine should step without requests, to publish what a pending

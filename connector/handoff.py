@@ -41,9 +41,13 @@ images, when the tail has no tokens (``M`` on the grid: the state there is a chu
 from __future__ import annotations
 
 import hashlib
+import time
 from array import array
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from connector.requests import RequestState
 
 HANDOFF_TAG = b"glm5next-handoff-v1\0"
 # The prefill instance's answer in ``kv_transfer_params`` (its only key: beside a transfer
@@ -70,6 +74,26 @@ def handoff_retry_delay(retries: int) -> float | None:
     if retries >= MAX_HANDOFF_RETRIES:
         return None
     return min(HANDOFF_RETRY_MAX_S, HANDOFF_RETRY_S * (1 << min(retries, 16)))
+
+
+def prefill_saves_pending(state: RequestState, depth: int, asked: int, timeout_s: float) -> bool:
+    """A decode-side request whose prefill instance planned saves ``glm_chunks`` deep
+    got a shallower answer (``depth`` chunks of the ``asked``): those saves may still be on
+    their way (they travel after the prefill's response). Ask again shortly (backing off, at
+    most :data:`MAX_HANDOFF_RETRIES` times), for at most ``timeout_s``
+    from the first answer (its admission restarts with each answer, so this deadline is the
+    request's), then resume from what is there."""
+    if not state.remote_prefill or depth >= min(asked, state.prefill_chunks):
+        return False
+    now = time.monotonic()
+    if state.prefill_wait_until is None:
+        state.prefill_wait_until = now + timeout_s
+    delay = handoff_retry_delay(state.prefill_retries)
+    if now >= state.prefill_wait_until or delay is None:
+        return False
+    state.prefill_retries += 1
+    state.prefill_retry_at = now + delay
+    return True
 
 
 def handoff_key(prefix_key: bytes | None, tail: Sequence[int], salt: str | None) -> bytes:

@@ -176,6 +176,13 @@ class MediaLedger:
     def vouches(self, item: MediaItem) -> bool:
         return self._seen.get(item.identifier) == item.digest
 
+    def record_load(self, items: Sequence[MediaItem], local_tokens: int, resume: int) -> None:
+        """A load of tokens [``local_tokens``, ``resume``): rows under the identifiers of the
+        items it reaches now come from the server's content, named by its digest."""
+        for it in items:
+            if it.offset < resume and it.offset + it.length > local_tokens:
+                self.record(it.identifier, it.digest)
+
     def __len__(self) -> int:
         return len(self._seen)
 

@@ -42,14 +42,22 @@ class LoadJob:
     refused: str | None = None
 
 
+# What a plan or a report says of weights besides a content digest (None: as loaded at
+# start-up): connector.live_weights names them on the worker side, connector.weights_view
+# on the scheduler side.
+UNNAMED = "unnamed"  # a worker that cannot read its weights' content
+UNVERIFIED = "unverified"  # the scheduler does not know the weights (after a reset)
+
+
 @dataclass
 class GlmConnectorMetadata(KVConnectorMetadata):
     namespace: str = ""
     loads: list[LoadJob] = field(default_factory=list)
     saves: list[ObjectMove] = field(default_factory=list)
-    # The weights this step's loads and saves were planned for (connector.identity
-    # WeightsView.expected): None, every rank's weights as loaded at start-up; a tuple, each
-    # rank's content digest after an in-place change; a string, not known (plan nothing).
+    # The weights this step's loads and saves were planned for
+    # (connector.weights_view.WeightsView.expected): None, every rank's weights as loaded
+    # at start-up; a tuple, each rank's content digest after an in-place change; a string
+    # (UNVERIFIED), not known (plan nothing).
     # A worker whose weights are other moves nothing of this step.
     weights: tuple[str | None, ...] | str | None = None
     # Bumped by every reset of the connector (sleep, a pause that clears caches): the
@@ -81,7 +89,7 @@ class GlmWorkerMeta(KVConnectorWorkerMetadata):
 
     failed_saves: list[SaveFailure] = field(default_factory=list)
     # Each rank's weights, when they changed or the scheduler asked: rank -> (the
-    # weights_seq answered, the rank's token: connector.identity.LiveWeights).
+    # weights_seq answered, the rank's token: connector.live_weights.LiveWeights).
     weights: dict[int, tuple[int, str | None]] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:

@@ -6,9 +6,9 @@ the engine (:func:`engine_fingerprint`): its cache geometry, dtypes and parallel
 the model's cache-row format and numerics version, the key scheme (:func:`choose_key_scheme`:
 vLLM's block hashes or the token chain of :mod:`connector.keys`), and the identity of
 what computed the bytes: the weights (:mod:`connector.identity`, named again at run time
-when they change in place), the engine, a drafter that writes cache rows, and for a
-multimodal model the processor's settings (:mod:`connector.media`). The chunk keys
-themselves are :mod:`connector.keys`.
+when they change in place: :mod:`connector.weights_view`), the engine, a drafter that
+writes cache rows (:mod:`connector.drafts`), and for a multimodal model the processor's
+settings (:mod:`connector.media`). The chunk keys themselves are :mod:`connector.keys`.
 """
 
 from __future__ import annotations
@@ -20,8 +20,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from connector.config import Settings, logger, refuse_decode_saves_with_draft_rows
-from connector.identity import NO_DRAFTS, Drafts, Unnameable, check_nameable, engine_identity, runtime_identity
+from connector.drafts import NO_DRAFTS, Drafts, check_nameable, draft_identity
+from connector.identity import Unnameable, engine_identity
 from connector.media import media_identity
+from connector.weights_view import runtime_identity
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -222,7 +224,10 @@ class Namespace:
                                         geometry.scheduler_block_size, logger)
         try:
             drafts = check_nameable(vllm_config)
-            identity = engine_identity(vllm_config.model_config, drafts, getattr(vllm_config, "load_config", None))
+            identity = engine_identity(vllm_config.model_config, getattr(vllm_config, "load_config", None))
+            draft = draft_identity(drafts)
+            if draft is not None:  # absent otherwise: drafts-off namespaces stay what they were
+                identity["draft"] = draft
         except Unnameable as e:  # what identity cannot name is not cached
             logger.error("GlmCacheConnector: %s; serving without the external cache", e)
             drafts, identity = NO_DRAFTS, None

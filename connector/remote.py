@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from cache_server.client import CacheClient
-from cache_server.client_errors import CLIENT_ERRORS, unauthorized
+from cache_server.client.errors import CLIENT_ERRORS, unauthorized
 from connector.config import Settings, logger
 from connector.geometry import Geometry, GeometryError
 

@@ -4,15 +4,18 @@ about it until it finishes."""
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+from connector.media import unvouched_from
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
 
     from connector.keys import ChunkKeys
-    from connector.media import MediaItem
+    from connector.media import MediaItem, MediaLedger
     from connector.remote import LookupAnswer, Session
 
 
@@ -138,3 +141,36 @@ class Requests(dict[str, RequestState]):
         if state is None:
             state = self[request.request_id] = RequestState(request)
         return state
+
+
+def record_encodings(ledger: MediaLedger, encoder_inputs: Mapping[str, Iterable[int]],
+                     requests: Mapping[str, RequestState]) -> None:
+    """The images the workers encode this step (vLLM's ``scheduled_encoder_inputs``:
+    request id -> item indices), each from its own request's pixels: what vLLM's encoder
+    cache (and the rows computed from it) holds under their identifiers from now on."""
+    for req_id, inputs in encoder_inputs.items():
+        state = requests.get(req_id)
+        if state is None:
+            continue
+        features = getattr(state.request, "mm_features", None) or ()
+        by_index = {it.index: it for it in state.media_items}
+        for i in inputs:
+            item = by_index.get(i)
+            if item is not None:
+                ledger.record(item.identifier, item.digest)
+            elif 0 <= i < len(features):  # pixels not named here: the identifier vouches for nothing
+                ledger.record(str(features[i].identifier), None)
+
+
+def withhold_unvouched(state: RequestState, ledger: MediaLedger, reached: int) -> bool:
+    """Stop ``state``'s saves before the first image among its first ``reached`` tokens
+    whose rows or embeddings vLLM's caches may hold for other pixels (the ledger does not
+    vouch for its identifier with this image's digest). The limit only moves down; True
+    where this is the first limit of the request's saves."""
+    if not state.media_items:
+        return False
+    limit = unvouched_from(state.media_items, ledger, reached, state.local_tokens, state.loaded_tokens)
+    if limit is None or (state.media_limit is not None and limit >= state.media_limit):
+        return False
+    first, state.media_limit = state.media_limit is None, limit
+    return first

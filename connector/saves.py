@@ -10,15 +10,18 @@ from __future__ import annotations
 
 import collections
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from cache_server.chunk_keys import parent_of
 from connector.config import logger
+from connector.media import MediaLedger
 from connector.metadata import TRANSIENT_SAVE_FAILURES, ObjectMove, SaveFailure
+from connector.requests import withhold_unvouched
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.sched.output import SchedulerOutput
 
     from connector.geometry import Geometry
     from connector.keys import ChunkKeys
@@ -28,6 +31,17 @@ if TYPE_CHECKING:
 # that doubles from RESAVE_BACKOFF_S (a server out of space needs time to free some).
 MAX_SAVE_RETRIES = 6
 RESAVE_BACKOFF_S = 0.1
+
+
+def tokens_after_step(so: SchedulerOutput) -> dict[str, int]:
+    """Tokens each scheduled request will have computed once this step's forward ran."""
+    out: dict[str, int] = {}
+    for new in so.scheduled_new_reqs:
+        out[new.req_id] = new.num_computed_tokens + so.num_scheduled_tokens.get(new.req_id, 0)
+    cached = so.scheduled_cached_reqs
+    for i, req_id in enumerate(cached.req_ids):
+        out[req_id] = cached.num_computed_tokens[i] + so.num_scheduled_tokens.get(req_id, 0)
+    return out
 
 
 def owned(req_id: str, moves: list[ObjectMove]) -> list[ObjectMove]:
@@ -40,12 +54,29 @@ def owned(req_id: str, moves: list[ObjectMove]) -> list[ObjectMove]:
 class SavePlanner:
     """Plans the saves of tracked requests and applies their outcomes. Each plan is made
     for the geometry (the session's chunk grid) it is given; requests' chunk keys are
-    extended with ``chunk_keys`` where a save needs them."""
+    extended with ``chunk_keys`` where a save needs them; no save reaches past an image
+    ``ledger`` does not vouch for (:class:`connector.media.MediaLedger`)."""
 
-    def __init__(self, chunk_keys: ChunkKeys, save_decode: bool) -> None:
+    def __init__(self, chunk_keys: ChunkKeys, save_decode: bool, ledger: MediaLedger | None = None) -> None:
         self._chunk_keys = chunk_keys
         self._save_decode = save_decode
+        self._ledger = MediaLedger() if ledger is None else ledger
         self.stats: collections.Counter[str] = collections.Counter()  # see failed()
+
+    def check_media(self, state: RequestState, reached: int) -> None:
+        """Stop ``state``'s saves before an image among its first ``reached`` tokens that
+        the ledger does not vouch for (:func:`connector.requests.withhold_unvouched`)."""
+        if withhold_unvouched(state, self._ledger, reached):
+            self.stats["media_withheld"] += 1
+
+    def new_grid(self, states: Iterable[RequestState]) -> None:
+        """A server came back with another chunk size: what requests under way saved or
+        planned counts chunks of the old grid. Their saves start again from chunk 0 under
+        the new grid's keys (keys name their grid: an old-grid save can never land under a
+        new-grid key); saves planned but not yet sent are the caller's to drop."""
+        for state in states:
+            state.saved_chunks = state.state_chunk = state.save_retries = 0
+            state.resave_at, state.saves_given_up = 0.0, False  # a new server, a new count
 
     def cacheable_chunks(self, state: RequestState, computed: int, C: int) -> int:
         """Whole chunks of this request that may be saved once ``computed`` tokens exist
@@ -63,6 +94,9 @@ class SavePlanner:
 
     def attention_saves(self, state: RequestState, computed: int, geo: Geometry,
                         manager: KVCacheManager | None) -> list[ObjectMove]:
+        """A request's attention saves once ``computed`` tokens exist, first stopping its
+        saves before any image it has reached whose identifier vouches for other content."""
+        self.check_media(state, computed)
         C = geo.chunk_size
         n = self.cacheable_chunks(state, computed, C)
         if n <= state.saved_chunks or state.saves_given_up or time.monotonic() < state.resave_at:

@@ -6,7 +6,7 @@ page writes, and reports each request's load as finished or failed; it copies sa
 out after the forward in batches, sends them from a background thread, and reports every
 save that did not land back to the scheduler (``build_connector_worker_meta``).
 
-It also names the weights it computes with (:class:`connector.identity.LiveWeights`): at
+It also names the weights it computes with (:class:`connector.live_weights.LiveWeights`): at
 start-up, after any in-place load, and when the scheduler asks after a reset. A step's plan
 made for other weights than these moves nothing (its loads fail, so vLLM recomputes them;
 its saves are dropped), and the new weights' name goes back to the scheduler with the
@@ -19,18 +19,18 @@ import collections
 import os
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
 from cache_server.client import CacheClient, InPlace
-from cache_server.client_errors import CLIENT_ERRORS, CacheServerUnavailable, unauthorized
+from cache_server.client.errors import CLIENT_ERRORS, CacheServerUnavailable, unauthorized
 from cache_server.protocol import PutResult
 from connector.config import Settings, logger
 from connector.geometry import Geometry
-from connector.identity import LiveWeights, expected_token
 from connector.kv_pages import NON_TEMPORAL_PAGES
+from connector.live_weights import LiveWeights, expected_token
 from connector.metadata import (
     SAVE_DROPPED,
     SAVE_NO_SPACE,
@@ -43,6 +43,7 @@ from connector.metadata import (
     ObjectMove,
     SaveFailure,
 )
+from connector.transfer_threads import thread_pool, transfer_cpus
 
 if TYPE_CHECKING:
     import torch
@@ -65,7 +66,6 @@ def batches(sizes: list[int], limit: int, first: int | None = None) -> list[rang
     return out
 
 
-_PR_SET_NAME = 15
 # Load batches when the server's arena is mapped: each get then moves no bytes (it pins them),
 # so its round trip is the batch's overhead; measured (bench_reload, 2.82 GB, pages copied past
 # the cache): 16 MiB batches 0.353 s, 64 MiB 0.321 s, 256 MiB 0.288 s against 0.24 s for one
@@ -73,64 +73,6 @@ _PR_SET_NAME = 15
 # Intel Xeon host, torch's copies: 0.309-0.310 s with a 256 MiB first batch, 0.298-0.300 s
 # with 16 MiB).
 ARENA_BATCH_BYTES = 256 << 20
-
-
-def _start_thread(name: str, cpus: frozenset[int] | None) -> None:
-    """Thread-pool initializer: name the thread in the OS (``top -H``,
-    ``/proc/<pid>/task/*/comm``: what ``validation/bench_overhead.py`` uses to tell the
-    connector's CPU time from the model's) and move it to ``cpus``. Best effort: a pool
-    whose initializer raised would be broken, and both are about speed, not behaviour."""
-    try:
-        import ctypes
-        import ctypes.util
-
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        libc.prctl(_PR_SET_NAME, name.encode()[:15], 0, 0, 0)
-    except Exception:  # noqa: BLE001 (not Linux, no libc: the name is cosmetic)
-        pass
-    if cpus:
-        try:
-            os.sched_setaffinity(0, cpus)  # 0: the calling thread
-        except (AttributeError, OSError):
-            pass
-
-
-def spare_cpus(allowed: set[int], model_cpus: set[int], local_workers: int) -> frozenset[int] | None:
-    """Where the connector's threads should run on a CPU engine: the CPUs the engine was
-    given (``allowed``, its parent process's affinity) that the model's OpenMP threads are
-    not pinned to (``model_cpus``, this worker's affinity), i.e. the cores vLLM reserves
-    for its scheduler process and for KV connectors. None (stay where we are) when
-    nothing is spare, when nothing was pinned, or when other workers of this host hold
-    some of the other CPUs (``local_workers`` > 1: we cannot tell which are theirs)."""
-    if local_workers != 1 or not model_cpus or model_cpus >= allowed:
-        return None
-    spare = frozenset(allowed - model_cpus)
-    return spare or None
-
-
-def _transfer_cpus(vllm_config: Any) -> frozenset[int] | None:
-    """:func:`spare_cpus` for this worker (None off CPU engines, or where it can't be told).
-
-    vLLM's CPU backend pins a worker process to its OpenMP cores, and threads inherit
-    their creator's affinity: without this, every page copy, checksum and send of the
-    save thread (and the ZMQ I/O thread its first request starts) preempts the model's
-    forward on its own core, while the reserved core idles."""
-    try:
-        from vllm.platforms import current_platform
-
-        if not current_platform.is_cpu():
-            return None
-        pc = vllm_config.parallel_config
-        # workers of this host: this engine's, times its data-parallel engines here
-        local = int(getattr(pc, "local_world_size", 1)) * max(1, int(getattr(pc, "data_parallel_size_local", 1)))
-        return spare_cpus(set(os.sched_getaffinity(os.getppid())), set(os.sched_getaffinity(0)), local)
-    except Exception:  # noqa: BLE001 (no affinity API, parent gone: stay where we are)
-        return None
-
-
-def _pool(name: str, cpus: frozenset[int] | None = None) -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(max_workers=1, thread_name_prefix=name,
-                              initializer=_start_thread, initargs=(name, cpus))
 
 
 class WorkerSide:
@@ -171,17 +113,15 @@ class WorkerSide:
         self._refused_logged = False
         # Transfer threads off the model's OpenMP cores (CPU engines); the clients' ZMQ I/O
         # thread starts from the first request, made on these threads, and follows them.
-        spec = settings.transfer_cpus
-        self._transfer_cpus = (_transfer_cpus(vllm_config) if spec == "auto"
-                               else None if spec == "off" else frozenset(spec))
+        self._transfer_cpus = transfer_cpus(settings.transfer_cpus, vllm_config)
         if self._transfer_cpus:
             logger.info("GlmCacheConnector worker rank %d: transfer threads on CPUs %s (the model's: %s)",
                         self._rank, sorted(self._transfer_cpus), sorted(os.sched_getaffinity(0)))
-        self._loader = _pool("glm-load", self._transfer_cpus)
-        self._fetcher = _pool("glm-fetch", self._transfer_cpus)
+        self._loader = thread_pool("glm-load", self._transfer_cpus)
+        self._fetcher = thread_pool("glm-fetch", self._transfer_cpus)
         self._arena_lock_note: str | None = "not tried"  # why the arena is not page-locked for CUDA (None: it is)
-        self._hasher = _pool("glm-hash", self._transfer_cpus)  # write_verified's concurrent hash
-        self._saver = _pool("glm-save", self._transfer_cpus)
+        self._hasher = thread_pool("glm-hash", self._transfer_cpus)  # write_verified's concurrent hash
+        self._saver = thread_pool("glm-save", self._transfer_cpus)
         self._lock = threading.Lock()
         self._loads_done: set[str] = set()
         self._loads_failed: set[str] = set()
@@ -189,7 +129,7 @@ class WorkerSide:
         self._failed_saves: list[SaveFailure] = []
         # The weights this worker computes with (set once the KV caches are registered: the
         # model is loaded by then), the token each load was started under, and the report
-        # for the scheduler (connector.identity.LiveWeights.check).
+        # for the scheduler (connector.live_weights.LiveWeights.check).
         self._live: LiveWeights | None = None
         self._load_tokens: dict[str, str | None] = {}
         self._weights_report: tuple[int, str | None] | None = None
@@ -260,7 +200,7 @@ class WorkerSide:
         return self._live.token if self._live is not None else None
 
     def _check_weights(self, meta: GlmConnectorMetadata) -> None:
-        """Name the weights again where they may have changed (connector.identity.LiveWeights.check)."""
+        """Name the weights again where they may have changed (connector.live_weights.LiveWeights.check)."""
         if self._live is None:
             return
         report = self._live.check(meta.weights_seq, expected_token(meta.weights, self._rank))

@@ -49,8 +49,9 @@ from torch import nn
 
 from .blocks import MLP, MoE, RMSNorm
 from .mla_layer import SparseMLALayer, SparseMLAProjections
-from .model import cast_for_inference, check_supported, check_tp_divides, load_by_name
+from .model import check_supported, check_tp_divides
 from .tp import TP1, TPInfo, tp_info
+from .weight_loading import cast_for_inference, load_by_name
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig

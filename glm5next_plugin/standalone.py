@@ -1,7 +1,7 @@
 """The plugin's model without vLLM: ``Glm5NextModel`` plus ``lm_head``, for tests and tools.
 
 It runs one whole fresh sequence per call (each layer's standalone path) and loads a
-checkpoint's tensors by name with :func:`glm5next_plugin.model.load_by_name`, as the vLLM
+checkpoint's tensors by name with :func:`glm5next_plugin.weight_loading.load_by_name`, as the vLLM
 entry class does. With ``vision=True`` it also builds the vision tower, and
 :meth:`StandaloneLM.logprobs` takes an image prompt: the processor's ``pixel_values`` and
 ``image_grid_thw`` for the prompt's images, whose embeddings replace the ``<|image|>``
@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from .model import Glm5NextModel, load_by_name, merge_image_embeddings
+from .model import Glm5NextModel, merge_image_embeddings
+from .weight_loading import load_by_name
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig

@@ -3,7 +3,7 @@ one collective the model needs.
 
 The layers are plain ``nn.Linear`` modules built at their per-rank size (not vLLM's
 ``ColumnParallelLinear`` / ``RowParallelLinear``), so the model still loads checkpoints by
-name (:func:`glm5next_plugin.model.load_by_name`) and TP 1 is byte-for-byte the unsharded
+name (:func:`glm5next_plugin.weight_loading.load_by_name`) and TP 1 is byte-for-byte the unsharded
 model. A module that holds sharded parameters lists them in ``tp_shards``
 (``{parameter name: Shard}``); the loader cuts this rank's piece out of the full checkpoint
 tensor, which is the same file for every TP size.

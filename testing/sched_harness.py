@@ -129,7 +129,7 @@ def drafts(method: str, k: int = 1, draft_model: Path | None = None, **fields: A
     ``num_speculative_tokens`` k and, for a separate draft, its model config (weights at
     ``draft_model``); ``fields`` override the rest (``disable_eagle_block_drop``,
     ``draft_model_config`` ...). ``disable_padded_drafter_batch`` is True by default: the
-    setting under which the connector caches lookahead drafters (connector.identity)."""
+    setting under which the connector caches lookahead drafters (connector.drafts)."""
     draft_config = None
     if draft_model is not None:
         draft_config = SimpleNamespace(model=str(draft_model), revision=None, quantization=None, hf_overrides=None,

@@ -48,10 +48,10 @@ def random_prompt(n: int, seed: int) -> list[int]:
 def tiny_glm_engine(tmp_path_factory: Any, server_url: str, chunk: int, **engine_args: Any) -> Any:
     """The tiny GLM-5.3-Flash (seed 3), float32, with the connector on ``server_url``, a
     prefill step and a retained state every ``chunk`` tokens (one state per chunk)."""
-    from glm5next_plugin import tiny_checkpoint
+    import glm5next_tiny
 
     ckpt = tmp_path_factory.mktemp("tiny_glm")
-    tiny_checkpoint.main([str(ckpt), "--seed", "3"])
+    glm5next_tiny.main([str(ckpt), "--seed", "3"])
     return connector_engine(ckpt, server_url, dtype="float32", max_num_batched_tokens=chunk,
                             prefix_cache_retention_interval=chunk, seed=0, **engine_args)
 

@@ -19,7 +19,7 @@ import zmq
 from cache_server import protocol as p
 from cache_server.auth import PLAIN_USERNAME, TokenFileError, bearer_matches, is_loopback, read_token_file, token_matches
 from cache_server.client import CacheClient
-from cache_server.client_errors import CacheServerError
+from cache_server.client.errors import CacheServerError
 from cache_server.metrics import namespace_id
 from cache_server.protocol import PROTOCOL_VERSION
 from testing.server_process import ServerProcess, free_port

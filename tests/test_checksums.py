@@ -12,7 +12,7 @@ import pytest
 
 from cache_server import protocol as p
 from cache_server.client import CacheClient
-from cache_server.client_errors import CacheServerError
+from cache_server.client.errors import CacheServerError
 from testing.server_process import ServerProcess
 
 NS = "checksum-test"
@@ -119,7 +119,7 @@ def test_debug_hook_is_off_unless_the_server_enables_it():
 
 def test_debug_die_on_get_kills_the_server_mid_request():
     """The crash hook reliability tests use: the armed op never gets an answer."""
-    from cache_server.client_errors import CacheServerUnavailable
+    from cache_server.client.errors import CacheServerUnavailable
 
     with ServerProcess("--separate-object-groups", "--debug-fault-hooks") as srv:
         client = CacheClient(srv.url, timeout_s=2)

@@ -19,8 +19,8 @@ import pytest
 from blake3 import blake3
 
 from cache_server.chunk_keys import chunk_hashes
+from connector.drafts import check_nameable, draft_identity
 from connector.geometry import strict_prefix_chunks
-from connector.identity import check_nameable, draft_identity
 from testing import sched_harness as harness
 from testing.sched_harness import Blocks, drafts, request, step, store
 from testing.vllm_keys import vllm_chunk_keys

@@ -55,10 +55,10 @@ def draft_log(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory, server, draft_log):
-    from glm5next_plugin import tiny_checkpoint
+    import glm5next_tiny
 
     ckpt = tmp_path_factory.mktemp("tiny_mtp")
-    tiny_checkpoint.main([str(ckpt), "--seed", "3"])
+    glm5next_tiny.main([str(ckpt), "--seed", "3"])
     engine = connector_engine(
         ckpt, server.url, dtype="float32", max_num_batched_tokens=C, prefix_cache_retention_interval=C, seed=0,
         speculative_config=MTP,
@@ -225,10 +225,10 @@ def test_control_without_the_lookahead_rule_the_fork_drafts_differ(tmp_path_fact
     fork test above would fail."""
     from vllm import LLM
 
-    from glm5next_plugin import tiny_checkpoint
+    import glm5next_tiny
 
     ckpt = tmp_path_factory.mktemp("tiny_mtp_control")
-    tiny_checkpoint.main([str(ckpt), "--seed", "3"])
+    glm5next_tiny.main([str(ckpt), "--seed", "3"])
     log = tmp_path_factory.mktemp("control") / "drafts.jsonl"
     engine = LLM(model=str(ckpt), dtype="float32", enable_prefix_caching=True, gpu_memory_utilization=0.15,
                  max_model_len=4096, enforce_eager=True, max_num_batched_tokens=C, prefix_cache_retention_interval=C,

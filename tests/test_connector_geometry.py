@@ -170,12 +170,12 @@ def test_plugin_model_declares_its_row_format_to_the_connector(tmp_path):
     from vllm.config import ModelConfig
     from vllm.plugins import load_general_plugins
 
+    import glm5next_tiny
     from connector.namespace import model_cache_row_format
-    from glm5next_plugin import tiny_checkpoint
     from glm5next_plugin.mla_layer import CACHE_ROW_FORMAT, sparse_mla_backend
 
     load_general_plugins()
-    tiny_checkpoint.main([str(tmp_path / "ckpt"), "--seed", "3"])
+    glm5next_tiny.main([str(tmp_path / "ckpt"), "--seed", "3"])
     vllm = SimpleNamespace(model_config=ModelConfig(model=str(tmp_path / "ckpt"), dtype="float32"))
     assert model_cache_row_format(vllm) == CACHE_ROW_FORMAT == sparse_mla_backend(64).cache_row_format
     assert CACHE_ROW_FORMAT.endswith("/2")

@@ -8,8 +8,8 @@ import time
 import pytest
 from engines import TIMEOUT_S, connector_engine, generate_one, random_prompt, stop_engine
 
+import glm5next_tiny
 from cache_server.client import CacheClient
-from glm5next_plugin import tiny_checkpoint
 from testing.server_process import ServerProcess
 
 pytestmark = pytest.mark.engine
@@ -46,7 +46,7 @@ def test_a_chunk_size_change_mid_run_never_mixes_grids(tmp_path, capfd):
     size: every output equals its cold run, the connector hands over to the new grid, and
     every reload resumes on the new grid only (a multiple of the new chunk)."""
     ckpt = tmp_path / "model"
-    tiny_checkpoint.main([str(ckpt), "--seed", "3"])
+    glm5next_tiny.main([str(ckpt), "--seed", "3"])
     first = _server("--chunk-size", str(C))
     llm = connector_engine(ckpt, first.url, dtype="float32", max_num_batched_tokens=C,
                            prefix_cache_retention_interval=C, seed=0,

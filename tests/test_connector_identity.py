@@ -11,15 +11,15 @@ from types import SimpleNamespace
 import pytest
 from engines import connector_engine, generate_one, random_prompt, stop_engine
 
+import glm5next_tiny
 from cache_server.client import CacheClient
 from connector.identity import UnnamedWeights, engine_identity, weights_digest
-from glm5next_plugin import tiny_checkpoint
 
 C = 256
 
 
 def _checkpoint(path, seed):
-    tiny_checkpoint.main([str(path), "--seed", str(seed)])
+    glm5next_tiny.main([str(path), "--seed", str(seed)])
     return path
 
 

@@ -157,7 +157,7 @@ def walkthrough(tmp_path_factory):
     and the engine, as the page does), with the tiny checkpoint."""
     from vllm import LLM
 
-    from glm5next_plugin import tiny_checkpoint
+    import glm5next_tiny
     from testing.server_process import free_port
 
     env, argv, config = _walkthrough("glm")
@@ -179,7 +179,7 @@ def walkthrough(tmp_path_factory):
     extra = dict(config["kv_connector_extra_config"], **{"lmcache.mp.host": "tcp://127.0.0.1",
                                                         "lmcache.mp.port": server.port})
     ckpt = tmp / "tiny"
-    tiny_checkpoint.main([str(ckpt), "--seed", "3"])
+    glm5next_tiny.main([str(ckpt), "--seed", "3"])
     llm = LLM(model=str(ckpt), dtype="float32", enable_prefix_caching=True, gpu_memory_utilization=0.15,
               max_model_len=4096, enforce_eager=True, max_num_batched_tokens=256,
               prefix_cache_retention_interval=256, seed=0,

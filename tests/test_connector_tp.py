@@ -21,8 +21,8 @@ import time
 import pytest
 from engines import connector_engine, stop_engine
 
+import glm5next_tiny
 from cache_server.client import CacheClient
-from glm5next_plugin import tiny_checkpoint
 from testing.server_process import ServerProcess
 
 pytestmark = pytest.mark.engine
@@ -50,7 +50,7 @@ def llm(tmp_path_factory, server):
     if len(cores) < 2:
         pytest.skip(f"TP 2 needs 2 cores, {len(cores)} allowed")
     ckpt = tmp_path_factory.mktemp("tiny_tp_connector")
-    tiny_checkpoint.main([str(ckpt), "--seed", "3", "--linear-num-heads", "4"])
+    glm5next_tiny.main([str(ckpt), "--seed", "3", "--linear-num-heads", "4"])
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("VLLM_CPU_OMP_THREADS_BIND", f"{cores[0]}|{cores[1]}")
         engine = connector_engine(ckpt, server.url, dtype="float32", tensor_parallel_size=2,

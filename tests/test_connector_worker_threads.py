@@ -14,7 +14,7 @@ import textwrap
 import pytest
 
 from connector.config import Settings, cpu_setting
-from connector.worker import _pool, spare_cpus
+from connector.transfer_threads import spare_cpus, thread_pool
 from testing.server_process import ServerProcess
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -31,7 +31,7 @@ def test_spare_cpus_are_the_engines_cpus_the_model_is_not_pinned_to():
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
 def test_pool_threads_are_named_and_placed():
     cpu = max(os.sched_getaffinity(0))
-    pool = _pool("glm-save", frozenset({cpu}))
+    pool = thread_pool("glm-save", frozenset({cpu}))
 
     def probe() -> tuple[str, set[int]]:
         import threading

@@ -191,10 +191,8 @@ def test_every_request_of_one_call_shares_its_deadline(server, monkeypatch):
     the put): both are sent with the call's one deadline (``sent + budget``, the same wall
     time), not each with a fresh timeout. The attach is held 50 ms after it is packed, so a
     fresh timeout would put the put's deadline 50 ms later."""
-    import cache_server.client as client_module
-
     sent: list[dict] = []
-    pack = client_module.p.pack_header
+    pack = p.pack_header
 
     def spy(h):
         sent.append(dict(h))
@@ -204,9 +202,9 @@ def test_every_request_of_one_call_shares_its_deadline(server, monkeypatch):
 
     with CacheClient(server.url, timeout_s=30.0, shm_bytes=1 << 20) as c:
         c.hello(NS, 16, attn_groups=[0], state_groups=[1])
-        monkeypatch.setattr(client_module.p, "pack_header", spy)
+        monkeypatch.setattr(p, "pack_header", spy)
         c.put(NS, [(H[2], 0, 0, b"y" * (2 << 20))], timeout_s=20.0)  # over the 1 MiB segment: a new one
-        monkeypatch.setattr(client_module.p, "pack_header", pack)
+        monkeypatch.setattr(p, "pack_header", pack)
         assert c.transport == "shm"
     ops = [h["op"] for h in sent]
     assert ops == ["shm_attach", "put"], ops

@@ -187,7 +187,7 @@ class _OneLayer(nn.Module):
 
 @pytest.mark.parametrize("stored", [None, torch.tensor(0.25), torch.tensor([0.25])])
 def test_checkpoint_k_scale_is_optional_and_loaded_when_present(stored):
-    from glm5next_plugin.model import cast_for_inference, load_by_name
+    from glm5next_plugin.weight_loading import cast_for_inference, load_by_name
 
     src, dst = _OneLayer(), _OneLayer()
     weights = {n: p.detach().clone() for n, p in src.named_parameters()}

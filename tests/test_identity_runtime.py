@@ -23,22 +23,16 @@ import torch
 from engines import connector_engine, generate_one, random_prompt, stop_engine
 from torch import nn
 
+import glm5next_tiny
 from cache_server.chunk_keys import chunk_hashes
 from cache_server.client import CacheClient
 from connector.config import Settings
 from connector.geometry import CacheGroup, Geometry, LayerPage
-from connector.identity import (
-    FILE_LOAD_FORMATS,
-    UNVERIFIED,
-    LiveWeights,
-    UnnamedWeights,
-    check_weights_source,
-    weights_digest,
-)
-from connector.metadata import GlmConnectorMetadata, GlmWorkerMeta, LoadJob, ObjectMove
+from connector.identity import FILE_LOAD_FORMATS, UnnamedWeights, check_weights_source, weights_digest
+from connector.live_weights import LiveWeights
+from connector.metadata import UNVERIFIED, GlmConnectorMetadata, GlmWorkerMeta, LoadJob, ObjectMove
 from connector.namespace import model_numerics_version, numerics_version_of
 from connector.worker import WorkerSide
-from glm5next_plugin import tiny_checkpoint
 from testing.sched_harness import Blocks, request, weights_dir
 from testing.worker_loads import wait_load
 
@@ -74,7 +68,7 @@ NUMERICS_TOL = 1e-3
 @pytest.fixture(scope="module")
 def numerics_checkpoint(tmp_path_factory):
     path = tmp_path_factory.mktemp("numerics")
-    tiny_checkpoint.main([str(path), "--seed", "0"])
+    glm5next_tiny.main([str(path), "--seed", "0"])
     return path
 
 
@@ -89,7 +83,7 @@ def test_the_plugins_outputs_are_those_recorded_for_its_numerics_version(numeric
         f"no outputs recorded for NUMERICS_VERSION {NUMERICS_VERSION}: record them ({where})")
     recorded = RECORDED[NUMERICS_VERSION]
     assert weights_digest(numerics_checkpoint) == recorded["checkpoint"], (
-        f"the tiny checkpoint changed (glm5next_plugin/tiny_checkpoint.py writes other weights): re-record the "
+        f"the tiny checkpoint changed (glm5next_tiny/ writes other weights): re-record the "
         f"outputs for it ({where}); the plugin's numerics need no new version for that")
     torch.manual_seed(0)
     model = load_standalone(numerics_checkpoint)
@@ -417,7 +411,8 @@ def test_tp_ranks_name_their_own_shards():
     """With TP every rank names its own shard: one rank's change moves the namespace at
     once, a reset is answered only when every rank has answered it, and each rank reads its
     own token in the plan."""
-    from connector.identity import WeightsView, expected_token, runtime_identity
+    from connector.live_weights import expected_token
+    from connector.weights_view import WeightsView, runtime_identity
 
     view = WeightsView(2)
     assert view.expected() is None and expected_token(None, 1) is None
@@ -499,8 +494,8 @@ def engine(tmp_path_factory, server):
     """One engine on checkpoint A (the tiny GLM, seed 3); B is another of the same shape
     (seed 4). ``A0``: the prompt's cold continuation on A, saved to the server."""
     a, b = tmp_path_factory.mktemp("weights_a"), tmp_path_factory.mktemp("weights_b")
-    tiny_checkpoint.main([str(a), "--seed", "3"])
-    tiny_checkpoint.main([str(b), "--seed", "4"])
+    glm5next_tiny.main([str(a), "--seed", "3"])
+    glm5next_tiny.main([str(b), "--seed", "4"])
     llm = connector_engine(a, server.url, dtype="float32", max_num_batched_tokens=C,
                            prefix_cache_retention_interval=C, seed=0)
     try:

@@ -654,8 +654,8 @@ def test_a_delete_still_queued_or_made_during_a_promotion_is_not_promoted(cluste
         tier.write(key, payload, p.checksum(payload, NS, key[1:]), None)
         assert tier.flush(60)
         release_writer = threading.Event()
-        make_delete = tier._delete_now
-        tier._delete_now = lambda client, keys: (release_writer.wait(60), make_delete(client, keys))
+        make_delete = tier.writer._delete_now
+        tier.writer._delete_now = lambda client, keys: (release_writer.wait(60), make_delete(client, keys))
 
         # a promotion under way (between its EXISTS and GET) when the delete arrives
         store = ObjectStore(1 << 20, 1 << 20)
@@ -685,9 +685,9 @@ def test_the_writers_queue_is_bounded_in_items_not_only_bytes(cluster, monkeypat
     the queue's bytes, but over its item cap (lowered to 1,000 here, 65,536 in the server).
     The queue stops at the cap and the rest are dropped ``queue_full``, as a flood of large
     objects would be; each write also counts its own bookkeeping against the bytes."""
-    from cache_server import l2 as l2_module
+    from cache_server import l2_writer
 
-    monkeypatch.setattr(l2_module, "MAX_QUEUE_ITEMS", 1000)
+    monkeypatch.setattr(l2_writer, "MAX_QUEUE_ITEMS", 1000)
     config = L2Config.from_url(cluster.url + "?timeout_s=30", secret=L2_SECRET.encode())
     tier = L2Tier(config)
     try:
@@ -699,7 +699,7 @@ def test_the_writers_queue_is_bounded_in_items_not_only_bytes(cluster, monkeypat
         dropped, queued = snap["dropped"].get("queue_full", 0), snap["queue_items"]
         assert queued <= 1000 and dropped >= 3000  # whenever the writer took its one batch, 1,000 at most
         in_flight = 5000 - queued - dropped  # that batch: its bytes count until it is written or dropped
-        assert 0 <= in_flight <= 1000 and snap["queue_bytes"] == (queued + in_flight) * (1 + l2_module.WRITE_ITEM_BYTES)
+        assert 0 <= in_flight <= 1000 and snap["queue_bytes"] == (queued + in_flight) * (1 + l2_writer.WRITE_ITEM_BYTES)
         assert snap["queue_bytes"] < config.queue_bytes // 100  # the bytes alone would have queued all
     finally:
         tier.close(flush_s=60)

@@ -172,7 +172,7 @@ def _engine(ckpt: Any, kv_transfer_config: str, log_path: Any) -> VllmServer:
 def _warm_up(e: VllmServer) -> None:
     """One short request (no whole chunk: nothing saved or loaded): the connector looks up and
     saves only once the workers have named their weights, in the output of the first step
-    after a start or a reset (connector.identity)."""
+    after a start or a reset (connector.live_weights)."""
     complete(e.base_url, random_prompt(5, 5), max_tokens=1)
 
 
@@ -231,7 +231,7 @@ def _reload(srv: ServerProcess, e: VllmServer, before: Snapshot, retries: list[d
 @pytest.fixture(scope="module")
 def composed(tmp_path_factory):
     """Both orders, one engine at a time, on one server; what each request changed."""
-    from glm5next_plugin.tiny_checkpoint import ensure_checkpoint
+    from glm5next_tiny import ensure_checkpoint
 
     tmp = tmp_path_factory.mktemp("multiconnector")
     ckpt = ensure_checkpoint(tmp / "glm5next-tiny")

@@ -75,7 +75,7 @@ def _engines(ckpt, url: str, *extra: str) -> tuple[VllmServer, VllmServer]:
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    from glm5next_plugin.tiny_checkpoint import ensure_checkpoint
+    from glm5next_tiny import ensure_checkpoint
 
     path = tmp_path_factory.mktemp("pd") / "glm5next-tiny"
     ensure_checkpoint(path)

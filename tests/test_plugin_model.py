@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from glm5next_plugin import kda, sparse_mla
-from glm5next_plugin.model import cast_for_inference, check_supported, load_by_name
+from glm5next_plugin.model import check_supported
 from glm5next_plugin.standalone import StandaloneLM as _Standalone
 from glm5next_plugin.standalone import load_standalone
+from glm5next_plugin.weight_loading import cast_for_inference, load_by_name
 
 # fp32 on both sides; the residual difference is summation order over 5 layers with
 # unit-scale random weights and 20 Sinkhorn iterations per mHC.

@@ -36,7 +36,8 @@ from engines import stop_engine
 from safetensors.torch import load_file
 
 import glm5next_plugin
-from glm5next_plugin import mtp, tiny_checkpoint
+import glm5next_tiny
+from glm5next_plugin import mtp
 from glm5next_plugin.model import Glm5NextModel
 from glm5next_plugin.standalone import load_standalone
 
@@ -167,7 +168,7 @@ def _on_disk_spelling(w: dict) -> dict:
 
 
 def _load(text_config, named: dict) -> mtp.MultiTokenPredictor:
-    from glm5next_plugin.model import load_by_name
+    from glm5next_plugin.weight_loading import load_by_name
 
     m = mtp.MultiTokenPredictor(text_config)
     own = ((k[len("model.") :], t) for k, t in mtp.mtp_weights(named.items(), N, 1))
@@ -309,13 +310,13 @@ def test_seed3_checkpoint_ships_the_trained_layer_on_an_unchanged_target(weights
     tensors are byte for byte those of the same checkpoint written with the derived layer or
     with no MTP layer: the shipped file names that target's digest. A checkpoint of another
     target (seed 4, same shapes) gets the derived layer."""
-    shipped = load_file(str(tiny_checkpoint.TRAINED_MTP))
+    shipped = load_file(str(glm5next_tiny.TRAINED_MTP))
     assert sorted(MTP + k for k in shipped) == sorted(k for k in weights if k.startswith(MTP))
     for k, t in shipped.items():
         assert torch.equal(weights[MTP + k], t), k
     target = _target_tensors(weights)
     for name, extra in (("derived", ["--derived-mtp"]), ("none", ["--mtp-layers", "0"])):
-        tiny_checkpoint.main([str(tmp_path / name), "--seed", "3", *extra])
+        glm5next_tiny.main([str(tmp_path / name), "--seed", "3", *extra])
         other = load_file(str(tmp_path / name / "model.safetensors"))
         assert _target_tensors(other).keys() == target.keys()
         for k, t in _target_tensors(other).items():
@@ -324,29 +325,29 @@ def test_seed3_checkpoint_ships_the_trained_layer_on_an_unchanged_target(weights
     assert not torch.equal(derived[MTP + "eh_proj.weight"], weights[MTP + "eh_proj.weight"])
     from safetensors import safe_open
 
-    with safe_open(str(tiny_checkpoint.TRAINED_MTP), "pt") as f:
-        assert f.metadata()["target_digest"] == tiny_checkpoint.target_digest(target)
-    tiny_checkpoint.main([str(tmp_path / "seed4"), "--seed", "4"])
+    with safe_open(str(glm5next_tiny.TRAINED_MTP), "pt") as f:
+        assert f.metadata()["target_digest"] == glm5next_tiny.target_digest(target)
+    glm5next_tiny.main([str(tmp_path / "seed4"), "--seed", "4"])
     seed4 = load_file(str(tmp_path / "seed4" / "model.safetensors"))
-    assert tiny_checkpoint.trained_mtp_state(_target_tensors(seed4), text_config) is None
-    expected = tiny_checkpoint.mtp_state(_target_tensors(seed4), text_config)
+    assert glm5next_tiny.trained_mtp_state(_target_tensors(seed4), text_config) is None
+    expected = glm5next_tiny.mtp_state(_target_tensors(seed4), text_config)
     assert expected.keys() == {k for k in seed4 if k.startswith(MTP)}
     assert all(torch.equal(seed4[k], t) for k, t in expected.items())
 
 
 def test_default_checkpoint_is_rewritten_when_the_trained_layer_changes(tmp_path, monkeypatch):
-    """ensure_checkpoint's stamp covers the shipped layer's bytes, not only the module's."""
-    before = tiny_checkpoint._code_digest()
-    assert tiny_checkpoint.TRAINED_MTP in tiny_checkpoint.trained_mtp_files()
-    data = bytearray(tiny_checkpoint.TRAINED_MTP.read_bytes())
+    """ensure_checkpoint's stamp covers the shipped layer's bytes, not only the package's modules'."""
+    before = glm5next_tiny.checkpoint._code_digest()
+    assert glm5next_tiny.TRAINED_MTP in glm5next_tiny.trained_mtp_files()
+    data = bytearray(glm5next_tiny.TRAINED_MTP.read_bytes())
     for name, flip in (("same", False), ("changed", True)):
-        copy = tmp_path / name / tiny_checkpoint.TRAINED_MTP.name
+        copy = tmp_path / name / glm5next_tiny.TRAINED_MTP.name
         copy.parent.mkdir()
         if flip:
             data[-1] ^= 1
         copy.write_bytes(bytes(data))
-        monkeypatch.setattr(tiny_checkpoint, "trained_mtp_files", lambda copy=copy: [copy])
-        assert (tiny_checkpoint._code_digest() != before) == flip, name
+        monkeypatch.setattr(glm5next_tiny.mtp_layer, "trained_mtp_files", lambda copy=copy: [copy])
+        assert (glm5next_tiny.checkpoint._code_digest() != before) == flip, name
 
 
 def _fitted() -> list[tuple[int, list[int]]]:
@@ -354,7 +355,7 @@ def _fitted() -> list[tuple[int, list[int]]]:
     bench_drafts' three demo chat turns and three random-token prompts."""
     from safetensors import safe_open
 
-    with safe_open(str(tiny_checkpoint.TRAINED_MTP), "pt") as f:
+    with safe_open(str(glm5next_tiny.TRAINED_MTP), "pt") as f:
         return [tuple(x) for x in json.loads(f.metadata()["fitted"])]
 
 

@@ -65,12 +65,12 @@ def test_plugin_marks_only_glm5next_model_types_as_not_mla(tmp_path):
     from vllm.transformers_utils.model_arch_config_convertor import MODEL_ARCH_CONFIG_CONVERTORS as table
     from vllm.transformers_utils.model_arch_config_convertor import ModelArchConfigConvertorBase as base
 
-    from glm5next_plugin import tiny_checkpoint
+    import glm5next_tiny
 
     glm5next_plugin.register()
     glm5next_plugin.mark_not_mla()  # idempotent: a second call wraps nothing twice
-    tok = tiny_checkpoint.build_tokenizer(0, 512)
-    cfg = tiny_checkpoint.build_config(tok)
+    tok = glm5next_tiny.build_tokenizer(0, 512)
+    cfg = glm5next_tiny.build_config(tok)
     for hf, text in ((cfg, cfg.text_config), (cfg.text_config, cfg.text_config)):
         convertor = table[hf.model_type](hf, text)
         assert convertor.is_deepseek_mla() is False
@@ -132,10 +132,10 @@ def test_model_declares_hybrid_state_and_prefix_caching_support():
 def test_parallelism_and_shared_indexers_are_refused_by_name_and_drafts_are_not(tmp_path):
     from transformers import AutoConfig
 
-    from glm5next_plugin import tiny_checkpoint
+    import glm5next_tiny
     from glm5next_plugin.model import check_supported
 
-    ckpt = tiny_checkpoint.write_checkpoint(tmp_path / "c", seed=0)
+    ckpt = glm5next_tiny.write_checkpoint(tmp_path / "c", seed=0)
     cfg = AutoConfig.from_pretrained(ckpt)
     single = SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1)
     check_supported(cfg, SimpleNamespace(speculative_config=None, parallel_config=single))

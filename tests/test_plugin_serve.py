@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from glm5next_plugin import tiny_checkpoint
+import glm5next_tiny
 
 pytestmark = pytest.mark.engine
 
@@ -42,7 +42,7 @@ def _post(url: str, body: dict) -> tuple[int, dict]:
 def server(tmp_path_factory):
     # A larger KDA state (8 heads x 64) than the default, so vLLM must grow the unified
     # block beyond the CPU default of 128 to fit one state per attention page.
-    ckpt = tiny_checkpoint.write_checkpoint(
+    ckpt = glm5next_tiny.write_checkpoint(
         tmp_path_factory.mktemp("tiny_serve"), seed=4, linear_num_heads=8, linear_head_dim=64
     )
     port = _free_port()

@@ -31,8 +31,9 @@ import torch
 from engines import stop_engine
 from torch import nn
 
-from glm5next_plugin.model import Glm5NextModel, load_by_name, tp_shards_of
+from glm5next_plugin.model import Glm5NextModel
 from glm5next_plugin.tp import TP1, Shard, TPInfo
+from glm5next_plugin.weight_loading import load_by_name, tp_shards_of
 
 # TP 2 vs TP 1, both float32: only the order of the row-parallel sums differs. Measured
 # max |diff| 3.3e-5 (prompt log-probs, 700 + 37 tokens) and 5e-6 (greedy-token log-probs)

@@ -15,7 +15,7 @@ import torch
 from engines import stop_engine
 from PIL import Image
 
-from glm5next_plugin import tiny_checkpoint
+import glm5next_tiny
 from tests.engines import random_prompt
 
 # float32 on both sides; measured max |logit diff| 6.2e-4 (one position inside the second image;
@@ -74,7 +74,7 @@ def test_checkpoint_ships_the_image_processor_and_renders_image_parts(ckpt, proc
     assert tuple(px["pixel_values"].shape) == (64, 1176)
     assert px["image_grid_thw"].tolist() == [[1, 8, 8]]  # 16 tokens after the 2x2 merge
     big = processor(images=[_image(1, 1000, 1000)], return_tensors="pt")["image_grid_thw"]
-    assert int(big.prod()) // 4 == tiny_checkpoint.MAX_IMAGE_TOKENS == 256
+    assert int(big.prod()) // 4 == glm5next_tiny.MAX_IMAGE_TOKENS == 256
     tok = AutoTokenizer.from_pretrained(ckpt)
     content = [{"type": "text", "text": "what is"}, {"type": "image"}, {"type": "image_url", "image_url": {"url": "x"}}]
     text = tok.apply_chat_template([{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True)

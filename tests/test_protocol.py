@@ -56,10 +56,10 @@ def test_a_slow_answer_is_logged_with_its_op_and_id(monkeypatch, caplog):
     client's timeout message ('did not answer') is matched against."""
     import time
 
-    from cache_server import server as srv
+    from cache_server import deadlines
 
     server = CacheServer(ServerConfig(port=0, http_port=0, l1_size_bytes=1 << 20, max_object_bytes=1 << 10))
-    monkeypatch.setattr(srv, "SLOW_REQUEST_S", 0.05)
+    monkeypatch.setattr(deadlines, "SLOW_REQUEST_S", 0.05)
     real_ping = server._handlers["ping"]
     monkeypatch.setitem(server._handlers, "ping", lambda h, f: (time.sleep(0.1), real_ping(h, f))[1])
     try:

@@ -210,7 +210,7 @@ def stack(tmp_path_factory):
     checkpoint path); the events' tests skip without the indexer, the hostile ones run."""
     import importlib.util
 
-    from glm5next_plugin.tiny_checkpoint import ensure_checkpoint
+    from glm5next_tiny import ensure_checkpoint
 
     tmp = tmp_path_factory.mktemp("kv_events")
     ckpt = tmp / "glm5next-tiny"

@@ -20,7 +20,7 @@ import torch
 
 from cache_server.arena import MIN_ARENA_BYTES, NAME_PREFIX, pack_pins
 from cache_server.client import CacheClient
-from cache_server.client_errors import CacheServerError
+from cache_server.client.errors import CacheServerError
 from testing.server_process import ServerProcess
 
 NS = "arena-test"
@@ -92,15 +92,15 @@ def test_a_put_whose_checksum_lies_lands_unchecked_and_its_reader_finds_it(serve
     """The server verifies an arena object as it places it; one whose bytes do not match the
     checksum it came with (a client's bug, bytes changed on the way) is stored all the
     same, not marked checked: the reader verifies it in the copy, fails it and deletes it."""
-    from cache_server import client as client_module
+    from cache_server import protocol
 
     key, data = _key(12), _payload(12, 2 * MIB)
     with CacheClient(server.url) as c:
         c.hello(NS, 16)
-        real = client_module.p.checksum
-        monkeypatch.setattr(client_module.p, "checksum", lambda v, ns, k: real(bytes(v)[:-1] + b"?", ns, k))
+        real = protocol.checksum
+        monkeypatch.setattr(protocol, "checksum", lambda v, ns, k: real(bytes(v)[:-1] + b"?", ns, k))
         assert c.put(NS, [(*key, data)]) == ["stored"]
-        monkeypatch.setattr(client_module.p, "checksum", real)
+        monkeypatch.setattr(protocol, "checksum", real)
         got = c.get_in_place(NS, [key])
         assert got.pin and got.payloads[0].readonly and got.unverified[0] is not None
         pages = _pages(2 * MIB)

@@ -12,7 +12,7 @@ import zmq
 
 from cache_server import protocol as p
 from cache_server.client import CacheClient
-from cache_server.client_errors import CacheServerError, CacheServerUnavailable
+from cache_server.client.errors import CacheServerError, CacheServerUnavailable
 from testing.server_process import ServerProcess
 
 NS = "limits-ns"

@@ -21,7 +21,7 @@ import pytest
 from cache_server import protocol as p
 from cache_server.chunk_keys import block_hash_keys, chunk_hashes, parent_of
 from cache_server.client import CacheClient
-from cache_server.client_errors import CacheServerError
+from cache_server.client.errors import CacheServerError
 from testing.l2_fixtures import l2_args, require_store, wait_written
 from testing.redis_nodes import RedisNodes
 from testing.server_process import ServerProcess

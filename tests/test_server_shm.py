@@ -15,7 +15,7 @@ import pytest
 
 from cache_server import protocol as p
 from cache_server.client import CacheClient
-from cache_server.client_errors import CacheServerError, CacheServerUnavailable
+from cache_server.client.errors import CacheServerError, CacheServerUnavailable
 from cache_server.shm import DATA_OFFSET
 from testing.server_process import ServerProcess, free_port
 

@@ -17,7 +17,7 @@ import pytest
 from cache_server import protocol as p
 from cache_server import shm as shm_mod
 from cache_server.client import CacheClient
-from cache_server.client_errors import CacheServerError, CacheServerUnavailable
+from cache_server.client.errors import CacheServerError, CacheServerUnavailable
 from cache_server.shm import (
     DATA_OFFSET,
     MAX_BYTES_PER_CLIENT,

@@ -62,7 +62,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
 @pytest.fixture(scope="module")
 def no_tokenizer_checkpoint(tmp_path_factory):
     """The tiny checkpoint without any tokenizer file: a worker behind a tokenizing router."""
-    from glm5next_plugin.tiny_checkpoint import ensure_checkpoint
+    from glm5next_tiny import ensure_checkpoint
 
     root = tmp_path_factory.mktemp("skip-tok")
     full = root / "glm5next-tiny"

@@ -55,7 +55,7 @@ def _image(seed: int, size: int = 112):
 
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory):
-    from glm5next_plugin.tiny_checkpoint import ensure_checkpoint
+    from glm5next_tiny import ensure_checkpoint
 
     root = tmp_path_factory.mktemp("skip-tok-images")
     full = root / "glm5next-tiny"

@@ -460,7 +460,7 @@ def test_group_and_namespace_tables_shrink_when_emptied():
         s.put((f"ns{g}", h(0), g, 0), b"x")
     assert s.namespace_objects("ns7") == 1
     s.clear()
-    assert not s._bytes_by_group and not s._objects_by_group and s.namespace_objects("ns7") == 0
+    assert not s._held.bytes_by_group and not s._held.objects_by_group and s.namespace_objects("ns7") == 0
 
 
 def test_replicated_groups_need_only_the_rank_0_copy():

@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.checkpoint:
         ckpt = Path(args.checkpoint)
     else:
-        from glm5next_plugin.tiny_checkpoint import write_checkpoint
+        from glm5next_tiny import write_checkpoint
 
         ckpt = work / f"ckpt-{args.layers}"
         if not (ckpt / "model.safetensors").exists():

@@ -57,7 +57,7 @@ CONFIGS = {
     # vLLM's non-padded drafter batch, the first the connector cached MTP rows under
     "mtp k=2": {"method": "mtp", "num_speculative_tokens": 2, "disable_padded_drafter_batch": True},
     # vLLM's default (padded) drafter batch, cached since glm5next_plugin.draft_rows gives its
-    # partial prefill ends the next prompt token (connector.identity._padded_rows_exact)
+    # partial prefill ends the next prompt token (connector.drafts._padded_rows_exact)
     "mtp k=2 pad": {"method": "mtp", "num_speculative_tokens": 2},
     "ngram k=2": {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1, "prompt_lookup_max": 3},
 }
@@ -176,10 +176,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts", type=int, default=3)
     ap.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated subset of " + ", ".join(CONFIGS))
     args = ap.parse_args(argv)
-    from glm5next_plugin import tiny_checkpoint
+    import glm5next_tiny
 
     ckpt = Path(tempfile.mkdtemp(prefix="bench-drafts-")) / "tiny"
-    tiny_checkpoint.main([str(ckpt), "--seed", "3"])
+    glm5next_tiny.main([str(ckpt), "--seed", "3"])
     if args.prompts_from == "demo":
         prompts = demo_prompts(ckpt, args.prompts, args.sentences)
         what = f"{args.prompts} demo chat turns of {min(map(len, prompts))}-{max(map(len, prompts))} tokens"

@@ -38,12 +38,12 @@ def bench_redis(nodes: RedisNodes, repeats: int) -> dict[int, tuple[float, float
     secret = os.urandom(32).hex().encode()  # what --l2-secret-file holds
     tier = L2Tier(L2Config.from_url(nodes.url, secret=secret))
     key_bytes = mac_key(secret)
-    client = tier._make_client()
+    client = tier.link.make_client()
     out = {}
     for mb in SIZES_MB:
         payload = os.urandom(mb * 1_000_000)
         key = ("bench-ns", os.urandom(32), 0, 0)
-        rkey = tier.redis_key(key)
+        rkey = tier.link.redis_key(key)
         client.set(rkey, encode_value(key, payload, p.checksum(payload, key[0], key[1:]), None, key_bytes=key_bytes))
         raw, verified = [], []
         for _ in range(repeats):

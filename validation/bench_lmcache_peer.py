@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep", type=Path, help="keep the logs and lmcache outputs in this directory")
     args = ap.parse_args(argv)
     ckpt = Path(args.checkpoint)
-    from glm5next_plugin.tiny_checkpoint import ensure_checkpoint
+    from glm5next_tiny import ensure_checkpoint
 
     ensure_checkpoint(ckpt)  # as the demo does
     work = args.keep or Path(tempfile.mkdtemp(prefix="bench-lmcache-peer-"))

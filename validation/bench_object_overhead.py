@@ -8,9 +8,9 @@ For each payload mix (1 byte; 1 KiB; sizes spread from 1 byte to 64 KiB) a fresh
 (a declared layout, so each has its chunk-tree node), 128 to a put. Printed per mix: objects
 put and held, bytes charged against the budget, the server's RSS growth, and that growth
 over the budget. The server charges each object its payload plus
-``cache_server.store.OBJECT_OVERHEAD_BYTES``: held objects are bounded by the budget whatever
-their size, and RSS growth stays within the budget plus a fixed overhead (Python's heap
-fragments and the interpreter's own).
+``cache_server.store_accounts.OBJECT_OVERHEAD_BYTES``: held objects are bounded by the
+budget whatever their size, and RSS growth stays within the budget plus a fixed overhead
+(Python's heap fragments and the interpreter's own).
 
 Then ``--namespaces`` hellos of fresh namespaces (each with a declared layout, the default
 ``--max-namespaces``): the server's RSS growth and the size of ``/metrics`` before and after.

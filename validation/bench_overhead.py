@@ -288,7 +288,7 @@ def _workload(llm, seed: int, salt: str = "") -> float:
 
 
 def bench_throughput(reps: int, null: bool = True, pinned: bool = False) -> dict[str, float]:
-    from glm5next_plugin import tiny_checkpoint
+    import glm5next_tiny
 
     # vLLM-CPU reserves one more core per rank whenever any KV connector is configured
     # (vllm/utils/ompmultiprocessing.py: "reserve one more core for nixl_connector"). On
@@ -304,7 +304,7 @@ def bench_throughput(reps: int, null: bool = True, pinned: bool = False) -> dict
 
     with tempfile.TemporaryDirectory() as tmp, \
             ServerProcess("--separate-object-groups", "--chunk-size", str(C_TINY), "--l1-size-gb", "1") as srv:
-        tiny_checkpoint.main([tmp, "--seed", "3"])
+        glm5next_tiny.main([tmp, "--seed", "3"])
         llms, meters = {}, {}
         for name in names:
             known = _children()

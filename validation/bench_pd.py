@@ -309,7 +309,7 @@ def main(argv: list[str] | None = None) -> None:
     if not 0 < args.prompt_min <= args.prompt_max < args.max_model_len - args.max_tokens:
         ap.error("need 0 < --prompt-min <= --prompt-max < --max-model-len - --max-tokens")
 
-    from glm5next_plugin.tiny_checkpoint import ensure_checkpoint
+    from glm5next_tiny import ensure_checkpoint
 
     ensure_checkpoint(args.checkpoint)
     log_dir = args.keep or Path(tempfile.mkdtemp(prefix="bench-pd-"))

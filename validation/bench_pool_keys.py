@@ -8,7 +8,7 @@ the softmax-weighted pool keys for the whole context, every step.
 
 One sparse-MLA layer at GLM-5.3-Flash's real sizes (``transformers.Glm5NextTextConfig``
 defaults: 64 heads, kv_lora_rank 512, index 32 heads x 128, kpool 16, top-k 2048;
-random weights) or ``--tiny`` sizes (``tiny_checkpoint``'s), over a paged cache of S
+random weights) or ``--tiny`` sizes (``glm5next_tiny``'s), over a paged cache of S
 tokens (random rows, shuffled blocks), one query token, one thread. For each S and dtype
 it prints, best of ``--repeats``:
 
@@ -46,7 +46,7 @@ def real_config():
 
 
 def tiny_config():
-    # glm5next_plugin.tiny_checkpoint's defaults
+    # glm5next_tiny's defaults
     return SimpleNamespace(hidden_size=64, num_attention_heads=4, kv_lora_rank=32, q_lora_rank=48,
                            qk_nope_head_dim=16, qk_rope_head_dim=0, v_head_dim=16, index_topk=128, index_kpool=16,
                            index_n_heads=4, index_head_dim=16, index_kpool_always_select_tail=True,
@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--contexts", type=int, nargs="+", default=[4096, 32768])
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
-    p.add_argument("--tiny", action="store_true", help="tiny_checkpoint sizes instead of GLM-5.3-Flash's")
+    p.add_argument("--tiny", action="store_true", help="glm5next-tiny sizes instead of GLM-5.3-Flash's")
     p.add_argument("--block", type=int, default=1024, help="tokens per cache block")
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--threads", type=int, default=1)

@@ -20,7 +20,7 @@ import time
 
 from cache_server import protocol as p
 from cache_server.client import CacheClient
-from cache_server.client_errors import CacheServerError
+from cache_server.client.errors import CacheServerError
 from testing.server_process import ServerProcess
 
 MODELS = ("over", "largest")

@@ -162,8 +162,8 @@ def main(argv: list[str] | None = None) -> int:
         moves = [ObjectMove(hashes[k], a.group_id, [k]) for k in range(chunks) for a in attns]
         moves += [ObjectMove(hashes[-1], s.group_id, [state_blocks[s.group_id]]) for s in states]
 
-        import cache_server.client_shm as client_shm
-        map_arena = client_shm.map_arena
+        import cache_server.client.segments as client_segments
+        map_arena = client_segments.map_arena
 
         def reload(cfg: Settings, worker: WorkerSide | None = None, arena: bool = True) -> float | None:
             """Seconds for WorkerSide to load the hit and report it finished (None: failed);
@@ -173,11 +173,11 @@ def main(argv: list[str] | None = None) -> int:
             if worker is None:
                 worker = WorkerSide(built.vllm_config, built.kv_cache_config, cfg, geo, None)
                 worker.register_kv_caches(views)
-            client_shm.map_arena = map_arena if arena else (lambda spec: (None, "refused by the benchmark"))
+            client_segments.map_arena = map_arena if arena else (lambda spec: (None, "refused by the benchmark"))
             try:
                 return timed_load(worker, keep)
             finally:
-                client_shm.map_arena = map_arena
+                client_segments.map_arena = map_arena
 
         def timed_load(worker: WorkerSide, keep: bool) -> float | None:
             raw.zero_()

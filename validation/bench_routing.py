@@ -224,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     for p in policies:
         if p not in POLICIES:
             ap.error(f"unknown policy {p!r}")
-    from glm5next_plugin.tiny_checkpoint import ensure_checkpoint
+    from glm5next_tiny import ensure_checkpoint
 
     ckpt = Path(args.checkpoint)
     ensure_checkpoint(ckpt)

@@ -36,7 +36,7 @@ from testing.server_process import ServerProcess
 from validation.serving import VllmServer, chat, complete, connector_config
 
 CKPT = ROOT / "artifacts" / "glm5next-tiny"
-from glm5next_plugin.tiny_checkpoint import ensure_checkpoint
+from glm5next_tiny import ensure_checkpoint
 ensure_checkpoint(CKPT)
 
 # Chunk == vLLM's unified block (128 for this checkpoint), as in production (1152 at TP 4).

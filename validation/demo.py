@@ -45,9 +45,9 @@ def document(n_sentences: int, seed: int) -> str:
 
 
 def ensure_checkpoint(path: Path) -> Path:
-    from glm5next_plugin import tiny_checkpoint
+    import glm5next_tiny
 
-    return tiny_checkpoint.ensure_checkpoint(path, log=lambda line: print(f"[1/5] {line}", flush=True))
+    return glm5next_tiny.ensure_checkpoint(path, log=lambda line: print(f"[1/5] {line}", flush=True))
 
 
 def fmt_ms(seconds: float) -> str:

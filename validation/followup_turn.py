@@ -57,7 +57,7 @@ def run(ckpt: Path, decode_snapshots: bool) -> dict:
 
 
 def main() -> int:
-    from glm5next_plugin.tiny_checkpoint import write_checkpoint
+    from glm5next_tiny import write_checkpoint
 
     ckpt = write_checkpoint(Path(tempfile.mkdtemp(prefix="glm-followup-")) / "tiny", seed=3)
     rows = [("defaults (retention interval 0, save_decode off)", run(ckpt, False)),

@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--words", type=int, default=900)
     ap.add_argument("--tokens", type=int, default=16)
     args = ap.parse_args(argv)
-    from glm5next_plugin.tiny_checkpoint import ensure_checkpoint
+    from glm5next_tiny import ensure_checkpoint
 
     ensure_checkpoint(MODEL)
     rows = []

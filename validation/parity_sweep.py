@@ -61,7 +61,7 @@ from pathlib import Path
 import torch
 from torch.overrides import TorchFunctionMode
 
-from glm5next_plugin import tiny_checkpoint
+import glm5next_tiny
 from glm5next_plugin.standalone import load_standalone
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -80,7 +80,7 @@ NEAR_TIE = 1e-4
 
 @dataclass(frozen=True)
 class Shape:
-    """One tiny checkpoint: ``sizes`` are :func:`tiny_checkpoint.write_checkpoint` keywords
+    """One tiny checkpoint: ``sizes`` are :func:`glm5next_tiny.write_checkpoint` keywords
     (config names); ``lengths`` the one-shot prompt lengths, ``engine_lengths`` the chunked
     ones (only shapes that have them get an engine)."""
 
@@ -97,7 +97,7 @@ class Shape:
                 f"rope {s['qk_rope_head_dim']}, KDA {s['linear_num_heads']}x{s['linear_head_dim']}")
 
 
-DEFAULTS = {k: p.default for k, p in inspect.signature(tiny_checkpoint.build_config).parameters.items()}
+DEFAULTS = {k: p.default for k, p in inspect.signature(glm5next_tiny.build_config).parameters.items()}
 
 # Lengths: 1 and below one pool, multiples and non-multiples of the pool and of the block
 # (128), below and past the sparse regime (a query keeps every pool until it sees more than
@@ -286,7 +286,7 @@ class ShapeRun:
     def create(cls, shape: Shape, root: Path) -> "ShapeRun":
         from transformers import Glm5NextForConditionalGeneration
 
-        ckpt = tiny_checkpoint.write_checkpoint(root / shape.name, seed=shape.seed, **shape.sizes)
+        ckpt = glm5next_tiny.write_checkpoint(root / shape.name, seed=shape.seed, **shape.sizes)
         with rope_configs_allowed():
             ref = Glm5NextForConditionalGeneration.from_pretrained(ckpt, dtype=torch.float32).eval()
             plugin = load_standalone(ckpt)

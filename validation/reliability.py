@@ -40,7 +40,7 @@ import zmq
 
 from cache_server.auth import PLAIN_USERNAME
 from cache_server.client import CacheClient
-from cache_server.client_errors import CacheServerError
+from cache_server.client.errors import CacheServerError
 from testing.server_process import ServerProcess, free_port
 from testing.vllm_keys import vllm_chunk_keys
 
@@ -442,7 +442,7 @@ def weights_swapped(h: Harness, ckpt: Path) -> Row:
     """An operator replaces the checkpoint at the model path with another of the same shape
     (a fine-tune, a re-pushed revision) and restarts vLLM against the same server: the new
     engine resumes nothing from the old weights' objects and outputs its own cold run."""
-    from glm5next_plugin.tiny_checkpoint import write_checkpoint
+    from glm5next_tiny import write_checkpoint
 
     p, salt = prompt(1500, 81), "weights-swap"
     old = h.one(p, salt)
@@ -637,7 +637,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     frames, churn_s, stop_s = (10_000, 20.0, 3.0) if args.quick else (100_000, 180.0, 10.0)
 
-    from glm5next_plugin.tiny_checkpoint import write_checkpoint
+    from glm5next_tiny import write_checkpoint
 
     rows = [malformed_frames(frames), churn_rss(churn_s, 256), unauthenticated_oversized()]
     ckpt = write_checkpoint(Path(tempfile.mkdtemp(prefix="glm-reliability-")) / "tiny", seed=3)

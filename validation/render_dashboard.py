@@ -502,7 +502,7 @@ def main() -> None:
         with ServerProcess("--separate-object-groups", "--chunk-size", str(chunk), "--l1-size-gb", args.l1_size_gb,
                            *extra) as server:
             if args.with_engine:
-                from glm5next_plugin.tiny_checkpoint import ensure_checkpoint
+                from glm5next_tiny import ensure_checkpoint
                 from validation.serving import VllmServer, connector_config
 
                 ckpt = ensure_checkpoint(Path(args.checkpoint))

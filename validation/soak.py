@@ -6,7 +6,7 @@ faults cost.
     .venv/bin/python -m validation.soak [--minutes 10] [--json PATH] [--faults pause,server,l2,link,replica]
         [--clients 3] [--timeout-s 5] [--keep DIR] [--cores 0,1]
 
-**What runs.** The tiny GLM-5.3-Flash (``glm5next_plugin.tiny_checkpoint``, float32, its
+**What runs.** The tiny GLM-5.3-Flash (``glm5next_tiny``, float32, its
 vision tower, chunk 128 = vLLM's block); ``glm-cache-server --separate-object-groups
 --chunk-size 128 --l1-size-gb 1`` with an L2 on a real three-node Redis cluster (``--l2``,
 ``testing.redis_nodes``); two ``vllm serve`` replicas with ``GlmCacheConnector``
@@ -692,7 +692,7 @@ class Soak:
 
     def run(self) -> dict[str, Any]:
         a = self.args
-        from glm5next_plugin.tiny_checkpoint import ensure_checkpoint
+        from glm5next_tiny import ensure_checkpoint
 
         self.stall_watch = StallWatch().start()  # the machine's own stalls, reported beside the faults
         ckpt = ensure_checkpoint(Path(a.checkpoint), log=self.log)

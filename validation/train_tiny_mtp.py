@@ -1,12 +1,17 @@
 """Train the tiny checkpoint's MTP layer on its target's own greedy outputs; write
-``glm5next_plugin/tiny_mtp_seed3.safetensors``, which ``glm5next-tiny --seed 3`` ships as
+``glm5next_tiny/tiny_mtp_seed3.safetensors``, which ``glm5next-tiny --seed 3`` ships as
 the checkpoint's MTP layer.
+
+A developer tool that regenerates a data file of the tiny-checkpoint generator's package
+(:mod:`glm5next_tiny`, ``glm5next_tiny.mtp_layer.trained_mtp_path``), not of the product
+plugin: the model plugin (``glm5next_plugin``) never reads it. It uses the plugin only to
+run the target (``glm5next_plugin.standalone``) and the MTP layer (``glm5next_plugin.mtp``).
 
     python -m validation.train_tiny_mtp [--seed 3] [--out PATH] [--data CACHE.json]
 
 What is trained: only the MTP layer's tensors (``eh_proj``, ``enorm``/``hnorm``, the
 attention and MoE block, ``shared_head.norm``), starting from the derived layer
-(``tiny_checkpoint.mtp_state``); the target, its embedding and its ``lm_head`` (which the
+(``glm5next_tiny.mtp_layer.mtp_state``); the target, its embedding and its ``lm_head`` (which the
 MTP layer shares) stay as they are. The layer learns what vLLM's MTP drafter asks of it:
 
 - draft 1 from position ``p``: the target's hidden state ``h_p`` and the embedding of token
@@ -44,7 +49,7 @@ Deterministic for a given ``--threads`` (fixed seeds, float32, the same order of
 15 minutes on the 2-core dev machine at load 2.5 with 1 thread (5 minutes of greedy
 continuations, the standalone model recomputing the whole sequence for every token, then
 10 of training); 2 threads there ran 7-30x slower. The file's metadata holds the digest of
-the target it was trained on; ``write_checkpoint`` uses it only for that target
+the target it was trained on; ``glm5next_tiny.write_checkpoint`` uses it only for that target
 (byte-identical target tensors), and the derived layer otherwise.
 """
 
@@ -230,8 +235,8 @@ def train(layer, target, broad: list[dict], fitted: list[dict], epochs: int, lr:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seed", type=int, default=SEED, help="the checkpoint's seed (glm5next-tiny --seed)")
-    ap.add_argument("--out", help="default: glm5next_plugin/tiny_mtp_seed{SEED}.safetensors, which write_checkpoint "
-                    "picks up for that target")
+    ap.add_argument("--out", help="default: glm5next_tiny/tiny_mtp_seed{SEED}.safetensors (the generator's package "
+                    "data), which glm5next_tiny.write_checkpoint picks up for that target")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads (the result depends on it; on 2 busy cores 2 threads ran 30x slower than 1)")
     ap.add_argument("--broad", type=int, default=160, help="broad sequences (short prompts continued to 128 tokens)")
@@ -249,7 +254,8 @@ def main(argv: list[str] | None = None) -> int:
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoTokenizer
 
-    from glm5next_plugin import mtp, tiny_checkpoint
+    import glm5next_tiny
+    from glm5next_plugin import mtp
     from glm5next_plugin.standalone import load_standalone
 
     def log(line: str) -> None:
@@ -259,8 +265,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     t0 = time.monotonic()
     ckpt = Path(tempfile.mkdtemp(prefix="train-tiny-mtp-")) / "tiny"
-    out = Path(args.out or Path(tiny_checkpoint.__file__).with_name(f"tiny_mtp_seed{args.seed}.safetensors"))
-    tiny_checkpoint.write_checkpoint(ckpt, seed=args.seed, trained_mtp=False)
+    out = Path(args.out) if args.out else glm5next_tiny.trained_mtp_path(args.seed)
+    glm5next_tiny.write_checkpoint(ckpt, seed=args.seed, trained_mtp=False)
     target = load_standalone(ckpt)
     for p in target.parameters():
         p.requires_grad_(False)
@@ -289,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
                for _ in range(args.random)]
 
     layer = mtp.MTPLayer(text_config)
-    derived = tiny_checkpoint.mtp_state(tiny_checkpoint_state(ckpt), text_config)
+    derived = glm5next_tiny.mtp_state(checkpoint_state(ckpt), text_config)
     prefix = f"model.language_model.layers.{text_config.num_hidden_layers}."
     layer.load_state_dict({k[len(prefix):]: v for k, v in derived.items() if k.startswith(prefix)})
     # the step-by-step forward here is the layer's own (draft 1 over a whole sequence)
@@ -317,10 +323,10 @@ def main(argv: list[str] | None = None) -> int:
     train(layer, target, broad, fitted, args.epochs, args.fit_lr, log, args.fitted_repeat)
     after = report("trained layer")
 
-    full = tiny_checkpoint_state(ckpt)
+    full = checkpoint_state(ckpt)
     target_state = {k: v for k, v in full.items() if not k.startswith(prefix)}
     tensors = {k: v.detach().float().contiguous() for k, v in layer.state_dict().items()}
-    meta = {"target_digest": tiny_checkpoint.target_digest(target_state), "seed": str(args.seed),
+    meta = {"target_digest": glm5next_tiny.target_digest(target_state), "seed": str(args.seed),
             "trained_by": "validation/train_tiny_mtp.py", "threads": str(args.threads),
             "broad_epochs": str(args.broad_epochs), "random": str(args.random), "lr": str(args.lr),
             "epochs": str(args.epochs), "fit_lr": str(args.fit_lr), "fitted_repeat": str(args.fitted_repeat),
@@ -334,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def tiny_checkpoint_state(ckpt: Path) -> dict[str, torch.Tensor]:
+def checkpoint_state(ckpt: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     return load_file(str(ckpt / "model.safetensors"))

@@ -1,4 +1,4 @@
-"""The same-host half of :class:`cache_server.client.CacheClient`: the shared-memory
+"""The same-host half of :class:`~cache_server.client.CacheClient`: the shared-memory
 segments it offers the server (:mod:`cache_server.shm` says how they are agreed), the one
 it picks for each ``get`` or ``put``, and the checks of where the server placed a get's
 payloads before any of them is read.
@@ -26,7 +26,7 @@ import numpy as np
 
 from cache_server import protocol as p
 from cache_server.arena import ClientArena, map_arena
-from cache_server.client_errors import CacheServerError, CacheServerUnavailable
+from cache_server.client.errors import CacheServerError, CacheServerUnavailable
 from cache_server.shm import DATA_OFFSET, MAX_SEGMENTS_PER_CLIENT, ClientSegment, align_up, boot_id, memfd_supported, segment_id
 
 MIB = 1 << 20

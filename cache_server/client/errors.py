@@ -1,5 +1,5 @@
-"""What a :class:`cache_server.client.CacheClient` call raises when the server cannot serve
-it."""
+"""What a :class:`~cache_server.client.CacheClient` call raises when the server cannot serve
+it (:mod:`cache_server.client` exports it all)."""
 
 from __future__ import annotations
 
