@@ -81,7 +81,7 @@ ALIGN = 64  # objects in a get region start on cache-line boundaries
 IDLE_DROP_S = 300.0
 # Bounds on what the server maps, checked before it opens an offer. A client's default
 # segments (64 MiB, growing to what a get needed, at most 1 GiB together) fit well within
-# the per-client ones, and the client keeps to them by itself (cache_server.client_shm).
+# the per-client ones, and the client keeps to them by itself (cache_server.client.segments).
 MAX_SEGMENTS_PER_CLIENT = 32
 MAX_BYTES_PER_CLIENT = 2 << 30
 MAX_SEGMENTS = 1024
