@@ -77,7 +77,7 @@ from pathlib import Path  # noqa: E402
 
 _ROOT = Path(__file__).resolve().parent.parent
 # glm5next_tiny: the tiny checkpoint it writes comes from transformers, whose version is the one
-# the vLLM install brings (it was glm5next_plugin.tiny_checkpoint, on this side, until it moved)
+# the vLLM install brings, so tests that use it depend on vLLM's release
 _VLLM_SIDE = ("vllm", "connector", "glm5next_plugin", "glm5next_tiny", "validation.serving", "testing.sched_harness",
               "validation.demo", "tests.engines", "tests.tiny_qwen3_next")
 # strings that start vLLM in another process (a command line, a notebook, the demo)
