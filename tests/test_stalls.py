@@ -100,3 +100,54 @@ def test_the_soak_does_not_count_a_cpu_standing_still_against_its_last_wait(monk
     client.start()
     assert s.join_clients([client]) == []
     assert Watch.calls >= 5 and not client.is_alive()
+
+
+def test_the_soak_reads_a_late_replica_again_and_never_sums_a_partial_read(monkeypatch):
+    """validation.soak: a replica's ``/metrics`` that does not answer at first (its API server
+    waits for a CPU that stands still) is read again; one that never answers makes the
+    figures unknown (None), never a sum without it (CI at b029576: a fault window's lookups
+    read -75 sent and one lookup "lost")."""
+    import http.server
+    import threading
+    import types
+
+    from validation import soak
+
+    failures = {"flaky": 2, "dead": 10**9}
+
+    class Metrics(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            name = self.path.split("/")[1]
+            if failures[name] > 0:
+                failures[name] -= 1
+                self.send_error(503)
+                return
+            body = b"vllm:glm_cache_lookups_sent_total 7.0\nvllm:glm_cache_lookups_unanswered_total 1.0\n"
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *a):
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Metrics)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{httpd.server_address[1]}"
+
+        def replica(name):
+            return soak.Replica(name, types.SimpleNamespace(base_url=f"{url}/{name}", proc=None))
+
+        flaky, dead = replica("flaky"), replica("dead")
+        got = flaky.counters()
+        assert got is not None and got["sent"] == 7.0 and got["unanswered"] == 1.0 and failures["flaky"] == 0
+        monkeypatch.setattr(soak, "COUNTERS_READ_S", 1.5)
+        assert dead.counters() is None
+        s = soak.Soak.__new__(soak.Soak)
+        s.replicas, s.server, s.log = [replica("flaky"), dead], types.SimpleNamespace(late=lambda: None), print
+        assert s.counters()["replicas"] == {k: None for k in soak.REPLICA_COUNTERS}
+        s.replicas = [replica("flaky")]
+        assert s.counters()["replicas"]["sent"] == 7.0
+    finally:
+        httpd.shutdown()

@@ -70,7 +70,9 @@ up on is counted when its deadline passes); a request belongs to the window it w
 and ``vllm:glm_cache_lease_releases_failed_total`` and the server's
 ``glm_cache_late_requests_total{op,outcome}`` are read at each window's start and end (a
 replica's just before it is killed, the server's before it is killed: both restart from 0,
-so the figures add the incarnations up); absent counters print ``n/a``. *Lost* lookups are
+so the figures add the incarnations up); absent counters print ``n/a``, and so do a window's
+figures when a serving replica's ``/metrics`` could not be read for two minutes (never a
+partial sum). *Lost* lookups are
 the unanswered ones no fault explains: unanswered outside the ``server``, ``link`` and
 ``replica`` windows (which kill connections and what is in flight on them; the connector
 counts a lookup pending on a connection that drops as unanswered at once). A lookup the
@@ -130,6 +132,8 @@ LINK_FAULT_S = 30.0
 LINK_DELAY_P, LINK_DELAY_S, LINK_DROP_P = 0.3, (0.05, 0.5), 0.02
 CLIENT_JOIN_S = 300.0  # after the traffic, each client's request in flight answered within this, in all
 CLIENT_JOIN_MAX_S = 900.0  # ... and within this, however long a CPU of the machine stood still meanwhile
+COUNTERS_READ_S = 120.0  # a serving replica's /metrics read again for this long (stalls not counted) ...
+COUNTERS_READ_MAX_S = 600.0  # ... and at most this long in all; then the figures are unknown, not partial
 REPLICA_COUNTERS = {
     "sent": "vllm:glm_cache_lookups_sent_total",
     "in_time": "vllm:glm_cache_lookups_in_time_total",
@@ -414,8 +418,9 @@ class Replica:
     """One ``vllm serve`` replica: restartable on its port, its counters added up over its
     incarnations, its requests in flight counted (to drain it)."""
 
-    def __init__(self, name: str, engine: VllmServer) -> None:
+    def __init__(self, name: str, engine: VllmServer, standing_still: Callable[[], list] = list) -> None:
         self.name, self.engine = name, engine
+        self.standing_still = standing_still  # the CPUs that stand still now (testing.stalls)
         self.up = True
         self.in_flight = 0
         self.base: dict[str, float] = {}  # counters of the incarnations before this one
@@ -426,16 +431,32 @@ class Replica:
     def url(self) -> str:
         return self.engine.base_url
 
-    def counters(self) -> dict[str, float | None]:
-        """Accumulated counters (None: absent); the base alone while the replica is down."""
+    def counters(self) -> dict[str, float | None] | None:
+        """Accumulated counters (a value None: absent); the base alone while the replica is
+        down or starting again. A serving replica whose ``/metrics`` does not answer (its API
+        server waits for a CPU that stands still) is read again for ``COUNTERS_READ_S``, not
+        counting the time a CPU stands still; None if it never answers: its counts are
+        unknown, never taken as 0 (which made a fault window's figures negative)."""
         now: dict[str, float | None] = {k: None for k in REPLICA_COUNTERS}
-        if self.up or self.engine.proc is not None and self.engine.proc.poll() is None:
+        start = last = time.monotonic()
+        waited = 0.0
+        while self.up or self.engine.proc is not None and self.engine.proc.poll() is None:
             try:
                 samples = scrape_metrics(self.url)
-                now = {k: (metric_sum(samples, n) if any(s[0] == n for s in samples) else None)
-                       for k, n in REPLICA_COUNTERS.items()}
             except OSError:
-                return {k: self.base.get(k) for k in REPLICA_COUNTERS}
+                if not self.up:  # starting again: this incarnation has counted nothing yet
+                    return {k: self.base.get(k) for k in REPLICA_COUNTERS}
+                time.sleep(1.0)
+                t = time.monotonic()
+                if not self.standing_still():
+                    waited += min(t - last, 12.0)  # a read times out after 10 s; a longer turn stood still
+                last = t
+                if waited >= COUNTERS_READ_S or t - start >= COUNTERS_READ_MAX_S:
+                    return None
+                continue
+            now = {k: (metric_sum(samples, n) if any(s[0] == n for s in samples) else None)
+                   for k, n in REPLICA_COUNTERS.items()}
+            break
         return {k: (None if v is None and k not in self.base else (v or 0.0) + self.base.get(k, 0.0))
                 for k, v in now.items()}
 
@@ -452,6 +473,8 @@ class Replica:
         self.up = False
         _poll(lambda: self.in_flight == 0, 900, f"{self.name} drained")
         last = self.counters()
+        if last is None:
+            raise RuntimeError(f"{self.name}: /metrics not readable before the kill; its counts would be lost")
         self.base = {k: v for k, v in last.items() if v is not None}
         proc = self.engine.proc
         assert proc is not None
@@ -565,9 +588,10 @@ class Soak:
     # counters: every replica's (added up) and the server's late requests
     def counters(self) -> dict[str, Any]:
         t = time.monotonic()
-        per = [r.counters() for r in self.replicas]
-        total = {k: (None if all(p[k] is None for p in per) else sum(p[k] or 0.0 for p in per))
-                 for k in REPLICA_COUNTERS}
+        read = [r.counters() for r in self.replicas]
+        per = [p for p in read if p is not None]
+        total = {k: (None if len(per) < len(read) or all(p[k] is None for p in per)  # a replica unread: unknown
+                     else sum(p[k] or 0.0 for p in per)) for k in REPLICA_COUNTERS}
         late = self.server.late()
         if time.monotonic() - t > 5:
             self.log(f"  (reading the counters took {time.monotonic() - t:.0f} s)")
@@ -718,7 +742,7 @@ class Soak:
                                     kv_transfer_config=config, max_model_len=4096,
                                     env={"VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "VLLM_CPU_OMP_THREADS_BIND": a.cores[i]},
                                     log_path=logs / f"replica{i + 1}.log")
-                self.replicas.append(Replica(f"replica{i + 1}", engine))
+                self.replicas.append(Replica(f"replica{i + 1}", engine, self.stall_watch.standing_still))
             t = time.monotonic()
             for r in self.replicas:  # both start-ups overlap
                 r.engine.launch()
@@ -848,18 +872,18 @@ class Soak:
 
         lookups = delta(c0, c1)
         windows = []
-        explained = 0.0
+        explained: float | None = 0.0
         for w in self.windows:
             d = delta(w.counters_start, w.counters_end)
-            if w.fault in DESTRUCTIVE and d["unanswered"] is not None:
-                explained += d["unanswered"]
+            if w.fault in DESTRUCTIVE:
+                explained = None if explained is None or d["unanswered"] is None else explained + d["unanswered"]
             windows.append({"fault": w.fault, "start_s": w.start_s, "fault_end_s": w.fault_end_s, "end_s": w.end_s,
                             "note": w.note, "lookups": d, **stats([r for r in recs if r.window == w.fault])})
         dropped = None
         if lookups["server_late"] is not None:
             dropped = sum(v for k, v in lookups["server_late"].items() if k.endswith("/dropped") and "lookup" in k)
         lost = None
-        if lookups["unanswered"] is not None:
+        if lookups["unanswered"] is not None and explained is not None:  # else unknown: a read failed
             lost = max(0.0, lookups["unanswered"] - explained)
         kinds = {k: stats([r for r in recs if r.kind == k]) for k in MIX}
         result = {
