@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import time
+from collections import Counter
+
 import pytest
 
 from testing.server_process import ServerProcess
@@ -232,7 +235,34 @@ def pytest_configure(config):
     config.stash[_STALLS_KEY] = StallWatch().start()
 
 
+# -- Where the run's time went: each worker's modules (the lanes above), in seconds -----------
+def pytest_runtest_logreport(report):
+    node = getattr(report, "node", None)  # the xdist worker that ran it (absent without xdist)
+    worker = getattr(getattr(node, "gateway", None), "id", "main")
+    lanes = _LANE_TIMES.setdefault(worker, {"modules": Counter(), "last": 0.0})
+    lanes["modules"][report.nodeid.split("::", 1)[0]] += report.duration
+    lanes["last"] = time.monotonic()
+
+
+_LANE_TIMES: dict[str, dict] = {}
+_RUN_START = time.monotonic()
+
+
+def _write_lanes(terminalreporter) -> None:
+    """Each worker: when it finished, its busiest modules, so the critical path is in sight."""
+    if not _LANE_TIMES:
+        return
+    terminalreporter.write_sep("-", "lanes (seconds per worker and module, setup and teardown included)")
+    for worker, lane in sorted(_LANE_TIMES.items()):
+        modules = lane["modules"]
+        top = ", ".join(f"{Path(m).stem.removeprefix('test_')} {s:.0f}" for m, s in modules.most_common(12))
+        terminalreporter.write_line(f"{worker}: done at {lane['last'] - _RUN_START:.0f} s, {sum(modules.values()):.0f} s "
+                                    f"in {len(modules)} modules; most: {top}")
+
+
 def pytest_terminal_summary(terminalreporter, config):
+    if not hasattr(config, "workerinput"):
+        _write_lanes(terminalreporter)
     watch = config.stash.get(_STALLS_KEY, None)
     if watch is None:
         return

@@ -9,7 +9,7 @@ import random
 import time
 
 import pytest
-from engines import TIMEOUT_S, connector_engine, stop_engine
+from engines import connector_engine, stop_engine
 from tiny_qwen3_next import BLOCK_SIZE, make_tiny_qwen3_next
 
 from cache_server.client import CacheClient
@@ -18,6 +18,8 @@ from testing.server_process import ServerProcess, free_port
 pytestmark = pytest.mark.engine
 
 RETRY_S = 2.0
+TIMEOUT_S = 5.0  # the connector's: what an absent server costs at start-up and on the first lookup
+HIT_TRIES = 5  # a reload that missed only because a stall made its save or lookup late is tried again
 
 
 def _prompt(n: int, seed: int) -> list[int]:
@@ -33,8 +35,9 @@ def port():
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory, port):
     model_dir = make_tiny_qwen3_next(tmp_path_factory.mktemp("tiny_qwen3_next"))
-    # timeout_s generous (the second test checks a hit): with no server each lookup and the
-    # start-up handshake wait it out once, then the back-off serves cold without asking
+    # With no server the start-up handshake and the first lookup each wait out timeout_s, then
+    # the back-off serves cold without asking: a short timeout_s keeps that wait short, and
+    # the second test's hit check tries again where a stall made a lookup or a save late.
     engine = connector_engine(model_dir, f"tcp://127.0.0.1:{port}",
                               connector={"timeout_s": TIMEOUT_S, "retry_after_s": RETRY_S}, block_size=BLOCK_SIZE)
     yield engine
@@ -82,9 +85,13 @@ def test_server_started_later_is_picked_up(llm, port):
             assert time.monotonic() < deadline, "the connector never shook hands with the server started later"
             _run(llm, _prompt(300, seed=100 + i), salt=f"late-warm-{i}", max_tokens=1)  # a whole chunk: looked up
             time.sleep(0.2)
-        cold = _run(llm, prompt, salt="late")
-        llm.reset_prefix_cache()
-        reloaded = _run(llm, prompt, salt="late")
-    assert cold[2] == 0
+        for attempt in range(HIT_TRIES):
+            cold = _run(llm, prompt, salt=f"late-{attempt}")
+            llm.reset_prefix_cache()
+            reloaded = _run(llm, prompt, salt=f"late-{attempt}")
+            assert cold[2] == 0
+            assert reloaded[0] == cold[0] and reloaded[1] == cold[1]
+            if reloaded[2] == 768:
+                break
+            assert reloaded[2] in (0, 256, 512), reloaded[2]  # a strict prefix of whole chunks, or none
     assert reloaded[2] == 768
-    assert reloaded[0] == cold[0] and reloaded[1] == cold[1]
