@@ -52,7 +52,7 @@ COUNTERS: dict[str, str] = {
     "lookups_in_time": "Lookups glm-cache-server answered within their deadline (error replies included)",
     "lookups_late": "Lookups answered after their deadline had passed (the request was served cold; a lease "
                     "in the late answer is released)",
-    "lookups_unanswered": "Lookups never answered: no reply within 60 s of giving up, or the connection closed first",
+    "lookups_unanswered": "Lookups never answered: no reply within 60 s of giving up, or the connection dropped or closed first",
     "lease_releases_failed": "Lease releases not made (failed, or skipped while the server was away): those "
                              "leases stay held on the server until its lease TTL",
 }

@@ -8,6 +8,7 @@ sent with its deadline already past, or a handler that returns only once the dea
 
 from __future__ import annotations
 
+import re
 import time
 import urllib.request
 
@@ -184,6 +185,58 @@ def test_a_request_pending_on_a_dropped_connection_counts_unanswered():
             assert time.monotonic() < deadline, c.counts("ping")
             time.sleep(0.05)
         assert c.counts("ping") == {"sent": 2, "in_time": 1, "late": 0, "unanswered": 1}
+
+
+def test_a_server_that_dies_ends_the_requests_it_had_and_the_next_ones_wait_only_to_reconnect():
+    """ZeroMQ does not resend what was in flight on a connection that dropped: a request
+    waiting on a server that dies ends when the connection drops (counted unanswered), not
+    at its 60 s deadline, and the next request waits for a connection only
+    ``RECONNECT_WAIT_S``, not its deadline. A server started again on the port is used."""
+    import threading
+
+    from cache_server.client.connection import RECONNECT_WAIT_S
+    from testing.server_process import ServerProcess
+
+    srv = ServerProcess("--separate-object-groups").start()
+    try:
+        with CacheClient(srv.url, timeout_s=60.0, shm=False) as c:
+            c.ping()
+            srv.pause()  # the ping below is in flight, unanswered, when the server dies
+            raised: list[BaseException] = []
+
+            def ping() -> None:
+                try:
+                    c.ping()
+                except BaseException as e:  # noqa: BLE001 - asserted below
+                    raised.append(e)
+
+            t = threading.Thread(target=ping)
+            t.start()
+            deadline = time.monotonic() + 60
+            while c.counts("ping")["sent"] < 2:
+                assert time.monotonic() < deadline, c.counts("ping")
+                time.sleep(0.01)
+            srv.kill()
+            t.join(120)
+            assert not t.is_alive()
+            (error,) = raised
+            assert isinstance(error, CacheServerUnavailable)
+            assert re.search(r"did not answer 'ping' \(request 2\) within 60\.0s \(the connection dropped "
+                             r"[0-9.]+s after it was sent\)", str(error)), error
+            assert c.counts("ping") == {"sent": 2, "in_time": 1, "late": 0, "unanswered": 1}
+            with pytest.raises(CacheServerUnavailable, match=rf"no connection within {RECONNECT_WAIT_S:.1f}s since "
+                                                             "the last one dropped"):
+                c.ping()
+            srv = ServerProcess("--separate-object-groups", port=srv.port, http_port=srv.http_port).start()
+            deadline = time.monotonic() + 120
+            while True:  # ZeroMQ connects again on its own (every 100 ms)
+                try:
+                    c.ping()
+                    break
+                except CacheServerUnavailable:
+                    assert time.monotonic() < deadline, "the server started again was never reached"
+    finally:
+        srv.stop()
 
 
 def test_every_request_of_one_call_shares_its_deadline(server, monkeypatch):

@@ -38,6 +38,11 @@ MAX_PENDING = 1024  # pending requests kept; the oldest past this counts as neve
 OUTCOMES = ("sent", "in_time", "late", "unanswered")
 
 
+# After a connection that had been up dropped, a request waits this long (at most its own
+# deadline) for ZeroMQ to connect again (it tries every 100 ms) before it gives up: a server
+# that restarts is back within it, and one that died costs each request this, not its deadline.
+RECONNECT_WAIT_S = 1.0
+
 # Handshakes that failed without a reason after which a client without a token takes the
 # server for one that wants a token: on a mechanism mismatch the side that sees it first
 # closes, and the other often learns no reason (libzmq retries every 100 ms).
@@ -63,6 +68,7 @@ class Connection:
         self._ids = itertools.count(1)
         self._sock: zmq.Socket | None = None
         self._monitor: zmq.Socket | None = None  # the handshake and disconnection events of _sock
+        self._replies = zmq.Poller()  # _sock and _monitor, for a request's wait
         self._handshake_outcome: str | None = None  # the last one the monitor reported, not yet asked for
         self._plain = auth_token is not None  # present the token at connection (flipped by a NULL server)
         self.corrupt_objects = 0  # payloads that failed their checksum (deleted on the server)
@@ -75,6 +81,8 @@ class Connection:
         self._pending: dict[int, tuple[str, float]] = {}
         self._late_leases: list[int] = []  # leases that came in late replies: the caller releases them
         self.disconnects = 0  # times the connection to the server dropped (the socket monitor's count)
+        self._up = False  # a handshake succeeded since the last drop (the monitor's events)
+        self._dropped = False  # a connection that had been up dropped, and none is up since
 
     def _socket(self) -> zmq.Socket:
         if self._sock is None:
@@ -91,6 +99,9 @@ class Connection:
                                                     | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
                                                     | zmq.EVENT_DISCONNECTED)
             self._handshake_outcome = None
+            self._replies = zmq.Poller()  # a reply, or an event (a dropped connection) of the monitor
+            self._replies.register(sock, zmq.POLLIN)
+            self._replies.register(self._monitor, zmq.POLLIN)
             sock.connect(self.url)
             self._sock = sock
         return self._sock
@@ -119,9 +130,11 @@ class Connection:
                 break
             if event["event"] == zmq.EVENT_DISCONNECTED:
                 self.disconnects += 1
+                self._dropped, self._up = self._dropped or self._up, False
                 self._forget_pending_locked(float("inf"))
             elif event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self._handshake_outcome = None
+                self._up, self._dropped = True, False
             elif event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
                 self._handshake_outcome = "auth"
             elif event["event"] == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL \
@@ -137,7 +150,11 @@ class Connection:
         PLAIN; and back, should it restart with a token), which converges on the one that
         works; a client without a token gives up when the server said it wants another
         mechanism, or after :data:`HANDSHAKES_FAILED` handshakes failed without a reason (a
-        server that is down fails the connection, not the handshake)."""
+        server that is down fails the connection, not the handshake). After a connection
+        that had been up dropped, it waits at most :data:`RECONNECT_WAIT_S` for the next."""
+        dropped = self._dropped
+        if dropped:
+            timeout = min(timeout, RECONNECT_WAIT_S)
         deadline = time.monotonic() + timeout
         closed = 0
         while True:
@@ -151,7 +168,8 @@ class Connection:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise CacheServerUnavailable(f"glm-cache-server at {self.url} is not reachable "
-                                                 f"(no connection within {timeout:.1f}s)")
+                                                 f"(no connection within {timeout:.1f}s"
+                                                 + (" since the last one dropped)" if dropped else ")"))
                 ready = dict(poller.poll(max(1, int(left * 1000))))
                 if sock in ready:
                     return sock
@@ -316,7 +334,7 @@ class Connection:
         header = {**header, "id": request_id, "sent": wall, "budget": min(p.MAX_BUDGET_S, max(0.001, round(budget, 3)))}
         if self._auth_token is not None:
             header[AUTH_FIELD] = self._auth_token
-        sent = False
+        sent = dropped = False
         try:
             self._forget_pending_locked(now - PENDING_HORIZON_S)
             self._drain_late_locked()
@@ -330,19 +348,29 @@ class Connection:
             drops = self.disconnects
             while True:
                 left = deadline - time.monotonic()
-                if left <= 0 or not sock.poll(max(1, int(left * 1000)), zmq.POLLIN):
+                ready = dict(self._replies.poll(max(1, int(left * 1000)))) if left > 0 else {}
+                if sock not in ready:
                     self._monitor_events_locked()
+                    # ZeroMQ does not resend what was in flight on a connection that dropped:
+                    # no answer can come, so the call ends now, not at its deadline
+                    dropped = self.disconnects > drops
+                    if not dropped and time.monotonic() < deadline:
+                        continue
                     raise CacheServerUnavailable(
                         f"glm-cache-server at {self.url} did not answer {op!r} (request {request_id}) within "
-                        f"{budget:.1f}s (" + ("the connection dropped meanwhile" if self.disconnects > drops else
-                                              "connected throughout") + ")")
+                        f"{budget:.1f}s (" + (f"the connection dropped {time.monotonic() - now:.1f}s after it was sent"
+                                              if dropped else "connected throughout") + ")")
                 frames = sock.recv_multipart(copy=False)
                 reply = p.unpack_header(frames[0].buffer)
                 if reply.get("id") == request_id:
                     break
                 self._late_reply_locked(reply)  # a reply to an earlier request that timed out
         except CacheServerUnavailable:
-            if sent and not self._shm.agreed and not self._shm.segments:
+            if dropped:
+                self.outcomes[op, "unanswered"] += 1  # ZeroMQ reconnects by itself
+                if self._shm.agreed or self._shm.segments:
+                    self._reset()
+            elif sent and not self._shm.agreed and not self._shm.segments:
                 self._pending[request_id] = (op, time.monotonic())  # its reply may still come
                 while len(self._pending) > MAX_PENDING:
                     oldest = next(iter(self._pending))
