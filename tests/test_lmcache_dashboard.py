@@ -1,16 +1,21 @@
 """LMCache's official Grafana dashboard (its panels and PromQL, tests/fixtures/lmcache_dashboard.json)
-evaluated against a real glm-cache-server with a real Redis L2 after real client traffic
-(validation/lmcache_dashboard.py): the panel list on docs/migrating-from-lmcache.md is this
+evaluated by a real Prometheus scraping a real glm-cache-server with a real Redis L2 through real
+client traffic (validation/lmcache_dashboard.py): the panel list on docs/migrating-from-lmcache.md is this
 run's, every panel that cannot show data says why, and the panels our LMCache-named series
-feed do show data. No engine (about 5 s)."""
+feed do show data. No engine (about 20 s: Prometheus takes 5 s to first scrape a target)."""
 
 from __future__ import annotations
 
+import math
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 
 from testing.l2_fixtures import require_store
+from testing.prometheus import Prometheus, PrometheusError, require_prometheus
 from validation import lmcache_dashboard as dash
 
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "migrating-from-lmcache.md"
@@ -21,20 +26,67 @@ def _page_table() -> str:
     return text.split("<!-- lmcache-dashboard -->\n", 1)[1].split("<!-- /lmcache-dashboard -->", 1)[0]
 
 
+class _Target:
+    """A /metrics of our own (its text set by the test) for Prometheus to scrape."""
+
+    def __init__(self, text: str) -> None:
+        target = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                body = target.text.encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain; version=0.0.4")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.text = text
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.server.server_address[1]}"
+
+
 def test_query_classification():
-    before = dash.parse('# TYPE a_total counter\na_total{x="1"} 1\n# TYPE g gauge\ng 0\n')
-    after = dash.parse('# TYPE a_total counter\na_total{x="1"} 3\n# TYPE g gauge\ng 0\n')
-    assert dash.query_status("rate(a_total[$__rate_interval])", before, after) == ("data", [])
-    assert dash.query_status("rate(a_total[5m])", after, after) == ("flat", [])
-    assert dash.query_status("g", before, after) == ("flat", [])
-    assert dash.query_status('rate(a_total{x="2"}[1m])', before, after) == ("none", ["a_total"])
-    assert dash.query_status("rate(a_total[1m]) / rate(b_total[1m])", before, after) == ("none", ["b_total"])
+    """data / flat / none as Prometheus answers them, on series whose moves the test makes."""
+    require_prometheus()
+    target = _Target('# TYPE a_total counter\na_total{x="1"} 1\n# TYPE b_total counter\nb_total 5\n'
+                     "# TYPE g gauge\ng 0\n")
+    t0 = time.time()
+    try:
+        with Prometheus({"t": target.address}) as prom:
+            prom.wait_scrapes("t", 2)
+            target.text = target.text.replace('a_total{x="1"} 1', 'a_total{x="1"} 3')
+            at = prom.wait_scraped_after("t", time.time())
+            w = math.ceil(at - t0) + 1
+
+            def status(expr: str) -> tuple[str, list[str]]:
+                return dash.query_status(prom, expr, at, w)
+            assert status("rate(a_total[$__rate_interval])") == ("data", [])
+            assert status("rate(b_total[$__rate_interval])") == ("flat", [])
+            assert status("g") == ("flat", [])
+            assert status('rate(a_total{x="2"}[1m])') == ("none", ["a_total"])
+            assert status("rate(a_total[1m]) / rate(c_total[1m])") == ("none", ["c_total"])
+            assert status("sum(rate(c_total[$__rate_interval])) or vector(0)") == ("none", ["c_total"])
+            assert prom.value("sum(a_total)", at) == 3
+            assert [float(v) for _, v in prom.query_range("sum(a_total)", at - 1, at, 1)[0]["values"]][-1] == 3
+            with pytest.raises(PrometheusError):
+                prom.query("rate(")
+    finally:
+        target.server.shutdown()
     assert dash.metric_names("sum by (service_instance_id) (rate(x_total[1m])) or vector(0)") == {"x_total"}
 
 
 @pytest.fixture(scope="module")
 def result():
     require_store()
+    require_prometheus()
     panels, l2 = dash.run()
     assert l2
     return panels

@@ -5,14 +5,16 @@ The panels and PromQL of LMCache's published dashboard are in
 does not install it). This starts a real glm-cache-server (with a Redis L2 tier when
 redis-server is installed), drives traffic through our client (puts past the budget, so
 evictions and L2 writes; lookups that hit, miss and promote from L2; salted lookups; reads of
-present and absent objects; puts refused for room), scrapes ``/metrics`` before and after, and
-evaluates each panel's queries the way Prometheus would see the two scrapes:
+present and absent objects; puts refused for room) while a real Prometheus
+(:mod:`testing.prometheus`) scrapes its ``/metrics`` every second, and asks Prometheus each
+panel's queries at the end of the run, ``$__rate_interval`` standing for the whole run:
 
-- **data**: every series a query reads exists, and what it plots moved (a rate's counter grew,
+- **data**: every series a query reads exists, and its answer is not 0 (a rate's counter grew,
   a gauge is not 0);
-- **flat**: the series exist but nothing moved in this run;
-- **none**: a series it reads is not exported here (``cache_server.lmcache_compat.LEFT_OUT``
-  says why); a panel whose queries end in ``or vector(0)`` then still draws a flat 0.
+- **flat**: the series exist but the answer is 0 (or empty, or NaN) for every query;
+- **none**: a series it reads is absent (Prometheus answers an empty vector for it: not exported
+  here, ``cache_server.lmcache_compat.LEFT_OUT`` says why); a panel whose queries end in
+  ``or vector(0)`` then still draws a flat 0.
 
 ``python -m validation.lmcache_dashboard`` prints the Markdown table the migration page carries;
 ``tests/test_lmcache_dashboard.py`` checks that the page's table is this run's."""
@@ -21,10 +23,10 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import math
 import re
 import sys
 import time
-import urllib.request
 from collections.abc import Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -32,6 +34,7 @@ from pathlib import Path
 
 from cache_server.client import CacheClient
 from cache_server.lmcache_compat import LEFT_OUT
+from testing.prometheus import Prometheus
 from testing.redis_nodes import RedisNodes, store_binaries
 from testing.server_process import ServerProcess
 
@@ -41,7 +44,7 @@ FIXTURE = ROOT / "tests" / "fixtures" / "lmcache_dashboard.json"
 PROMQL_WORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "and", "or", "unless",
                 "offset", "vector"}
 NS = "GLM-5-0123456789abcdef"  # as an engine names its namespace: <model>-<16 hex>
-Samples = dict[str, list[tuple[dict[str, str], float]]]
+JOB = "glm-cache-server"
 
 
 def metric_names(expr: str) -> set[str]:
@@ -61,47 +64,27 @@ def metric_names(expr: str) -> set[str]:
     return names
 
 
-def parse(text: str) -> Samples:
-    """An exposition's samples: name -> [(labels, value)]."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    out: Samples = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            out.setdefault(s.name, []).append((dict(s.labels), s.value))
+def selectors(expr: str) -> dict[str, str]:
+    """Each metric name ``expr`` reads -> the selector it is read with (``name{phase="staging"}``):
+    Prometheus is asked about each alone, so a panel can say which series is absent, and why."""
+    out = {}
+    for name in metric_names(expr):
+        m = re.search(r"(?<![A-Za-z0-9_:])" + re.escape(name) + r"(\{[^}]*\})?", expr)
+        out[name] = name + ((m.group(1) or "") if m else "")
     return out
 
 
-def scrape(url: str) -> Samples:
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
-        return parse(r.read().decode())
-
-
-def _matchers(expr: str, name: str) -> dict[str, str]:
-    """The equality matchers written right after ``name`` in ``expr`` (``{phase="staging"}``)."""
-    m = re.search(re.escape(name) + r"\{([^}]*)\}", expr)
-    return dict(re.findall(r'(\w+)\s*=\s*"([^"]*)"', m.group(1))) if m else {}
-
-
-def _series(samples: Samples, name: str, matchers: dict[str, str]) -> dict[tuple, float]:
-    return {tuple(sorted(labels.items())): v for labels, v in samples.get(name, [])
-            if all(labels.get(k) == v for k, v in matchers.items())}
-
-
-def query_status(expr: str, before: Samples, after: Samples) -> tuple[str, list[str]]:
-    """``data``, ``flat`` or ``none`` for one query, and the names it reads that are absent."""
-    names = sorted(metric_names(expr))
-    missing = [n for n in names if not _series(after, n, _matchers(expr, n))]
+def query_status(prom: Prometheus, expr: str, at: float, window_s: int) -> tuple[str, list[str]]:
+    """``data``, ``flat`` or ``none`` for one query as Prometheus answers it at ``at`` with
+    ``$__rate_interval`` = ``window_s`` (the whole run), and the names it reads that are absent."""
+    window = f"[{window_s}s]"
+    missing = sorted(name for name, sel in selectors(expr).items()
+                     if not prom.query(f"present_over_time({sel}{window})", at))
     if missing:
         return "none", missing
-    moved = []
-    for n in names:
-        now, then = _series(after, n, _matchers(expr, n)), _series(before, n, _matchers(expr, n))
-        if re.search(r"(rate|increase|irate)\(\s*" + re.escape(n) + r"\b", expr):
-            moved.append(any(v > then.get(k, 0.0) for k, v in now.items()))
-        else:
-            moved.append(any(v != 0 for v in now.values()))
-    return ("data" if all(moved) else "flat"), []
+    answer = prom.query(expr.replace("[$__rate_interval]", window), at)
+    values = [float(s["value"][1]) for s in answer]
+    return ("data" if any(math.isfinite(v) and v != 0 for v in values) else "flat"), []
 
 
 def reason(name: str) -> str | None:
@@ -124,13 +107,14 @@ def panels() -> Iterator[dict]:
     yield from json.loads(FIXTURE.read_text())["panels"]
 
 
-def evaluate(before: Samples, after: Samples) -> list[Panel]:
+def evaluate(prom: Prometheus, at: float, window_s: int) -> list[Panel]:
+    """Every panel, from Prometheus's answers at ``at`` (see :func:`query_status`)."""
     out = []
     for p in panels():
         if not p["exprs"]:
             out.append(Panel(p["row"], p["title"], "none", "Tempo traces (TraceQL): no OpenTelemetry tracing here"))
             continue
-        results = [query_status(e, before, after) for e in p["exprs"]]
+        results = [query_status(prom, e, at, window_s) for e in p["exprs"]]
         statuses = {s for s, _ in results}
         status = "data" if "data" in statuses else "flat" if "flat" in statuses else "none"
         missing = sorted({n for _, names in results for n in names})
@@ -149,8 +133,7 @@ def evaluate(before: Samples, after: Samples) -> list[Panel]:
 
 
 def drive(c: CacheClient, server: ServerProcess, l2: bool) -> None:
-    """Traffic every panel we can serve has something to show from."""
-    c.hello(NS, 128, attn_groups=[0], state_groups=[1])
+    """Traffic every panel we can serve has something to show from (after ``hello``)."""
 
     def prefix(seed: int, n: int) -> list[bytes]:
         return [(seed << 32 | i).to_bytes(32, "big") for i in range(n)]
@@ -164,9 +147,8 @@ def drive(c: CacheClient, server: ServerProcess, l2: bool) -> None:
         store(prefix(seed, 3))
     if l2:
         deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and not _moved(scrape(server.http_url),
-                                                         "lmcache_mp_l2_store_completed_objects_chunks_total"):
-            time.sleep(0.1)
+        while time.monotonic() < deadline and not server.status()["l2"]["written_objects"]:
+            time.sleep(0.05)
     c.lookup(NS, first, [0], [1], lease=False)  # evicted from L1: promoted from L2 when there is one
     last = prefix(7, 3)
     c.lookup(NS, last, [0], [1], lease=False, cache_salt="tenant-a")  # an L1 hit
@@ -178,12 +160,10 @@ def drive(c: CacheClient, server: ServerProcess, l2: bool) -> None:
     c.put(NS, [(x, 0, 0, bytes(600_000)) for x in prefix(9, 2)])  # no room: allocation failures
 
 
-def _moved(samples: Samples, name: str) -> bool:
-    return any(v > 0 for _, v in samples.get(name, []))
-
-
 def run() -> tuple[list[Panel], bool]:
-    """Start a server (and Redis where it is installed), drive it, evaluate every panel."""
+    """Start a server (and Redis where it is installed) scraped by Prometheus, drive it, and
+    evaluate every panel at the first scrape after the traffic, over a window back to before
+    Prometheus started (so each rate sees the whole run)."""
     l2 = store_binaries() is not None
     with ExitStack() as stack:
         args = ["--separate-object-groups", "--l1-size-gb", "0.002", "--max-leased-fraction", "0.95",
@@ -193,11 +173,15 @@ def run() -> tuple[list[Panel], bool]:
             secret = stack.enter_context(_secret_file())
             args += ["--l2", redis.url, "--l2-secret-file", secret]
         server = stack.enter_context(ServerProcess(*args))
+        t0 = time.time()
+        prom = stack.enter_context(Prometheus({JOB: server.http_url}))
         c = stack.enter_context(CacheClient(server.url, timeout_s=10.0))
-        before = scrape(server.http_url)
+        # an engine's hello comes long before its traffic: the series it labels are scraped at 0 first
+        c.hello(NS, 128, attn_groups=[0], state_groups=[1])
+        prom.wait_scraped_after(JOB, time.time())
         drive(c, server, l2)
-        after = scrape(server.http_url)
-    return evaluate(before, after), l2
+        at = prom.wait_scraped_after(JOB, time.time())
+        return evaluate(prom, at, math.ceil(at - t0) + 1), l2
 
 
 class _secret_file:

@@ -3,11 +3,11 @@
 Starts a real glm-cache-server (with a one-node Redis L2 where redis-server is installed),
 drives multi-turn conversations through our client for ``--seconds`` (lookups with leases,
 gets of the hits, puts of each new turn's chunks and its state, a store small enough to
-evict, and an L1-only clear half-way so later turns are answered from L2), scrapes /metrics
-every ``--scrape-s`` seconds (and an engine's /metrics with ``--engine-metrics URL``), then
-evaluates every panel's PromQL over the scraped samples with the small evaluator below
-(selectors, rate/increase, sum/max/min by, histogram_quantile, arithmetic: what the
-dashboard uses) and plots them with matplotlib::
+evict, and an L1-only clear half-way so later turns are answered from L2) while a real
+Prometheus (:mod:`testing.prometheus`) scrapes its /metrics every ``--scrape-s`` seconds (and
+an engine's /metrics with ``--engine-metrics URL``), then asks Prometheus every panel's PromQL
+over the run (``query_range``, a point per scrape interval) and plots its answers with
+matplotlib::
 
     python -m validation.render_dashboard --with-engine --out docs/dashboards/glm-cache-server.png
 
@@ -21,7 +21,7 @@ a new one. The first question of a document is computed and saved; the later one
 from the server (L1, or L2 after the half-way L1 clear). The engine's /metrics is scraped with
 the server's (the ``Engine`` row). About 100 s on 2 cores (30 s of it vllm serve starting).
 
-The picture is of scraped samples, not of Grafana; ``$__rate_interval`` is ``--window-s``.
+The picture is of Prometheus's answers, not of Grafana; ``$__rate_interval`` is ``--window-s``.
 """
 
 from __future__ import annotations
@@ -37,9 +37,8 @@ import urllib.request
 from collections import defaultdict
 from pathlib import Path
 
-from prometheus_client.parser import text_string_to_metric_families
-
 from cache_server.client import CacheClient
+from testing.prometheus import Prometheus
 from testing.redis_nodes import RedisNodes, store_binaries
 from testing.server_process import ServerProcess
 
@@ -47,211 +46,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 DASHBOARD = ROOT / "docs" / "dashboards" / "glm-cache-server.json"
 NS = "render-ns"
-Labels = frozenset  # of (name, value) pairs
-Vector = dict  # Labels -> float
-
-# --- scraping -------------------------------------------------------------------------------
-
-
-def scrape(url: str) -> dict[str, dict[Labels, float]]:
-    with urllib.request.urlopen(url, timeout=5) as r:
-        text = r.read().decode()
-    out: dict[str, dict[Labels, float]] = defaultdict(dict)
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            out[s.name][frozenset(s.labels.items())] = s.value
-    return out
-
-
-# --- a PromQL subset ------------------------------------------------------------------------
-
-TOKEN = re.compile(r'\s*(?:(?P<num>\d+(?:\.\d+)?(?:e\d+)?)|(?P<str>"(?:[^"\\]|\\.)*")|(?P<name>\$?[A-Za-z_:][A-Za-z0-9_:]*)'
-                   r'|(?P<op>!=|[(){}\[\],/*+=-]))')
-
-
-def tokenize(expr: str) -> list[str]:
-    pos, out = 0, []
-    while pos < len(expr):
-        m = TOKEN.match(expr, pos)
-        if not m or m.end() == pos:
-            if expr[pos:].strip() == "":
-                break
-            raise ValueError(f"cannot parse {expr[pos:]!r}")
-        out.append(m.group().strip())
-        pos = m.end()
-    return [t for t in out if t]
-
-
-class Query:
-    """One parsed expression, evaluated against a list of scrapes at a given index."""
-
-    def __init__(self, expr: str, window_s: float) -> None:
-        self.tokens = tokenize(expr)
-        self.i = 0
-        self.window_s = window_s
-        self.tree = self._expr()
-        if self.i != len(self.tokens):
-            raise ValueError(f"trailing tokens in {expr!r}: {self.tokens[self.i:]}")
-
-    # parser: nodes are tuples
-    def _peek(self) -> str | None:
-        return self.tokens[self.i] if self.i < len(self.tokens) else None
-
-    def _take(self, want: str | None = None) -> str:
-        tok = self.tokens[self.i]
-        if want is not None and tok != want:
-            raise ValueError(f"expected {want!r}, got {tok!r}")
-        self.i += 1
-        return tok
-
-    def _expr(self):
-        node = self._mul()
-        while self._peek() in ("+", "-"):
-            node = ("bin", self._take(), node, self._mul())
-        return node
-
-    def _mul(self):
-        node = self._unary()
-        while self._peek() in ("*", "/"):
-            node = ("bin", self._take(), node, self._unary())
-        return node
-
-    def _labels_list(self) -> list[str]:
-        self._take("(")
-        names = []
-        while self._peek() != ")":
-            names.append(self._take())
-            if self._peek() == ",":
-                self._take()
-        self._take(")")
-        return names
-
-    def _unary(self):
-        tok = self._peek()
-        if tok == "(":
-            self._take()
-            node = self._expr()
-            self._take(")")
-            return node
-        if re.fullmatch(r"\d+(?:\.\d+)?(?:e\d+)?", tok):
-            return ("num", float(self._take()))
-        name = self._take()
-        if name in ("sum", "max", "min", "avg"):
-            by = self._labels_list() if self._peek() == "by" and self._take() else None
-            self._take("(")
-            inner = self._expr()
-            self._take(")")
-            if by is None and self._peek() == "by":
-                self._take()
-                by = self._labels_list()
-            return ("agg", name, by or [], inner)
-        if name in ("rate", "increase"):
-            self._take("(")
-            sel = self._selector(self._take())
-            self._take(")")
-            return ("range", name, sel)
-        if name == "histogram_quantile":
-            self._take("(")
-            q = float(self._take())
-            self._take(",")
-            inner = self._expr()
-            self._take(")")
-            return ("hq", q, inner)
-        return self._selector(name)
-
-    def _selector(self, name: str):
-        matchers = []
-        if self._peek() == "{":
-            self._take()
-            while self._peek() != "}":
-                label, op, value = self._take(), self._take(), json.loads(self._take())
-                matchers.append((label, op, value))
-                if self._peek() == ",":
-                    self._take()
-            self._take("}")
-        if self._peek() == "[":
-            self._take()
-            while self._take() != "]":
-                pass  # the range: --window-s stands for $__rate_interval
-        return ("sel", name, tuple(matchers))
-
-    # evaluation
-    def at(self, scrapes: list[tuple[float, dict]], idx: int) -> Vector | float:
-        return self._eval(self.tree, scrapes, idx)
-
-    def _select(self, node, sample: dict) -> Vector:
-        _, name, matchers = node
-        out = {}
-        for labels, v in sample.get(name, {}).items():
-            d = dict(labels)
-            if all((d.get(k, "") == val) == (op == "=") for k, op, val in matchers):
-                out[labels] = v
-        return out
-
-    def _eval(self, node, scrapes, idx):
-        kind = node[0]
-        if kind == "num":
-            return node[1]
-        if kind == "sel":
-            return self._select(node, scrapes[idx][1])
-        if kind == "range":
-            t_now, now = scrapes[idx]
-            j = idx
-            while j > 0 and t_now - scrapes[j - 1][0] <= self.window_s + 1e-6:
-                j -= 1
-            if j == idx:
-                return {}
-            t_then, then = scrapes[j]
-            a, b = self._select(node[2], now), self._select(node[2], then)
-            out = {}
-            for labels, v in a.items():
-                if labels in b:
-                    d = max(0.0, v - b[labels])  # a counter reset would make this negative
-                    out[labels] = d / (t_now - t_then) if node[1] == "rate" else d
-            return out
-        if kind == "agg":
-            _, fn, by, inner = node
-            vec = self._eval(inner, scrapes, idx)
-            groups: dict[Labels, list[float]] = defaultdict(list)
-            for labels, v in vec.items():
-                groups[frozenset((k, val) for k, val in labels if k in by)].append(v)
-            red = {"sum": sum, "max": max, "min": min, "avg": lambda xs: sum(xs) / len(xs)}[fn]
-            return {labels: red(vs) for labels, vs in groups.items()}
-        if kind == "hq":
-            _, q, inner = node
-            vec = self._eval(inner, scrapes, idx)
-            series: dict[Labels, list[tuple[float, float]]] = defaultdict(list)
-            for labels, v in vec.items():
-                d = dict(labels)
-                le = float(d.pop("le"))
-                series[frozenset(d.items())].append((le, v))
-            out = {}
-            for labels, buckets in series.items():
-                buckets.sort()
-                total = buckets[-1][1]
-                if total <= 0:
-                    continue
-                rank, prev_le, prev_c = q * total, 0.0, 0.0
-                for le, c in buckets:
-                    if c >= rank:
-                        out[labels] = prev_le if math.isinf(le) else prev_le + (le - prev_le) * (rank - prev_c) / max(c - prev_c, 1e-12)
-                        break
-                    prev_le, prev_c = le, c
-            return out
-        if kind == "bin":
-            _, op, left, right = node
-            a, b = self._eval(left, scrapes, idx), self._eval(right, scrapes, idx)
-            f = {"+": lambda x, y: x + y, "-": lambda x, y: x - y, "*": lambda x, y: x * y,
-                 "/": lambda x, y: x / y if y else math.nan}[op]
-            if isinstance(a, float) and isinstance(b, float):
-                return f(a, b)
-            if isinstance(b, float):
-                return {k: f(v, b) for k, v in a.items()}
-            if isinstance(a, float):
-                return {k: f(a, v) for k, v in b.items()}
-            return {k: f(v, b[k]) for k, v in a.items() if k in b}
-        raise ValueError(node)
-
+SERVER_JOB, ENGINE_JOB = "glm-cache-server", "engine"
+# a query's answer: [(labels, [(t, value), ...]), ...], one entry per series
+Answer = list[tuple[dict[str, str], list[tuple[float, float]]]]
 
 # --- traffic --------------------------------------------------------------------------------
 
@@ -337,9 +134,8 @@ def drive_engine(base_url: str, stop: threading.Event, seconds: float, doc_token
 # --- plotting -------------------------------------------------------------------------------
 
 
-def legend(fmt: str, labels: Labels) -> str:
-    d = dict(labels)
-    return re.sub(r"\{\{\s*(\w+)\s*\}\}", lambda m: d.get(m.group(1), ""), fmt)
+def legend(fmt: str, labels: dict[str, str]) -> str:
+    return re.sub(r"\{\{\s*(\w+)\s*\}\}", lambda m: labels.get(m.group(1), ""), fmt)
 
 
 def panels() -> list[dict]:
@@ -372,9 +168,24 @@ FLAT = {
 }
 
 
-def render(scrapes: list[tuple[float, dict]], out: Path, window_s: float, note: str,
+def ask(prom: Prometheus, start: float, end: float, step_s: float, window_s: float) -> dict[str, list[Answer]]:
+    """Every panel's queries as Prometheus answers them over the run (``query_range`` at the
+    scrape interval, ``$__rate_interval`` = ``window_s``): by panel title, one answer per target."""
+    out = {}
+    for p in panels():
+        if p["type"] == "row":
+            continue
+        out[p["title"]] = [
+            [(r["metric"], [(float(t), float(v)) for t, v in r["values"]])
+             for r in prom.query_range(t["expr"].replace("$__rate_interval", f"{window_s:g}s"), start, end, step_s)]
+            for t in p["targets"]]
+    return out
+
+
+def render(answers: dict[str, list[Answer]], start: float, out: Path, note: str,
            subtitles: dict[str, str] | None = None) -> None:
-    """``subtitles``: a line to print under a panel's title, by title."""
+    """Plot :func:`ask`'s answers (times from ``start``); ``subtitles``: a line to print
+    under a panel's title, by title."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -397,8 +208,6 @@ def render(scrapes: list[tuple[float, dict]], out: Path, window_s: float, note: 
     fig = plt.figure(figsize=(15, 3.3 * sum(heights)))
     grid = fig.add_gridspec(len(slots), 2, height_ratios=heights, hspace=0.8, wspace=0.18,
                             top=1 - (0.45 + 0.2 * (note.count("\n") + 2)) / (3.3 * sum(heights)), bottom=0.01)
-    t0 = scrapes[0][0]
-    times = [t - t0 for t, _ in scrapes]
     placed = []
     for r, (kind, payload) in enumerate(slots):
         if kind == "head":
@@ -411,19 +220,13 @@ def render(scrapes: list[tuple[float, dict]], out: Path, window_s: float, note: 
         unit = p.get("fieldConfig", {}).get("defaults", {}).get("unit", "short")
         drawn = 0
         peak = 0.0
-        for target in p["targets"]:
-            q = Query(target["expr"], window_s)
-            series: dict[Labels, list[float]] = defaultdict(lambda: [math.nan] * len(scrapes))
-            for i in range(len(scrapes)):
-                v = q.at(scrapes, i)
-                if isinstance(v, float):
-                    v = {frozenset(): v}
-                for labels, x in v.items():
-                    series[labels][i] = x
-            for labels, ys in sorted(series.items(), key=lambda kv: sorted(kv[0])):
+        for target, answer in zip(p["targets"], answers.get(p["title"], [])):
+            for labels, points in sorted(answer, key=lambda s: sorted(s[0].items())):
+                ys = [v for _, v in points]
                 if all(math.isnan(y) for y in ys):
                     continue
-                ax.plot(times, ys, label=legend(target.get("legendFormat", ""), labels), linewidth=1.4)
+                ax.plot([t - start for t, _ in points], ys, label=legend(target.get("legendFormat", ""), labels),
+                        linewidth=1.4)
                 drawn += 1
                 peak = max([peak] + [abs(y) for y in ys if not math.isnan(y)])
         sub = (subtitles or {}).get(p["title"])
@@ -450,7 +253,7 @@ def render(scrapes: list[tuple[float, dict]], out: Path, window_s: float, note: 
                                                           if any("vllm:" in t["expr"] for t in p["targets"]) else ""),
                     ha="center", va="center", fontsize=9, color="gray", transform=ax.transAxes)
         ax.grid(alpha=0.3)
-    fig.suptitle("glm-cache-server dashboard, rendered from scraped /metrics samples (not Grafana)\n" + note,
+    fig.suptitle("glm-cache-server dashboard, drawn from Prometheus's answers to its queries (not Grafana)\n" + note,
                  fontsize=12, y=1.0)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=80, bbox_inches="tight")
@@ -474,20 +277,20 @@ def main() -> None:
     ap.add_argument("--asks", type=int, default=3, help="questions per document before a new one replaces it")
     ap.add_argument("--chunk-size", type=int, default=None,
                     help="the server's --chunk-size (default 128 with --with-engine, the engine's block; else 256)")
-    ap.add_argument("--dump", default=None, help="also write the scraped samples (JSON) here")
-    ap.add_argument("--load", default=None, help="render samples written by --dump instead of running")
+    ap.add_argument("--dump", default=None, help="also write Prometheus's answers (JSON) here")
+    ap.add_argument("--load", default=None, help="render answers written by --dump instead of running")
     args = ap.parse_args()
     if args.load:
         saved = json.loads(Path(args.load).read_text())
-        scrapes = [(t, {n: {frozenset(map(tuple, labels)): v for labels, v in series} for n, series in sample.items()})
-                   for t, sample in saved["scrapes"]]
-        render(scrapes, Path(args.out), args.window_s, saved["note"], saved.get("subtitles"))
+        render(saved["answers"], saved["start"], Path(args.out), saved["note"], saved.get("subtitles"))
         print(f"wrote {args.out} from {args.load}")
         return
     redis = None
     engine = None
+    prom = None
     extra = []
-    scrapes: list[tuple[float, dict]] = []
+    answers: dict[str, list[Answer]] = {}
+    totals: dict[str, float] = {}
     result: dict[str, int] = {}
     engine_result: dict[str, int] = {}
     chunk = args.chunk_size or (128 if args.with_engine else 256)
@@ -513,6 +316,11 @@ def main() -> None:
                 engine.start()
                 print(f"  vllm serve log: {engine.log_path}", flush=True)
                 args.engine_metrics = engine.base_url + "/metrics"
+            targets = {SERVER_JOB: server.http_url, **({ENGINE_JOB: args.engine_metrics} if args.engine_metrics else {})}
+            prom = Prometheus(targets, scrape_interval_s=args.scrape_s).start()
+            for job in targets:
+                prom.wait_scrapes(job, 1)
+            start = time.time()
             stop = threading.Event()
             workers = [threading.Thread(target=lambda: result.update(drive(server, stop, args.seconds)), daemon=True)]
             if engine is not None:
@@ -520,18 +328,19 @@ def main() -> None:
                     engine.base_url, stop, args.seconds, args.doc_tokens, args.docs, args.asks)), daemon=True))
             for w in workers:
                 w.start()
-            t_end = time.monotonic() + args.seconds + args.scrape_s
-            while time.monotonic() < t_end:
-                sample = scrape(server.http_url + "/metrics")
-                if args.engine_metrics:
-                    for name, series in scrape(args.engine_metrics).items():
-                        sample.setdefault(name, {}).update(series)
-                scrapes.append((time.monotonic(), sample))
-                time.sleep(args.scrape_s)
+            for w in workers:  # each stops after --seconds (an engine request in flight: up to 120 s more)
+                w.join(args.seconds + 130)
             stop.set()
-            for w in workers:
-                w.join(130)
+            t_end = time.time()
+            end = max(prom.wait_scraped_after(job, t_end) for job in targets)
+            answers = ask(prom, start, end, args.scrape_s, args.window_s)
+            for name in ("vllm:prompt_tokens_total", "vllm:external_prefix_cache_hits_total",
+                         "vllm:prefix_cache_hits_total", "vllm:glm_cache_loaded_bytes_total",
+                         "vllm:glm_cache_saved_bytes_total"):
+                totals[name] = prom.value(f"sum({name})", end) or 0.0
     finally:
+        if prom is not None:
+            prom.stop()
         if engine is not None:
             engine.stop()
         if redis is not None:
@@ -543,10 +352,7 @@ def main() -> None:
     subtitles = {}
     if engine is not None:
         r = engine_result
-        last = scrapes[-1][1] if scrapes else {}
-
-        def total(name: str) -> float:
-            return sum(last.get(name, {}).values())
+        total = totals.__getitem__
         note += (f"\nvllm serve (tiny checkpoint, GlmCacheConnector, local pool {args.blocks} blocks of 128): "
                  f"{r.get('requests', 0)} questions on {r.get('documents', 0)} documents of {args.doc_tokens} tokens "
                  f"({args.docs} at a time, {args.asks} each)\nof its {total('vllm:prompt_tokens_total'):.0f} "
@@ -557,12 +363,11 @@ def main() -> None:
         subtitles["Objects: server served vs engine loaded"] = (
             "server served includes the CacheClient traffic's gets; the engine's loads are its own")
     if args.dump:
-        Path(args.dump).write_text(json.dumps({"note": note, "subtitles": subtitles, "scrapes": [
-            (t, {n: [(sorted(labels), v) for labels, v in series.items()] for n, series in sample.items()})
-            for t, sample in scrapes]}))
-    render(scrapes, Path(args.out), args.window_s, note, subtitles)
+        Path(args.dump).write_text(json.dumps({"note": note, "subtitles": subtitles, "start": start,
+                                               "answers": answers}))
+    render(answers, start, Path(args.out), note, subtitles)
     print(f"{time.monotonic() - t_start:.0f} s in all; engine: {engine_result}")
-    print(f"wrote {args.out}: {len(scrapes)} scrapes; {note}")
+    print(f"wrote {args.out}; {note}")
 
 
 if __name__ == "__main__":
