@@ -31,7 +31,7 @@ Where each fact comes from (:func:`text_config`):
   (``glm5next_plugin.mla_layer``). The native indexer cache is fp8 with scales in either
   case; the KDA state is never fp8.
 
-Used by ``tests/test_glm_flash_kv_layouts.py`` (byte-exact round trips, seed 003's log)
+Used by ``tests/server/test_glm_flash_kv_layouts.py`` (byte-exact round trips, seed 003's log)
 and ``validation/geometry_report.py`` (the numbers recipes quote).
 """
 

@@ -1,4 +1,7 @@
-"""Shared fixtures: a real glm-cache-server process for the module."""
+"""What every folder of the suite shares (tests/unit, tests/server, tests/engine: docs/testing.md,
+"Folders by cost"): the fixtures below, the ``vllm_free`` marking, the two xdist lanes, the
+machine-stall watch and the per-worker time summary. Helpers live in ``testing/``; each
+folder's conftest.py holds what only that folder uses."""
 
 from __future__ import annotations
 
@@ -20,17 +23,6 @@ def server(request):
         yield srv
 
 
-@pytest.fixture
-def client(server):
-    """A client of the module's server, the server emptied first; a module that needs its
-    namespaces said hello to overrides this with a ``client(client)`` fixture."""
-    from cache_server.client import CacheClient
-
-    with CacheClient(server.url, timeout_s=10.0) as c:
-        c.clear()
-        yield c
-
-
 SERVER_CHUNK = 256  # the server fixture's minimum chunk
 
 
@@ -45,6 +37,17 @@ def ckpt(request, tmp_path_factory):
     out = tmp_path_factory.mktemp("tiny_" + request.module.__name__.rpartition("test_")[2])
     glm5next_tiny.main([str(out), *getattr(request.module, "TINY_CHECKPOINT_ARGS", ("--seed", "3"))])
     return out
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A three-node Redis cluster for one module (``testing.l2_fixtures.start_cluster``);
+    skips, saying why, where no Redis or Valkey server can run."""
+    from testing.l2_fixtures import start_cluster
+
+    nodes = start_cluster()
+    yield nodes
+    nodes.stop()
 
 
 @pytest.fixture()
@@ -82,7 +85,7 @@ _ROOT = Path(__file__).resolve().parent.parent
 # glm5next_tiny: the tiny checkpoint it writes comes from transformers, whose version is the one
 # the vLLM install brings, so tests that use it depend on vLLM's release
 _VLLM_SIDE = ("vllm", "connector", "glm5next_plugin", "glm5next_tiny", "validation.serving", "testing.sched_harness",
-              "validation.demo", "tests.engines", "tests.tiny_qwen3_next")
+              "validation.demo", "testing.engines", "testing.tiny_qwen3_next")
 # strings that start vLLM in another process (a command line, a notebook, the demo)
 _VLLM_WORDS = ("vllm", ".ipynb", "demo")
 
@@ -103,11 +106,11 @@ def _imports(tree: ast.AST, package: str = "") -> set[str]:
 
 
 def _file_of(module: str) -> Path | None:
-    for base in (_ROOT, _ROOT / "tests"):  # tests/ is on sys.path too ("from engines import")
-        path = base.joinpath(*module.split("."))
-        for candidate in (path.with_suffix(".py"), path / "__init__.py"):
-            if candidate.is_file():
-                return candidate
+    # from the repository root: a test module is tests.<folder>.test_x, a helper testing.x
+    path = _ROOT.joinpath(*module.split("."))
+    for candidate in (path.with_suffix(".py"), path / "__init__.py"):
+        if candidate.is_file():
+            return candidate
     return None
 
 
@@ -121,8 +124,7 @@ def _starts_vllm(tree: ast.AST) -> bool:
 
 
 def _direct_vllm(module: str) -> bool:
-    return (any(module == m or module.startswith(m + ".") or module.endswith("." + m) for m in _VLLM_SIDE)
-            or module in ("engines", "tiny_qwen3_next"))
+    return any(module == m or module.startswith(m + ".") or module.endswith("." + m) for m in _VLLM_SIDE)
 
 
 @cache
@@ -155,18 +157,43 @@ def _touches_vllm(module: str) -> bool:
 
 
 @cache
-def _conftest_fixture_imports() -> dict[str, set[str]]:
-    tree = ast.parse(Path(__file__).read_text())
+def _conftest_fixture_imports(conftest: Path = Path(__file__)) -> dict[str, set[str]]:
+    if not conftest.is_file():
+        return {}
+    tree = ast.parse(conftest.read_text())
     return {f.name: _imports(f) for f in tree.body if isinstance(f, ast.FunctionDef)}
 
 
+def _module_of(item) -> str:
+    """The test's module as a dotted name from the repository root: tests.unit.test_store."""
+    return ".".join(Path(str(item.fspath)).resolve().relative_to(_ROOT).with_suffix("").parts)
+
+
 def pytest_collection_modifyitems(config, items):
-    fixtures = _conftest_fixture_imports()
     for item in items:
-        module = "tests." + Path(str(item.fspath)).stem
+        # this file's fixtures, and those of the test's folder's conftest.py (which override them)
+        fixtures = {**_conftest_fixture_imports(), **_conftest_fixture_imports(Path(str(item.fspath)).parent / "conftest.py")}
         used = [m for name in getattr(item, "fixturenames", ()) for m in fixtures.get(name, ())]
-        if not _touches_vllm(module) and not any(_touches_vllm(m) for m in used):
+        if not _touches_vllm(_module_of(item)) and not any(_touches_vllm(m) for m in used):
             item.add_marker(pytest.mark.vllm_free)
+    _check_folders(items)
+
+
+# -- Folders by cost (docs/testing.md) ------------------------------------------------------
+#
+# A module with an engine test (`pytest.mark.engine`: what puts it in the engine lane below)
+# lives in tests/engine/, and only such a module: `pytest tests/unit tests/server` must never
+# start an engine.
+FOLDERS = ("unit", "server", "engine")
+
+
+def _check_folders(items) -> None:
+    misplaced = sorted({path for path in (item.nodeid.split("::", 1)[0] for item in items)
+                        if path.startswith("tests/") and (len(path.split("/")) != 3 or path.split("/")[1] not in FOLDERS
+                                                          or _engine_module(path) != path.startswith("tests/engine/"))})
+    if misplaced:
+        raise pytest.UsageError("a test module lives in tests/unit, tests/server or tests/engine, and in tests/engine "
+                                "exactly when it has an engine test (docs/testing.md): " + ", ".join(misplaced))
 
 
 # -- Two lanes (`make test` runs pytest-xdist with two workers) ----------------------------------
@@ -183,9 +210,9 @@ def pytest_collection_modifyitems(config, items):
 # on these 2 cores would otherwise leave it idle for most of the run: measured at d25ff21,
 # the second worker finished its tests 383 s into a 1560 s run.
 PLUGIN_ENGINE_MODULES = frozenset({
-    "tests/test_plugin_engine.py", "tests/test_plugin_mtp.py", "tests/test_plugin_parity_sweep.py",
-    "tests/test_plugin_serve.py", "tests/test_plugin_tp.py", "tests/test_plugin_vision.py",
-    # Not the short soak (tests/test_soak.py, last in the engine lane): its two replicas, three
+    "tests/engine/test_plugin_engine.py", "tests/engine/test_plugin_mtp.py", "tests/engine/test_plugin_parity_sweep.py",
+    "tests/engine/test_plugin_serve.py", "tests/engine/test_plugin_tp.py", "tests/engine/test_plugin_vision.py",
+    # Not the short soak (tests/engine/test_soak.py, last in the engine lane): its two replicas, three
     # Redis nodes and faults beside the engine lane made that lane's reloads miss while the
     # soak started (fresh-clone run beside a busy loop at fb9e98e: test_plugin_ties and
     # test_pd_e2e served cold; CI at 6071907: test_multiconnector_e2e's load, its get

@@ -85,7 +85,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 C = 128
 MODES = ("pd", "single")
-VOCAB = (16, 512)  # token ids the tiny checkpoint's vocabulary holds (tests.engines.random_prompt)
+VOCAB = (16, 512)  # token ids the tiny checkpoint's vocabulary holds (testing.engines.random_prompt)
 
 
 @dataclass
