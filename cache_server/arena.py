@@ -7,7 +7,7 @@ F_SEAL_GROW | F_SEAL_FUTURE_WRITE | F_SEAL_SEAL``: from then on no process can r
 (nobody, the server included, can take a SIGBUS from a truncated arena), and no other
 process can write into it: ``write()``, a ``MAP_SHARED`` ``PROT_WRITE`` mapping, a hole
 punched in it and ``mprotect`` of a read-only mapping to writable all fail (tested,
-``tests/test_server_arena.py``); only the server's own mapping, made before the seal,
+``tests/server/test_server_arena.py``); only the server's own mapping, made before the seal,
 writes. Its first page holds a random 16-byte nonce, which the client checks: a
 ``/proc/<pid>/fd/<fd>`` in another pid namespace names another process's file.
 

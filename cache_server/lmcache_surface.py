@@ -11,7 +11,7 @@ An operator switching from LMCache's multiprocess server brings its command-line
 A set ``LMCACHE_*`` variable we do not read gets one start-up line (:func:`env_hint`).
 ``validation/lmcache_surface.py`` reads LMCache's installed source for every name of its
 surface (flags, connector keys, variables, HTTP routes), checks them against these tables
-(``tests/test_lmcache_surface.py``) and writes ``docs/lmcache-surface.md``.
+(``tests/server/test_lmcache_surface.py``) and writes ``docs/lmcache-surface.md``.
 """
 
 from __future__ import annotations

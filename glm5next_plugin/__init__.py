@@ -34,7 +34,7 @@ What the plugin puts in vLLM's cache (what a KV connector sees):
 
 How the plugin computes them has a version, ``NUMERICS_VERSION`` (:mod:`.version`), which
 GlmCacheConnector joins into the namespace: bump it with any change that moves the plugin's
-outputs (``tests/test_identity_runtime.py`` fails until it is bumped and re-recorded).
+outputs (``tests/engine/test_identity_runtime.py`` fails until it is bumped and re-recorded).
 
 Not MLA to vLLM (plugin only): vLLM's model-type list marks ``glm5_next`` as a DeepSeek-MLA
 model, and vLLM 0.32's CPU platform then forces a 16-token block and turns prefix caching

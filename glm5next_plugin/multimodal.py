@@ -33,7 +33,7 @@ reason in the log), so an image reaches the model only as token ids (its
 ``<|begin_of_image|><|image|><|end_of_image|>`` ids) with its data, through vLLM's offline
 API or its token-in/token-out ``/inference/v1/generate`` route; the connector names it by
 its processed tensors as with a tokenizer (:mod:`connector.media`). Checked by
-``tests/test_skip_tokenizer_init_e2e.py`` (the engine starts, token-id prompts resume
+``tests/engine/test_skip_tokenizer_init_e2e.py`` (the engine starts, token-id prompts resume
 from glm-cache-server, the processor profiles an image without a tokenizer).
 """
 

@@ -13,7 +13,7 @@ top-level package of the class vLLM resolves; vLLM's own GLM5-Next implementatio
 ``native`` choice, has none and is named by vLLM's version).
 
 Bump it with any change that moves the plugin's outputs (the KV rows, the KDA states, the
-logits), and re-record ``tests/test_identity_runtime.py``'s reference values for the new
+logits), and re-record ``tests/engine/test_identity_runtime.py``'s reference values for the new
 number: that test runs a float32 forward of the tiny checkpoint and fails, asking for
 the bump, when the outputs move under an unchanged version. A change that leaves every
 output bit-for-bit alone (a refactor, a new feature behind a flag that is off) keeps it.

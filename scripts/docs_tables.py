@@ -1,7 +1,7 @@
 """Write the tables of docs/operating.md that are generated from the code: the server's
 flags (``cache_server.cli.flags_table``) and the connector's settings
 (``connector.config.settings_table``). ``--check`` only says whether they are current
-(what ``tests/test_docs_tables.py`` asserts).
+(what ``tests/unit/test_docs_tables.py`` asserts).
 
     .venv/bin/python scripts/docs_tables.py [--check]
 """

@@ -56,7 +56,7 @@ echo "setup: installing $VLLM_SPEC and glm5next-cache[test] into $VENV (a few mi
 "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check "$VLLM_SPEC" -e '.[test]' 2>&1 \
     | sed '/is ignored: it is neither a file nor a directory/d'
 "$VENV/bin/python" -m pip uninstall --quiet --yes torchvision torchaudio torchcodec 2>/dev/null || true
-# vLLM's NixlConnector (tests/test_multiconnector_e2e.py composes ours with it; UCX runs on
+# vLLM's NixlConnector (tests/engine/test_multiconnector_e2e.py composes ours with it; UCX runs on
 # CPU). Without --no-deps, nixl pulls both CUDA builds (nixl-cu12 and nixl-cu13, 0.5 GB);
 # the cu12 one alone is what `import nixl` needs (its torch and numpy are installed above).
 "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps nixl==1.5.1 nixl-cu12==1.5.1 2>&1 \

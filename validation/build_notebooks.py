@@ -435,7 +435,7 @@ PARAMETERS = {
     "boundary_sweep": {"KS": (1, 2, 3)},
     "ttft": {"LENGTHS": [512, 1024, 2048, 4096, 8000], "ROUNDS": 3},
 }
-# The sizes tests/test_notebooks.py runs each notebook at: every cell, claim and plot, on
+# The sizes tests/engine/test_notebooks.py runs each notebook at: every cell, claim and plot, on
 # less data (4 questions; k = 1: lengths C-1, C, C+1, where strict prefix off already
 # diverges; two lengths, one round), to keep the suite's time.
 SMALL = {
@@ -446,7 +446,7 @@ SMALL = {
 
 
 def parameters_cell(values: dict) -> str:
-    return "# Parameters (tests/test_notebooks.py runs smaller ones)\n" + "".join(f"{k} = {v!r}\n" for k, v in values.items())
+    return "# Parameters (tests/engine/test_notebooks.py runs smaller ones)\n" + "".join(f"{k} = {v!r}\n" for k, v in values.items())
 
 
 def build(name: str, parameters: dict | None = None) -> nbformat.NotebookNode:

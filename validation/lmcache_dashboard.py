@@ -17,7 +17,7 @@ panel's queries at the end of the run, ``$__rate_interval`` standing for the who
   ``or vector(0)`` then still draws a flat 0.
 
 ``python -m validation.lmcache_dashboard`` prints the Markdown table the migration page carries;
-``tests/test_lmcache_dashboard.py`` checks that the page's table is this run's."""
+``tests/server/test_lmcache_dashboard.py`` checks that the page's table is this run's."""
 
 from __future__ import annotations
 

@@ -43,7 +43,7 @@ engine starts, 3.5 minutes in all)::
 
     python -m validation.parity_sweep [--engine] [--out validation/results/parity_sweep.md]
 
-``tests/test_plugin_parity_sweep.py`` runs the same sweep and asserts on it.
+``tests/engine/test_plugin_parity_sweep.py`` runs the same sweep and asserts on it.
 """
 
 from __future__ import annotations

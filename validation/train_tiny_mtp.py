@@ -20,7 +20,7 @@ MTP layer shares) stay as they are. The layer learns what vLLM's MTP drafter ask
 - draft 2 (``num_speculative_tokens`` 2) from position ``m``, after the verify step whose
   newest token is at ``m``: the layer's own output at ``m - 1`` as the hidden state and the
   first draft's token, attending the true rows before ``m`` (as
-  ``tests/test_plugin_mtp.py``'s ``draft_chain`` and vLLM's proposer run it), must give
+  ``tests/engine/test_plugin_mtp.py``'s ``draft_chain`` and vLLM's proposer run it), must give
   the target's token at ``m + 2``.
 
 Sequences, each a prompt and the standalone target's greedy continuation:
@@ -158,7 +158,7 @@ def decode_positions(ex: dict) -> list[int]:
 def chain_acceptance(layer, target, ex: dict, k: int = 2) -> list[int]:
     """Accepted drafts per position (``k`` drafts a step) over a greedy decode of the
     sequence, as vLLM's MTP proposer and greedy rejection sampler give them (the
-    offline chain of tests/test_plugin_mtp.py). Returns [verify steps, accepted at 1, ...]."""
+    offline chain of tests/engine/test_plugin_mtp.py). Returns [verify steps, accepted at 1, ...]."""
     embed = target.model.language_model.embed_tokens
     out, rows = first_drafts(layer, embed, ex)
     first = target.lm_head(out).argmax(-1)
