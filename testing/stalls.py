@@ -68,6 +68,12 @@ class StallWatch:
             if t.is_alive():
                 t.join(5)
 
+    def __enter__(self) -> StallWatch:
+        return self if self._threads[0].is_alive() else self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
     def run(self, cpu: int | None = None) -> None:
         _pin(cpu)
         last = self._clock()
