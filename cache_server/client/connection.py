@@ -131,7 +131,7 @@ class Connection:
             if event["event"] == zmq.EVENT_DISCONNECTED:
                 self.disconnects += 1
                 self._dropped, self._up = self._dropped or self._up, False
-                self._forget_pending_locked(float("inf"))
+                self._settle_pending_locked(float("inf"))
             elif event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self._handshake_outcome = None
                 self._up, self._dropped = True, False
@@ -269,7 +269,7 @@ class Connection:
         waits for a request in flight (then those are counted at the next call)."""
         if self._lock.acquire(blocking=False):
             try:
-                self._forget_pending_locked(time.monotonic() - PENDING_HORIZON_S)
+                self._settle_pending_locked(time.monotonic() - PENDING_HORIZON_S)
                 if self._pending:
                     self._monitor_events_locked()
             finally:
@@ -282,6 +282,15 @@ class Connection:
         with self._lock:
             out, self._late_leases = self._late_leases, []
             return out
+
+    def _settle_pending_locked(self, before: float) -> None:
+        """Take the late replies already received, then count as unanswered the requests
+        still pending since before ``before``. In that order: a reply that came while nobody
+        read the socket (no request for minutes: a CPU stood still) was answered, late (the
+        soak at f1f6f95 counted one such lookup lost: its reply came 31 s after it gave up,
+        and the next request, 120 s after, forgot it before reading the reply)."""
+        self._drain_late_locked()
+        self._forget_pending_locked(before)
 
     def _forget_pending_locked(self, before: float) -> None:
         """Requests pending since before ``before`` will not be answered: count them."""
@@ -336,8 +345,7 @@ class Connection:
             header[AUTH_FIELD] = self._auth_token
         sent = dropped = False
         try:
-            self._forget_pending_locked(now - PENDING_HORIZON_S)
-            self._drain_late_locked()
+            self._settle_pending_locked(now - PENDING_HORIZON_S)
             self._monitor_events_locked()
             # With IMMEDIATE set, a send finds no peer while the server is down (or the
             # handshake is not done): wait for writability so that case also ends at the deadline.

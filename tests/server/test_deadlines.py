@@ -169,6 +169,31 @@ def test_a_closed_connection_counts_its_pending_requests_unanswered(server):
         assert c.counts("ping") == {"sent": 2, "in_time": 1, "late": 0, "unanswered": 1}
 
 
+def test_a_late_reply_read_after_the_horizon_counts_late_not_unanswered(server, monkeypatch):
+    """A late reply that reached the client's socket is an answer, however long nobody read
+    it: the next request takes it before counting what is still pending past the horizon
+    (the soak at f1f6f95: a lookup's reply came 31 s after it gave up, the engine's next
+    lookup came 120 s after, a CPU having stood still, and counted it lost)."""
+    import zmq
+
+    from cache_server.client import connection
+
+    with CacheClient(server.url, timeout_s=30.0, shm=False) as c:
+        c.ping()
+        server.pause()
+        try:
+            with pytest.raises(CacheServerUnavailable):
+                c.ping(timeout_s=0.5)
+        finally:
+            server.resume()
+        deadline = time.monotonic() + 120
+        while not c._sock.poll(100, zmq.POLLIN):  # the late reply is in the socket, unread
+            assert time.monotonic() < deadline, "the resumed server never answered the late ping"
+        monkeypatch.setattr(connection, "PENDING_HORIZON_S", 0.0)  # as if read long after the horizon
+        c.ping()
+        assert c.counts("ping") == {"sent": 3, "in_time": 2, "late": 1, "unanswered": 0}
+
+
 def test_a_request_pending_on_a_dropped_connection_counts_unanswered():
     """A request that timed out on a paused server that then dies can never be answered:
     once the connection drops it counts as unanswered, without waiting for the horizon."""
