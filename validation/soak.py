@@ -422,6 +422,7 @@ class Replica:
         self.name, self.engine = name, engine
         self.standing_still = standing_still  # the CPUs that stand still now (testing.stalls)
         self.up = True
+        self.starting = False  # killed and not serving again yet: this incarnation has counted nothing
         self.in_flight = 0
         self.base: dict[str, float] = {}  # counters of the incarnations before this one
         self.restarts = 0
@@ -444,7 +445,7 @@ class Replica:
             try:
                 samples = scrape_metrics(self.url)
             except OSError:
-                if not self.up:  # starting again: this incarnation has counted nothing yet
+                if self.starting:
                     return {k: self.base.get(k) for k in REPLICA_COUNTERS}
                 time.sleep(1.0)
                 t = time.monotonic()
@@ -480,11 +481,12 @@ class Replica:
         assert proc is not None
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+        self.starting = True
         log(f"{self.name} killed (SIGKILL, pid {proc.pid}); starting it again on port {self.engine.port}")
         self.engine.launch().wait_ready(progress=False)
         warm_up(self.url)
         self.restarts += 1
-        self.up = True
+        self.starting, self.up = False, True
 
 
 def warm_up(url: str) -> None:
